@@ -1,0 +1,111 @@
+"""The `nanoforge` command: parses arguments and calls the modules that do the work, nothing else."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+from nanoforge import __version__
+from nanoforge.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, ModelConfig, TrainConfig, parse_value
+from nanoforge.errors import NanoforgeError
+
+
+def add_config_flags(p: argparse.ArgumentParser) -> None:
+    """--preset, --config and one --field-name flag per config field, defaults shown in --help."""
+    p.add_argument("--preset", choices=sorted(PRESETS), help="model/training preset (default: mini when no "
+                   "--config is given)")
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file with [model] and [train] sections")
+    for title, cls, names in (("model", ModelConfig, MODEL_FIELDS), ("training", TrainConfig, TRAIN_FIELDS)):
+        group = p.add_argument_group(f"{title} config fields (override preset and --config)")
+        defaults = cls()
+        for name, f in names.items():
+            default = getattr(defaults, name)
+            group.add_argument(f"--{name.replace('_', '-')}", dest=f"cfg_{name}", metavar=_metavar(f),
+                               help=f"(default: {default!r})")
+
+
+def _metavar(f: dataclasses.Field) -> str:
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    return {"int": "N", "float": "X", "bool": "BOOL", "str": "STR"}[kind]
+
+
+def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out = {}
+    for name, f in {**MODEL_FIELDS, **TRAIN_FIELDS}.items():
+        text = getattr(args, f"cfg_{name}", None)
+        if text is not None:
+            out[name] = parse_value(name, f, text)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog="nanoforge", description="Train small GPT language models from scratch.")
+    parser.add_argument("--version", action="version", version=f"nanoforge {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    tok = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer", formatter_class=fmt)
+    tok_sub = tok.add_subparsers(dest="tokenizer_command", metavar="ACTION", required=True)
+    tt = tok_sub.add_parser("train", help="train on JSONL (text or conversations) or .txt files", formatter_class=fmt)
+    tt.add_argument("--data", nargs="+", required=True, metavar="FILE", help="JSONL or .txt files")
+    tt.add_argument("--vocab-size", type=int, default=6400, help="vocabulary size including special tokens")
+    tt.add_argument("--min-frequency", type=int, default=2, help="minimum pair frequency for a merge")
+    tt.add_argument("--out", required=True, metavar="DIR", help="output directory")
+
+    prep = sub.add_parser("prepare", help="tokenize JSONL into token shards for training", formatter_class=fmt)
+    prep.add_argument("--kind", choices=["pretrain", "sft", "dpo"], required=True, help="record format")
+    prep.add_argument("--data", nargs="+", required=True, metavar="FILE", help="JSONL files")
+    prep.add_argument("--tokenizer", required=True, metavar="DIR", help="tokenizer directory or tokenizer.json")
+    prep.add_argument("--out", required=True, metavar="DIR", help="output directory (written atomically)")
+    prep.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out")
+    prep.add_argument("--workers", type=int, default=0, help="tokenizer processes (0: all cores)")
+    prep.add_argument("--skip-invalid", action="store_true", help="skip and count bad records instead of stopping")
+    prep.add_argument("--force", action="store_true", help="replace --out if it exists")
+
+    pre = sub.add_parser("pretrain", help="pretrain a GPT on a token stream", formatter_class=fmt)
+    pre.add_argument("--data", nargs="*", default=[], metavar="PATH",
+                     help="a prepared directory, or JSONL files (prepared into RUN/data)")
+    pre.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
+    pre.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    pre.add_argument("--tokenizer", metavar="DIR", help="tokenizer for raw JSONL (default: train one on the data)")
+    pre.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_config_flags(pre)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except NanoforgeError as e:
+        from nanoforge.train.loop import TrainingInterrupted
+        print(f"error: {e}" if not isinstance(e, TrainingInterrupted) else str(e), file=sys.stderr)
+        return 128 + e.signum if isinstance(e, TrainingInterrupted) else 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.command == "tokenizer":
+        from nanoforge.tokenizer import train_tokenizer
+        tok = train_tokenizer(args.data, vocab_size=args.vocab_size, out_dir=args.out,
+                              min_frequency=args.min_frequency)
+        print(f"tokenizer with {tok.vocab_size} tokens written to {args.out}")
+    elif args.command == "prepare":
+        from nanoforge.data.shards import prepare_dataset
+        prepare_dataset(args.kind, args.data, args.tokenizer, args.out, val_fraction=args.val_fraction,
+                        workers=args.workers, skip_invalid=args.skip_invalid, force=args.force)
+    elif args.command == "pretrain":
+        from nanoforge.train.stages import pretrain
+        preset = args.preset or (None if (args.config or args.resume) else "mini")
+        summary = pretrain(args.data, args.out, preset=preset, config_file=args.config,
+                           overrides=config_overrides(args), resume=args.resume, tokenizer=args.tokenizer,
+                           quiet=args.quiet)
+        print(f"pretrain finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""Configuration as data: two dataclasses, presets, TOML files and `--field value` overrides.
+
+A run is described by a ModelConfig (the shape of the network) and a TrainConfig (how it is trained).
+Their field names are disjoint, so the command line can take any field of either as `--field value`
+without a prefix. Every run directory saves the merged config it actually used as `config.toml`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from nanoforge.errors import NanoforgeError
+
+
+class ConfigError(NanoforgeError):
+    """A config value or file a person has to fix; the message says which field and why."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 6400
+    d_model: int = 512
+    n_layers: int = 8
+    n_heads: int = 8
+    n_kv_heads: int = 2
+    # SwiGLU hidden width; 0 derives MiniMind's rule: 8/3 * d_model rounded up to a multiple of 64.
+    ffn_hidden: int = 0
+    max_seq_len: int = 512
+    rope_theta: float = 1e4
+    # YaRN context extension (arXiv 2309.00071): factor > 1 stretches RoPE to factor * rope_original_max_seq_len.
+    rope_scaling_factor: float = 1.0
+    rope_original_max_seq_len: int = 0  # 0 means max_seq_len
+    norm_eps: float = 1e-5
+    qk_norm: bool = False  # RMSNorm on per-head q and k (Qwen3 style)
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        return 64 * math.ceil(self.d_model * 8 / 3 / 64)
+
+    def validate(self) -> None:
+        _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "max_seq_len")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim = d_model/n_heads = {self.head_dim} must be even for RoPE")
+        if self.ffn_hidden < 0:
+            raise ConfigError(f"ffn_hidden={self.ffn_hidden} must be >= 0 (0 derives it from d_model)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout={self.dropout} must be in [0, 1)")
+        if self.rope_theta <= 0:
+            raise ConfigError(f"rope_theta={self.rope_theta} must be > 0")
+        if self.rope_scaling_factor < 1.0:
+            raise ConfigError(f"rope_scaling_factor={self.rope_scaling_factor} must be >= 1")
+        if self.norm_eps <= 0 or self.init_std <= 0:
+            raise ConfigError("norm_eps and init_std must be > 0")
+
+
+@dataclass
+class TrainConfig:
+    # schedule of the run
+    max_steps: int = 1000
+    batch_size: int = 4  # sequences per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    seq_len: int = 512
+    # optimizer
+    lr: float = 5e-4
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
+    schedule: str = "cosine"  # cosine | wsd | onecycle | constant
+    warmup_steps: int = 100
+    decay_fraction: float = 0.2  # wsd: share of the steps spent decaying at the end
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 disables clipping
+    # numerics and device
+    precision: str = "bf16"  # fp32 | bf16 | fp16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
+    seed: int = 0
+    # evaluation, logging, checkpoints
+    eval_every: int = 100  # 0 disables periodic validation
+    eval_batches: int = 20
+    early_stop_patience: int = 0  # evaluations without improvement before stopping; 0 disables
+    log_every: int = 10
+    save_every: int = 500  # 0 saves only at the end and on interruption
+    keep_last: int = 3
+    tensorboard: bool = True
+    wandb_project: str = ""  # empty disables wandb
+    # guard against non-finite loss or gradients
+    nonfinite_patience: int = 3  # consecutive bad steps before rolling back to the last checkpoint
+    rollback_lr_factor: float = 0.5
+    # debugging: "loss@5,grad@7" makes step 5's loss and step 7's gradients non-finite (tests use it)
+    inject_nonfinite: str = ""
+    # data
+    val_fraction: float = 0.01  # used when raw JSONL is prepared on the fly
+    workers: int = 0  # tokenization processes when preparing on the fly; 0 means all cores
+
+    def validate(self) -> None:
+        _positive(self, "max_steps", "batch_size", "grad_accum", "seq_len", "eval_batches", "log_every",
+                  "keep_last", "nonfinite_patience")
+        _one_of(self, "precision", ("fp32", "bf16", "fp16"))
+        _one_of(self, "schedule", ("cosine", "wsd", "onecycle", "constant"))
+        if self.lr <= 0:
+            raise ConfigError(f"lr={self.lr} must be > 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if not 0.0 <= self.decay_fraction <= 1.0:
+            raise ConfigError(f"decay_fraction={self.decay_fraction} must be in [0, 1]")
+        if not 0.0 < self.rollback_lr_factor <= 1.0:
+            raise ConfigError(f"rollback_lr_factor={self.rollback_lr_factor} must be in (0, 1]")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ConfigError(f"val_fraction={self.val_fraction} must be in [0, 1)")
+        for name in ("warmup_steps", "eval_every", "save_every", "early_stop_patience", "workers",
+                     "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ConfigError("beta1 and beta2 must be in [0, 1)")
+
+
+def _positive(cfg, *names: str) -> None:
+    for name in names:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"{name}={getattr(cfg, name)} must be > 0")
+
+
+def _one_of(cfg, name: str, choices: tuple[str, ...]) -> None:
+    if getattr(cfg, name) not in choices:
+        raise ConfigError(f"{name}={getattr(cfg, name)!r} is not one of {', '.join(choices)}")
+
+
+MODEL_FIELDS = {f.name: f for f in fields(ModelConfig)}
+TRAIN_FIELDS = {f.name: f for f in fields(TrainConfig)}
+assert not set(MODEL_FIELDS) & set(TRAIN_FIELDS), "model and train field names must be disjoint"
+
+# Presets are partial configs: only what differs from the dataclass defaults.
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    # a few hundred thousand parameters: for tests and smoke runs
+    "tiny": {
+        "model": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128),
+        "train": dict(seq_len=64, batch_size=4, warmup_steps=10, lr=3e-3, eval_every=50, save_every=100),
+    },
+    # MiniMind's 26M reference: d_model 512, 8 layers, 8 heads, 2 KV heads, vocab 6400
+    "mini": {"model": {}, "train": {}},
+    # about 100M parameters, MiniMind's larger dense shape (768 wide, 16 layers)
+    "base": {
+        "model": dict(d_model=768, n_layers=16, n_heads=8, n_kv_heads=2, max_seq_len=1024),
+        "train": dict(seq_len=1024, lr=3e-4),
+    },
+}
+
+
+def parse_value(name: str, f: dataclasses.Field, text: str) -> Any:
+    """Turn a command-line string into the field's type, with an error naming the field."""
+    kind = f.type if isinstance(f.type, type) else {"int": int, "float": float, "bool": bool, "str": str}[f.type]
+    try:
+        if kind is bool:
+            low = text.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if kind is int:
+            return int(float(text)) if ("e" in text.lower() and float(text).is_integer()) else int(text)
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"--{name.replace('_', '-')}: {text!r} is not a valid {kind.__name__}") from None
+
+
+def _check_type(where: str, name: str, f: dataclasses.Field, value: Any) -> Any:
+    kind = f.type if isinstance(f.type, type) else {"int": int, "float": float, "bool": bool, "str": str}[f.type]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
+        raise ConfigError(f"{where}: {name} = {value!r} should be a {kind.__name__}")
+    return value
+
+
+def build_config(preset: str | None = None, config_file: str | Path | None = None,
+                 overrides: dict[str, Any] | None = None,
+                 base: dict[str, dict[str, Any]] | None = None) -> tuple[ModelConfig, TrainConfig]:
+    """Merge, in order: dataclass defaults, `base` (e.g. a saved run config), the preset, the TOML file,
+    then command-line overrides. Unknown keys are errors, never silently ignored."""
+    model: dict[str, Any] = {}
+    train: dict[str, Any] = {}
+    layers: list[tuple[str, dict[str, dict[str, Any]]]] = []
+    if base:
+        layers.append(("saved config", base))
+    if preset:
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        layers.append((f"preset {preset}", PRESETS[preset]))
+    if config_file:
+        layers.append((str(config_file), load_toml(config_file)))
+    for where, layer in layers:
+        for section, target, known in (("model", model, MODEL_FIELDS), ("train", train, TRAIN_FIELDS)):
+            for key, value in layer.get(section, {}).items():
+                if key not in known:
+                    raise ConfigError(f"{where}: [{section}] has unknown key {key!r}")
+                target[key] = _check_type(f"{where} [{section}]", key, known[key], value)
+    for key, value in (overrides or {}).items():
+        if key in MODEL_FIELDS:
+            model[key] = value
+        elif key in TRAIN_FIELDS:
+            train[key] = value
+        else:
+            raise ConfigError(f"unknown config field {key!r}")
+    mcfg, tcfg = ModelConfig(**model), TrainConfig(**train)
+    mcfg.validate()
+    tcfg.validate()
+    if tcfg.seq_len > mcfg.max_seq_len:
+        raise ConfigError(f"seq_len={tcfg.seq_len} is longer than the model's max_seq_len={mcfg.max_seq_len}")
+    return mcfg, tcfg
+
+
+def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    for section in data:
+        # [run] is written by nanoforge into a run's config.toml (data, tokenizer, stage); it is informational
+        if section not in ("model", "train", "run") or not isinstance(data[section], dict):
+            raise ConfigError(f"{path}: unknown section [{section}]; expected [model] and [train]")
+    return data
+
+
+def config_to_toml(model: ModelConfig, train: TrainConfig, extra: dict[str, dict[str, Any]] | None = None) -> str:
+    """Write the config as TOML (flat sections of scalars, so a tiny writer is enough)."""
+    sections = {"model": dataclasses.asdict(model), "train": dataclasses.asdict(train), **(extra or {})}
+    out = []
+    for name, values in sections.items():
+        out.append(f"[{name}]")
+        for key, value in values.items():
+            out.append(f"{key} = {_toml_scalar(value)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _toml_scalar(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        import json
+        return json.dumps(value, ensure_ascii=False)  # JSON string escapes are valid TOML basic strings
+    raise TypeError(f"cannot write {value!r} to TOML")
+
+
+def config_dicts(model: ModelConfig, train: TrainConfig | None = None) -> dict[str, dict[str, Any]]:
+    out = {"model": dataclasses.asdict(model)}
+    if train is not None:
+        out["train"] = dataclasses.asdict(train)
+    return out

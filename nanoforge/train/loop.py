@@ -1,0 +1,356 @@
+"""THE training loop. Every stage (pretrain, SFT, LoRA, DPO, distillation) runs through `train()`; a stage
+only supplies a batch source and an objective (see `Stage`).
+
+One optimizer step:
+    fetch grad_accum micro-batches -> count supervised tokens in all of them -> for each micro-batch:
+    forward under autocast, loss = (sum of token losses) / (supervised tokens in the WHOLE step), backward
+    -> unscale (fp16) -> clip -> guard against non-finite values -> lr from the schedule -> step.
+
+Normalising by the tokens of the whole accumulated batch (not per micro-batch) makes the update identical
+to one big batch even when micro-batches hold different numbers of supervised tokens, as SFT batches do.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Protocol
+
+import torch
+from torch import nn
+
+from nanoforge import __version__
+from nanoforge.config import ModelConfig, TrainConfig, config_dicts
+from nanoforge.errors import NanoforgeError
+from nanoforge.train import checkpoint as ckpt
+from nanoforge.train.metrics import MetricsLog, peak_flops, peak_memory_bytes, progress_line
+from nanoforge.train.optim import build_optimizer, lr_at, set_lr
+
+Batch = dict[str, torch.Tensor]
+# (sum of per-token losses, number of supervised tokens, extra scalars to log)
+LossFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+
+
+class BatchSource(Protocol):
+    def next_batch(self) -> Batch: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class Stage:
+    """What makes a stage a stage: where batches come from and what loss they are trained on."""
+    name: str
+    train_batches: BatchSource
+    loss_fn: LossFn
+    # returns a fresh iterable of validation batches each time it is called; None disables validation
+    val_batches: Callable[[], Iterable[Batch]] | None = None
+    # UTF-8 bytes per token of the validation text, for bits per byte; None leaves val_bpb out
+    val_bytes_per_token: float | None = None
+    # extra sections saved in config.toml and state.json (data paths, tokenizer, stage options)
+    run_info: dict[str, Any] = field(default_factory=dict)
+
+
+class TrainingInterrupted(NanoforgeError):
+    """SIGINT/SIGTERM arrived; a checkpoint was written and the run can be resumed."""
+
+    def __init__(self, signum: int, checkpoint: Path | None):
+        self.signum = signum
+        super().__init__(f"{signal.Signals(signum).name} received: checkpoint written to {checkpoint}; "
+                         f"continue with --resume")
+
+
+def count_supervised(batch: Batch) -> torch.Tensor:
+    return (batch["labels"] != -100).sum()
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise NanoforgeError(f"--device {name!r} is not a device (auto, cpu, cuda, cuda:N, mps)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise NanoforgeError("--device cuda was asked for but CUDA is not available on this machine")
+    return device
+
+
+def autocast_context(device: torch.device, precision: str):
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def fallback_precision(device: torch.device) -> str:
+    """Where fp16 keeps overflowing: bf16 has fp32's range; fall back to fp32 where bf16 is not supported."""
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return "fp32"
+    return "bf16"
+
+
+def parse_injections(spec: str) -> dict[str, set[int]]:
+    out: dict[str, set[int]] = {"loss": set(), "grad": set()}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        kind, _, step = item.partition("@")
+        if kind not in out or not step.isdigit():
+            raise NanoforgeError(f"inject_nonfinite: {item!r} should look like loss@5 or grad@7")
+        out[kind].add(int(step))
+    return out
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: Iterable[Batch], loss_fn: LossFn, device: torch.device,
+             precision: str) -> tuple[float, int]:
+    """Mean loss per supervised token over all batches, and the token count."""
+    was_training = model.training
+    model.eval()
+    total, tokens = torch.zeros((), device=device, dtype=torch.float64), 0
+    for batch in batches:
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        with autocast_context(device, precision):
+            loss_sum, n, _ = loss_fn(model, batch)
+        total += loss_sum.double()
+        tokens += int(n)
+    model.train(was_training)
+    return (total.item() / max(tokens, 1)), tokens
+
+
+class _SignalFlag:
+    """Turns SIGINT/SIGTERM into a flag checked between steps, so a checkpoint is never torn by the signal.
+    A second SIGINT falls through to Python's default and interrupts at once."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. a test runner thread): leave signals alone
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, run_dir: str | Path,
+          resume: bool = False, quiet: bool = False) -> dict[str, Any]:
+    """Run (or resume) a stage to tcfg.max_steps. Returns a summary of the run."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(tcfg.device)
+    torch.manual_seed(tcfg.seed)
+    model.to(device)
+    model.train()
+    optimizer = build_optimizer(model, tcfg, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    injections = parse_injections(tcfg.inject_nonfinite)
+
+    # Mutable run state: everything here goes into state.json, so a resumed run continues exactly.
+    st: dict[str, Any] = dict(step=0, precision=tcfg.precision, lr_scale=1.0, skipped_steps=0, rollbacks=0,
+                              best_val_loss=None, evals_since_best=0, tokens_seen=0)
+    scaler = torch.amp.GradScaler(device.type, enabled=st["precision"] == "fp16")
+
+    if resume:
+        last = ckpt.latest_checkpoint(run_dir)
+        if last is None:
+            raise NanoforgeError(f"--resume: {run_dir} has no checkpoint to resume from "
+                                 f"(looked in {run_dir / 'checkpoints'})")
+        saved = _restore(last, model, optimizer, stage)
+        st.update(saved["run_state"])
+        scaler = torch.amp.GradScaler(device.type, enabled=st["precision"] == "fp16")
+        if "scaler" in saved["trainer"] and scaler.is_enabled():
+            scaler.load_state_dict(saved["trainer"]["scaler"])
+        ckpt.set_rng_states(saved["trainer"]["rng"])
+        if not quiet:
+            print(f"resuming {stage.name} from {last} (step {st['step']})", flush=True)
+
+    config = config_dicts(mcfg, tcfg)
+    log = MetricsLog(run_dir, tensorboard=tcfg.tensorboard, wandb_project=tcfg.wandb_project,
+                     resume_step=st["step"], config=config, quiet=quiet)
+    n_params = sum(p.numel() for p in model.parameters())
+    flops_per_token = model.flops_per_token(tcfg.seq_len) if hasattr(model, "flops_per_token") else 0
+    peak = peak_flops(device, st["precision"]) if flops_per_token else 0.0
+    log.print(f"{stage.name}: {n_params / 1e6:.2f}M parameters on {device}, {st['precision']}, "
+              f"{tcfg.batch_size}x{tcfg.seq_len} x {tcfg.grad_accum} accum, {tcfg.max_steps} steps -> {run_dir}")
+
+    def save(step: int) -> Path:
+        weights = model.state_dict_for_save() if hasattr(model, "state_dict_for_save") else model.state_dict()
+        trainer = {"optimizer": optimizer.state_dict(), "rng": ckpt.rng_states()}
+        if scaler.is_enabled():
+            trainer["scaler"] = scaler.state_dict()
+        state = {"stage": stage.name, "run_state": {**st, "step": step}, "data": stage.train_batches.state_dict(),
+                 "config": config, "run": stage.run_info, "versions": _versions()}
+        return ckpt.save_checkpoint(run_dir, step, weights, trainer, state, keep_last=tcfg.keep_last)
+
+    def rollback(reason: str) -> None:
+        last = ckpt.latest_checkpoint(run_dir)
+        if last is None:
+            raise NanoforgeError(f"{reason} for {tcfg.nonfinite_patience} consecutive steps at step {st['step']}, "
+                                 f"and there is no checkpoint to roll back to yet; lower --lr or use "
+                                 f"--precision bf16/fp32")
+        data_state = stage.train_batches.state_dict()  # keep moving forward: the bad batches stay behind us
+        saved = _restore(last, model, optimizer, stage)
+        stage.train_batches.load_state_dict(data_state)
+        st["lr_scale"] *= tcfg.rollback_lr_factor
+        st["rollbacks"] += 1
+        new_precision = fallback_precision(device) if st["precision"] == "fp16" else st["precision"]
+        log.print(f"step {st['step']}: {reason} {tcfg.nonfinite_patience} times in a row; rolled back to "
+                  f"{last.name} (step {saved['run_state']['step']}), lr scale now {st['lr_scale']:g}"
+                  + (f", precision {st['precision']} -> {new_precision}" if new_precision != st["precision"] else ""))
+        st["precision"] = new_precision
+        log.log(st["step"], {"event": "rollback", "to_step": saved["run_state"]["step"],
+                             "lr_scale": st["lr_scale"], "precision": st["precision"]})
+
+    step_times: list[float] = []
+    consecutive_bad = 0
+    window = {"loss": torch.zeros((), device=device), "steps": 0, "tokens": 0, "time": 0.0}
+    last_saved: Path | None = None
+    summary: dict[str, Any] = {}
+    stop_reason = "max_steps"
+    try:
+        with _SignalFlag() as flag:
+            while st["step"] < tcfg.max_steps:
+                step = st["step"]
+                t0 = time.perf_counter()
+                micro = [stage.train_batches.next_batch() for _ in range(tcfg.grad_accum)]
+                micro = [{k: v.to(device, non_blocking=True) for k, v in b.items()} for b in micro]
+                n_supervised = sum(count_supervised(b) for b in micro).clamp(min=1)
+                step_loss = torch.zeros((), device=device)
+                extras: dict[str, torch.Tensor] = {}
+                for batch in micro:
+                    with autocast_context(device, st["precision"]):
+                        loss_sum, _, extra = stage.loss_fn(model, batch)
+                    loss = loss_sum.float() / n_supervised
+                    if step in injections["loss"]:
+                        loss = loss * float("inf")
+                    scaler.scale(loss).backward()
+                    step_loss += loss.detach()
+                    for k, v in extra.items():
+                        extras[k] = extras.get(k, 0) + v.detach() / tcfg.grad_accum
+                if step in injections["grad"]:
+                    next(iter(params)).grad.view(-1)[0] = float("nan")
+                scaler.unscale_(optimizer)
+                max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else math.inf
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+                # Under fp16 an overflowing gradient is routine (the scaler backs off and skips the step by
+                # itself); only a non-finite loss counts as a bad step there.
+                loss_ok = bool(torch.isfinite(step_loss))
+                grads_ok = bool(torch.isfinite(grad_norm))
+                lr = lr_at(step, tcfg) * st["lr_scale"]
+                if loss_ok and (grads_ok or scaler.is_enabled()):
+                    set_lr(optimizer, lr)
+                    scaler.step(optimizer)
+                    scaler.update()
+                    consecutive_bad = 0
+                else:
+                    if scaler.is_enabled():
+                        scaler.update()
+                    st["skipped_steps"] += 1
+                    consecutive_bad += 1
+                    log.print(f"step {step}: non-finite {'loss' if not loss_ok else 'gradients'}, update skipped")
+                optimizer.zero_grad(set_to_none=True)
+                st["step"] = step = step + 1
+                n_tokens = sum(b["input_ids"].numel() for b in micro)
+                st["tokens_seen"] += n_tokens
+                if consecutive_bad >= tcfg.nonfinite_patience:
+                    rollback("non-finite loss or gradients")
+                    consecutive_bad = 0
+                    scaler = torch.amp.GradScaler(device.type, enabled=st["precision"] == "fp16")
+
+                dt = time.perf_counter() - t0
+                step_times.append(dt)
+                if loss_ok:
+                    window["loss"] += step_loss
+                    window["steps"] += 1
+                window["tokens"] += n_tokens
+                window["time"] += dt
+
+                if step % tcfg.log_every == 0 or step == tcfg.max_steps:
+                    tokens_per_s = window["tokens"] / max(window["time"], 1e-9)
+                    values: dict[str, Any] = {
+                        "loss": (window["loss"] / max(window["steps"], 1)).item(),
+                        "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s,
+                        "mfu": flops_per_token * tokens_per_s / peak if peak else 0.0,
+                        "peak_mem_gb": peak_memory_bytes(device) / 1e9, "skipped_steps": st["skipped_steps"],
+                    }
+                    values.update({k: float(v) for k, v in extras.items()})
+                    if scaler.is_enabled():
+                        values["loss_scale"] = scaler.get_scale()
+                    recent = sorted(step_times[-50:])[len(step_times[-50:]) // 2]
+                    log.log(step, values)
+                    log.print(progress_line(step, tcfg.max_steps, values, recent * (tcfg.max_steps - step)))
+                    window = {"loss": torch.zeros((), device=device), "steps": 0, "tokens": 0, "time": 0.0}
+
+                evaluated = False
+                if stage.val_batches and tcfg.eval_every and (step % tcfg.eval_every == 0 or step == tcfg.max_steps):
+                    evaluated = True
+                    val_loss, _ = evaluate(model, stage.val_batches(), stage.loss_fn, device, st["precision"])
+                    values = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+                    if stage.val_bytes_per_token:
+                        values["val_bpb"] = val_loss / math.log(2) / stage.val_bytes_per_token
+                    log.log(step, values)
+                    log.print(f"step {step}: val loss {val_loss:.4f} | ppl {values['val_ppl']:.2f}"
+                              + (f" | bpb {values['val_bpb']:.4f}" if "val_bpb" in values else ""))
+                    summary.update(values)
+                    if st["best_val_loss"] is None or val_loss < st["best_val_loss"]:
+                        st["best_val_loss"], st["evals_since_best"] = val_loss, 0
+                    else:
+                        st["evals_since_best"] += 1
+
+                if tcfg.save_every and step % tcfg.save_every == 0:
+                    last_saved = save(step)
+                if flag.signum is not None:
+                    last_saved = save(step)
+                    raise TrainingInterrupted(flag.signum, last_saved)
+                if evaluated and tcfg.early_stop_patience and st["evals_since_best"] >= tcfg.early_stop_patience:
+                    log.print(f"step {step}: validation loss has not improved for {tcfg.early_stop_patience} "
+                              f"evaluations (best {st['best_val_loss']:.4f}); stopping early")
+                    stop_reason = "early_stop"
+                    break
+            if last_saved is None or last_saved.name != ckpt.step_dir_name(st["step"]):
+                last_saved = save(st["step"])
+    finally:
+        log.close()
+    summary.update(step=st["step"], checkpoint=str(last_saved), stop_reason=stop_reason,
+                   skipped_steps=st["skipped_steps"], rollbacks=st["rollbacks"])
+    return summary
+
+
+def _restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, stage: Stage) -> dict[str, Any]:
+    """Load weights, optimizer state and data position from a checkpoint into live objects."""
+    state = ckpt.load_state(path)
+    weights = ckpt.load_weights_file(path)
+    if hasattr(model, "load_weights"):
+        model.load_weights(weights)
+    else:
+        model.load_state_dict(weights)
+    trainer = ckpt.load_trainer_file(path)
+    try:
+        optimizer.load_state_dict(trainer["optimizer"])
+    except (ValueError, KeyError) as e:
+        raise NanoforgeError(f"{path}: optimizer state does not match this model/stage: {e}") from None
+    stage.train_batches.load_state_dict(state["data"])
+    return {"run_state": state["run_state"], "trainer": trainer}
+
+
+def _versions() -> dict[str, str]:
+    import tokenizers
+    return {"nanoforge": __version__, "torch": torch.__version__, "tokenizers": tokenizers.__version__}

@@ -1,0 +1,149 @@
+"""What a run reports: a console progress line, metrics.jsonl, TensorBoard events, optional wandb.
+
+metrics.jsonl holds one JSON object per logged step and is the source of truth for plots and tests. On
+resume it is cut back to the checkpoint's step, so an interrupted-and-resumed run leaves the same log as an
+uninterrupted one.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanoforge.errors import NanoforgeError
+
+# Dense bf16/fp16 tensor-core peaks in FLOP/s, from the vendors' datasheets (no sparsity). MFU divides by
+# these. RTX 3090/4090 figures are for fp32 accumulate, which is what autocast matmuls use.
+GPU_PEAK_FLOPS = {
+    "h200": 989e12, "h100": 989e12, "a100": 312e12, "a10": 125e12, "l40": 181e12, "l4": 121e12,
+    "4090": 165e12, "3090": 71e12, "3080": 59e12, "a6000": 155e12, "v100": 125e12, "t4": 65e12,
+}
+
+_cpu_peak_cache: dict[str, float] = {}
+
+
+def peak_flops(device: torch.device, precision: str) -> float:
+    """The denominator of MFU: a datasheet figure for known GPUs, a measured matmul peak on CPU."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).lower()
+        for key, value in GPU_PEAK_FLOPS.items():
+            if key in name:
+                return value if precision != "fp32" else value / 2  # TF32 runs at about half rate
+        return 0.0
+    if device.type == "cpu":
+        if precision not in _cpu_peak_cache:
+            _cpu_peak_cache[precision] = measure_cpu_matmul_flops(precision)
+        return _cpu_peak_cache[precision]
+    return 0.0
+
+
+def measure_cpu_matmul_flops(precision: str, n: int = 1024, repeats: int = 5) -> float:
+    """Best of a few n x n matmuls: the practical peak this CPU reaches in this precision."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16 if precision == "fp16" else torch.float32
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    # ru_maxrss is KiB on Linux: the process's peak resident memory, a fair figure for a CPU run.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class MetricsLog:
+    """Appends to metrics.jsonl and TensorBoard from rank 0; prints a progress line."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, wandb_project: str = "",
+                 resume_step: int | None = None, config: dict | None = None, quiet: bool = False):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        self.quiet = quiet
+        truncate_metrics(self.path, resume_step if resume_step is not None else 0)
+        self.file = open(self.path, "a", encoding="utf-8")
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # imported lazily: it costs ~1 s
+            self.tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=resume_step)
+        self.wandb = None
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                raise NanoforgeError("wandb_project is set but wandb is not installed: pip install wandb") from None
+            self.wandb = wandb.init(project=wandb_project, dir=str(self.run_dir), config=config,
+                                    name=self.run_dir.name, resume="allow")
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        record = {"step": step, **values}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        numbers = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.tb is not None:
+            for key, value in numbers.items():
+                self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(numbers, step=step)
+
+    def print(self, text: str) -> None:
+        if not self.quiet:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def truncate_metrics(path: Path, keep_through_step: int) -> None:
+    """Drop records after `keep_through_step` (atomically), so a resumed run does not log steps twice."""
+    if not path.exists():
+        return
+    kept = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] <= keep_through_step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # a line cut short by a kill is dropped
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def progress_line(step: int, max_steps: int, values: dict[str, Any], eta_s: float | None) -> str:
+    parts = [f"step {step:>{len(str(max_steps))}}/{max_steps}", f"loss {values['loss']:.4f}",
+             f"lr {values['lr']:.2e}"]
+    if "grad_norm" in values:
+        parts.append(f"gnorm {values['grad_norm']:.2f}")
+    parts.append(f"{values['tokens_per_s']:,.0f} tok/s")
+    if values.get("mfu"):
+        parts.append(f"mfu {100 * values['mfu']:.1f}%")
+    if "peak_mem_gb" in values:
+        parts.append(f"mem {values['peak_mem_gb']:.2f}GB")
+    if eta_s is not None:
+        parts.append(f"eta {format_duration(eta_s)}")
+    return " | ".join(parts)
