@@ -39,8 +39,17 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show defaults, except where the help already says it or there is none to show."""
+
+    def _get_help_string(self, action):
+        if "(default" in (action.help or "") or action.default in (None, False, []):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = _Formatter
     parser = argparse.ArgumentParser(prog="nanoforge", description="Train small GPT language models from scratch.")
     parser.add_argument("--version", action="version", version=f"nanoforge {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

@@ -118,10 +118,15 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
         else:
             tmp.rename(final)
         _fsync_dir(root)
-    except OSError as e:
+    except (OSError, SafetensorError, RuntimeError) as e:  # safetensors and torch.save wrap ENOSPC their own way
         shutil.rmtree(tmp, ignore_errors=True)
         last = latest_checkpoint(run_dir)
-        raise NanoforgeError(f"could not write checkpoint {final}: {e.strerror or e}. "
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        try:  # torch.save reports a full disk as an iostream error; the free space says what happened
+            reason += f" ({shutil.disk_usage(root).free / 1e6:.1f} MB free on that filesystem)"
+        except OSError:
+            pass
+        raise NanoforgeError(f"could not write checkpoint {final}: {reason}. "
                              f"The last good checkpoint is {last or 'none'}.") from e
     for old in list_checkpoints(run_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)

@@ -250,22 +250,26 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
                 scaler.unscale_(optimizer)
                 max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else math.inf
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-                # Under fp16 an overflowing gradient is routine (the scaler backs off and skips the step by
-                # itself); only a non-finite loss counts as a bad step there.
                 loss_ok = bool(torch.isfinite(step_loss))
                 grads_ok = bool(torch.isfinite(grad_norm))
                 lr = lr_at(step, tcfg) * st["lr_scale"]
-                if loss_ok and (grads_ok or scaler.is_enabled()):
+                if loss_ok and grads_ok:
                     set_lr(optimizer, lr)
                     scaler.step(optimizer)
                     scaler.update()
                     consecutive_bad = 0
                 else:
-                    if scaler.is_enabled():
-                        scaler.update()
                     st["skipped_steps"] += 1
-                    consecutive_bad += 1
-                    log.print(f"step {step}: non-finite {'loss' if not loss_ok else 'gradients'}, update skipped")
+                    # Under fp16 an overflowing gradient is routine while the scaler finds its level (it halves
+                    # the scale and we skip); it only counts towards a rollback once the scale is down to 1,
+                    # where scaling can no longer be the cause.
+                    scaler_routine = scaler.is_enabled() and loss_ok and scaler.get_scale() > 1.0
+                    if scaler.is_enabled():
+                        scaler.update()  # sees the inf recorded by unscale_ and backs off
+                    if not scaler_routine:
+                        consecutive_bad += 1
+                        log.print(f"step {step}: non-finite {'loss' if not loss_ok else 'gradients'}, "
+                                  f"update skipped")
                 optimizer.zero_grad(set_to_none=True)
                 st["step"] = step = step + 1
                 n_tokens = sum(b["input_ids"].numel() for b in micro)

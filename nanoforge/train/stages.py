@@ -9,6 +9,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
+
 from nanoforge.config import (ConfigError, ModelConfig, TrainConfig, build_config, config_to_toml, load_toml)
 from nanoforge.errors import NanoforgeError
 from nanoforge.train.loop import Stage, train
@@ -122,6 +124,7 @@ def pretrain(data: Sequence[str], out: str | Path, preset: str | None = None, co
     run_info = {"stage": "pretrain", "data": str(data_dir.resolve()), "tokenizer": "tokenizer"}
     copy_tokenizer(data_dir / "tokenizer", run_dir)
     write_run_config(run_dir, mcfg, tcfg, run_info)
+    torch.manual_seed(tcfg.seed)  # the initial weights are part of what the seed fixes
     model = GPT(mcfg)
     stage = Stage("pretrain", batches, causal_lm_loss, val_batches, val_bpt, run_info)
     return train(stage, model, mcfg, tcfg, run_dir, resume=resume, quiet=quiet)

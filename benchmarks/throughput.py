@@ -1,0 +1,136 @@
+"""Training throughput of the real loop against a naive fp32 loop: tokens/s, MFU, peak memory.
+
+    .venv/bin/python benchmarks/throughput.py [--preset mini] [--batch-size 4] [--seq-len 512] [--steps 10]
+
+Each configuration runs in its own process, so the peak resident memory (ru_maxrss) is that configuration's
+alone. Tokens/s is the median over the timed steps (the first `--warmup` steps are dropped). MFU uses the
+PaLM convention, 6 * N + 12 * n_layers * d_model * seq_len FLOPs per trained token (N = parameters outside the
+embedding; the tied output projection is counted in the 6N term by the model), divided by the best measured
+n x n matmul rate of this machine in the same precision (on CUDA: the datasheet peak, see train/metrics.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class RandomTokens:
+    """Synthetic batches: the benchmark measures the model and the loop, not the disk."""
+
+    def __init__(self, vocab: int, batch: int, seq: int, seed: int = 0):
+        import torch
+        self.g = torch.Generator().manual_seed(seed)
+        self.vocab, self.batch, self.seq, self.i = vocab, batch, seq, 0
+
+    def next_batch(self):
+        import torch
+        self.i += 1
+        x = torch.randint(0, self.vocab, (self.batch, self.seq + 1), generator=self.g)
+        return {"input_ids": x[:, :-1], "labels": x[:, 1:]}
+
+    def state_dict(self):
+        return {"i": self.i}
+
+    def load_state_dict(self, s):
+        self.i = s["i"]
+
+
+def run_ours(preset: str, precision: str, batch: int, seq: int, steps: int, warmup: int) -> dict:
+    from nanoforge.config import build_config
+    from nanoforge.model.gpt import GPT
+    from nanoforge.train.loop import Stage, resolve_device, train
+    from nanoforge.train.metrics import peak_flops
+    from nanoforge.train.objectives import causal_lm_loss
+
+    mcfg, tcfg = build_config(preset, None, {"precision": precision, "batch_size": batch, "seq_len": seq,
+                                             "max_steps": warmup + steps, "log_every": 1, "eval_every": 0,
+                                             "save_every": 0, "tensorboard": False, "warmup_steps": 1})
+    model = GPT(mcfg)
+    with tempfile.TemporaryDirectory() as run_dir:
+        train(Stage("bench", RandomTokens(mcfg.vocab_size, batch, seq), causal_lm_loss), model, mcfg, tcfg,
+              run_dir, quiet=True)
+        recs = [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    tps = statistics.median(r["tokens_per_s"] for r in recs[warmup:])
+    peak = peak_flops(resolve_device("auto"), precision)
+    return {"tokens_per_s": tps, "mfu": model.flops_per_token(seq) * tps / peak, "peak_flops": peak,
+            "params": model.num_params()}
+
+
+def run_naive(preset: str, batch: int, seq: int, steps: int, warmup: int) -> dict:
+    """What a first training script looks like: fp32, mean loss, default AdamW, no accumulation."""
+    import torch
+    import torch.nn.functional as F
+    from nanoforge.config import build_config
+    from nanoforge.model.gpt import GPT
+
+    mcfg, _ = build_config(preset)
+    torch.manual_seed(0)
+    model = GPT(mcfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-4, weight_decay=0.1)
+    data = RandomTokens(mcfg.vocab_size, batch, seq)
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        b = data.next_batch()
+        logits = model(b["input_ids"])
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), b["labels"].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+    return {"tokens_per_s": batch * seq / statistics.median(times[warmup:])}
+
+
+def child(args) -> None:
+    import resource
+    if args.kind == "naive":
+        out = run_naive(args.preset, args.batch_size, args.seq_len, args.steps, args.warmup)
+    else:
+        out = run_ours(args.preset, args.kind, args.batch_size, args.seq_len, args.steps, args.warmup)
+    out["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="mini")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=8, help="timed steps")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--kinds", default="fp32,bf16,naive", help="comma list of fp32, bf16, fp16, naive")
+    p.add_argument("--kind", help=argparse.SUPPRESS)  # set in the child processes
+    args = p.parse_args()
+    if args.kind:
+        return child(args)
+    import torch
+    print(f"# {args.preset}, batch {args.batch_size} x {args.seq_len}, median of {args.steps} steps after "
+          f"{args.warmup} warm-up, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("| loop | precision | tokens/s | MFU | peak RSS |")
+    print("|---|---|---:|---:|---:|")
+    for kind in args.kinds.split(","):
+        cmd = [sys.executable, __file__, "--kind", kind, "--preset", args.preset, "--batch-size",
+               str(args.batch_size), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
+               "--warmup", str(args.warmup)]
+        res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        line = next((l for l in res.stdout.splitlines() if l.startswith("RESULT ")), None)
+        if line is None:
+            print(f"| {kind} | failed: {res.stderr.strip().splitlines()[-1:]} |")
+            continue
+        r = json.loads(line[7:])
+        loop, precision = ("naive (fp32, mean loss, default AdamW)", "fp32") if kind == "naive" else ("nanoforge", kind)
+        mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
+        print(f"| {loop} | {precision} | {r['tokens_per_s']:,.0f} | {mfu} | {r['peak_rss_gb']:.2f} GB |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
