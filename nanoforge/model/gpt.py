@@ -324,7 +324,7 @@ class GPT(nn.Module):
     # forward
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, vocab_size), in whatever dtype autocast gives (callers upcast).
 
         Without a cache the tokens are positions 0..T-1. With a cache they follow the `cache.length` tokens
@@ -332,6 +332,9 @@ class GPT(nn.Module):
         `attention_mask` (B, cache.length + T), 1 for real tokens and 0 for left padding: padded keys are
         never attended to and a token's position is the number of real tokens before it, so a left-padded
         prompt gives the same logits as the prompt alone.
+        `segment_ids` (B, T), for rows packed with several documents (SFT): a token attends only to earlier
+        tokens of its own segment and its position restarts at 0 with each segment, so every packed
+        conversation is computed exactly as if it were alone in the row.
         """
         B, T = input_ids.shape
         start = 0
@@ -344,7 +347,12 @@ class GPT(nn.Module):
         if start + T > rope.n_positions:
             raise NanoforgeError(f"sequence of {start + T} positions is longer than the model's "
                                  f"{rope.n_positions} (max_seq_len * rope_scaling_factor)")
-        cos, sin, mask, is_causal = self._positions_and_mask(B, T, start, attention_mask, input_ids.device)
+        if segment_ids is not None:
+            if cache is not None or attention_mask is not None:
+                raise NanoforgeError("segment_ids (packed rows) cannot be combined with a cache or attention_mask")
+            cos, sin, mask, is_causal = self._packed_positions_and_mask(segment_ids)
+        else:
+            cos, sin, mask, is_causal = self._positions_and_mask(B, T, start, attention_mask, input_ids.device)
 
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         for i, block in enumerate(self.model.layers):
@@ -384,6 +392,20 @@ class GPT(nn.Module):
         # every query see itself keeps such rows finite; real tokens never look at padded keys either way.
         allowed = allowed | (k_pos == q_pos)
         return cos, sin, allowed.unsqueeze(1), False  # mask (B, 1, T, S)
+
+    def _packed_positions_and_mask(self, segment_ids: torch.Tensor):
+        """Block-diagonal causal mask and per-segment positions for packed rows."""
+        B, T = segment_ids.shape
+        rope = self.model.rotary_emb
+        idx = torch.arange(T, device=segment_ids.device)
+        starts = torch.ones_like(segment_ids, dtype=torch.bool)
+        starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+        seg_start = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=-1).values  # (B, T)
+        positions = idx - seg_start  # (B, T)
+        cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)  # (B, 1, T, hd)
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, T)
+        allowed = same & (idx[None, :] <= idx[:, None])  # causal within the segment
+        return cos, sin, allowed.unsqueeze(1), False  # mask (B, 1, T, T)
 
     # ------------------------------------------------------------------------------------------------------
     # cache, sizes, weights

@@ -158,3 +158,26 @@ def load_trainer_file(ckpt: Path) -> dict[str, Any]:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a damaged zip; all mean the same to the user
         raise NanoforgeError(f"{path}: cannot read optimizer state (truncated or corrupted?): {e}") from None
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu"):
+    """A run directory or checkpoint -> (model in eval mode, its tokenizer, the checkpoint path).
+
+    The model's shape comes from the config saved in the checkpoint and the weights load strictly; the
+    tokenizer is the run's own copy (RUN/tokenizer), so what generates is what was trained."""
+    from nanoforge.config import MODEL_FIELDS, ModelConfig
+    from nanoforge.model.gpt import GPT
+    from nanoforge.tokenizer import load_tokenizer
+
+    path = resolve_checkpoint(path)
+    state = load_state(path)
+    saved = state.get("config", {}).get("model", {})
+    unknown = set(saved) - set(MODEL_FIELDS)
+    if unknown:
+        raise NanoforgeError(f"{path / 'state.json'}: unknown model config fields {sorted(unknown)}")
+    model = GPT(ModelConfig(**saved))
+    model.load_weights(load_weights_file(path))
+    tokenizer_dir = path.parent.parent / "tokenizer"
+    if not tokenizer_dir.is_dir():
+        raise NanoforgeError(f"{tokenizer_dir}: the run's tokenizer is missing")
+    return model.to(device).eval(), load_tokenizer(tokenizer_dir), path

@@ -1,0 +1,294 @@
+"""Strict, streaming reading of MiniMind-format JSONL.
+
+Every record is checked against the schema of its kind before anything else sees it, and every problem is
+reported as `path:line: field: message`, so a person can open the file at that line and fix it. Reading is
+line by line in binary (memory stays flat whatever the file size) and tolerates what editors and other tools
+commonly produce: a UTF-8 byte-order mark on line 1, CRLF line ends, blank lines.
+
+Formats (see DESIGN.md, "Data formats"):
+    pretrain  {"text": "..."}
+    sft       {"conversations": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+    dpo       {"chosen": [messages], "rejected": [messages]}  same prefix, different final assistant turn
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field as dataclass_field
+from pathlib import Path
+from typing import Any, Iterator
+
+from nanoforge.errors import NanoforgeError
+
+KINDS = ("pretrain", "sft", "dpo")
+ROLES = ("system", "user", "assistant")
+UTF8_BOM = b"\xef\xbb\xbf"
+# Bytes read at the start of a file to tell JSONL text from a binary file.
+_SNIFF_BYTES = 8192
+
+
+class DataError(NanoforgeError):
+    """A problem with one input file, located by path, line (1-based) and field.
+
+    `field` is written the way a person would index into the record, e.g. `"conversations"[3].role`.
+    """
+
+    def __init__(self, message: str, path: str | os.PathLike | None = None, line: int | None = None,
+                 field: str | None = None):
+        self.message = message
+        self.path = None if path is None else str(path)
+        self.line = line
+        self.field = field
+        super().__init__(self._format())
+
+    def _format(self) -> str:
+        where = self.path if self.path is not None else "<record>"
+        if self.line is not None:
+            where = f"{where}:{self.line}"
+        if self.field is not None:
+            return f"{where}: {self.field}: {self.message}"
+        return f"{where}: {self.message}"
+
+    def __reduce__(self):
+        # Errors raised in worker processes are pickled back to the parent; keep every attribute.
+        return (DataError, (self.message, self.path, self.line, self.field))
+
+
+class RecordError(NanoforgeError, ValueError):
+    """A schema violation inside one record, before its file and line are known (see validate_record)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message if field is None else f"{field}: {message}")
+        self.message = message
+        self.field = field
+
+
+@dataclass
+class SkipCounter:
+    """Collects records skipped with skip_invalid=True so the caller can report them.
+
+    Keeps the count and the first `keep` messages (enough to see what is wrong, bounded for huge files).
+    """
+
+    skipped: int = 0
+    examples: list[str] = dataclass_field(default_factory=list)
+    keep: int = 5
+
+    def add(self, error: DataError) -> None:
+        self.skipped += 1
+        if len(self.examples) < self.keep:
+            self.examples.append(str(error))
+
+    def merge(self, other: "SkipCounter") -> None:
+        self.skipped += other.skipped
+        for message in other.examples:
+            if len(self.examples) < self.keep:
+                self.examples.append(message)
+
+    def summary(self) -> str:
+        if not self.skipped:
+            return "no invalid records"
+        lines = [f"skipped {self.skipped} invalid record(s); first ones:"]
+        lines += [f"  {message}" for message in self.examples]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- schema
+
+
+def _check_messages(messages: Any, name: str) -> None:
+    """A conversation: at most one leading system message, then user/assistant strictly alternating,
+    starting with user and ending with assistant (what MiniMind's SFT and DPO loaders assume)."""
+    if not isinstance(messages, list):
+        raise RecordError(f"must be a list of messages, got {_type_name(messages)}", f'"{name}"')
+    if not messages:
+        raise RecordError("is an empty conversation; it needs at least a user and an assistant message",
+                          f'"{name}"')
+    for i, message in enumerate(messages):
+        where = f'"{name}"[{i}]'
+        if not isinstance(message, dict):
+            raise RecordError(f"must be an object with role and content, got {_type_name(message)}", where)
+        for key in ("role", "content"):
+            if key not in message:
+                raise RecordError(f'missing "{key}"', where)
+            if not isinstance(message[key], str):
+                raise RecordError(f"must be a string, got {_type_name(message[key])}", f"{where}.{key}")
+        role = message["role"]
+        if role not in ROLES:
+            raise RecordError(f'"{role}" is not one of {", ".join(ROLES)}', f"{where}.role")
+        expected = _expected_role(messages, i)
+        if role not in expected:
+            previous = f'after "{messages[i - 1]["role"]}"' if i else "as the first message"
+            wanted = " or ".join(f'"{r}"' for r in expected)
+            raise RecordError(f'expected {wanted} {previous}, got "{role}" (at most one leading system '
+                              "message, then user and assistant alternating)", f"{where}.role")
+    last = messages[-1]["role"]
+    if last != "assistant":
+        raise RecordError(f'must end with an assistant message, ends with "{last}"', f'"{name}"')
+
+
+def _expected_role(messages: list, i: int) -> tuple[str, ...]:
+    """The roles allowed at position i given the ones before it."""
+    if i == 0:
+        return ("system", "user")
+    previous = messages[i - 1]["role"]
+    return ("assistant",) if previous == "user" else ("user",)
+
+
+def _check_pretrain(obj: dict) -> None:
+    if "text" not in obj:
+        raise RecordError(f'missing "text" (pretrain records look like {{"text": "..."}}); keys: {_keys(obj)}')
+    text = obj["text"]
+    if not isinstance(text, str):
+        raise RecordError(f"must be a string, got {_type_name(text)}", '"text"')
+    if not text:
+        raise RecordError("is empty", '"text"')
+
+
+def _check_sft(obj: dict) -> None:
+    if "conversations" not in obj:
+        raise RecordError('missing "conversations" (SFT records look like {"conversations": [{"role": ..., '
+                          f'"content": ...}}, ...]}}); keys: {_keys(obj)}')
+    _check_messages(obj["conversations"], "conversations")
+
+
+def _check_dpo(obj: dict) -> None:
+    for name in ("chosen", "rejected"):
+        if name not in obj:
+            raise RecordError(f'missing "{name}" (DPO records look like {{"chosen": [messages], '
+                              f'"rejected": [messages]}}); keys: {_keys(obj)}')
+        _check_messages(obj[name], name)
+    chosen, rejected = obj["chosen"], obj["rejected"]
+    if len(chosen) != len(rejected):
+        raise RecordError(f'has {len(rejected)} messages but "chosen" has {len(chosen)}; the two must share '
+                          "every message but the final assistant turn", '"rejected"')
+    for i in range(len(chosen) - 1):
+        if (chosen[i]["role"], chosen[i]["content"]) != (rejected[i]["role"], rejected[i]["content"]):
+            raise RecordError(f'differs from "chosen"[{i}]; chosen and rejected must share every message but '
+                              "the final assistant turn", f'"rejected"[{i}]')
+    if chosen[-1]["content"] == rejected[-1]["content"]:
+        raise RecordError('is identical to the final "chosen" answer; a preference pair needs two different '
+                          "answers", f'"rejected"[{len(rejected) - 1}].content')
+
+
+_CHECKS = {"pretrain": _check_pretrain, "sft": _check_sft, "dpo": _check_dpo}
+
+
+def validate_record(kind: str, obj: Any) -> None:
+    """Raise RecordError (with .field) if `obj` is not a valid record of `kind`; return None if it is."""
+    if kind not in _CHECKS:
+        raise NanoforgeError(f"unknown data kind {kind!r}; expected one of {', '.join(KINDS)}")
+    if not isinstance(obj, dict):
+        raise RecordError(f"each line must be a JSON object, got {_type_name(obj)}")
+    _CHECKS[kind](obj)
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _keys(obj: dict) -> str:
+    return ", ".join(f'"{k}"' for k in list(obj)[:8]) or "none"
+
+
+# ---------------------------------------------------------------------------------------------- lines
+
+
+def parse_line(raw: bytes, kind: str | None, path: str | os.PathLike, line_no: int) -> dict | None:
+    """Decode, parse and validate one raw line. Returns None for a blank line; raises DataError.
+
+    Shared by iter_records and the parallel workers of `prepare`, so both report errors identically.
+    kind=None detects the kind of each record from its keys.
+    """
+    if line_no == 1 and raw.startswith(UTF8_BOM):
+        raw = raw[len(UTF8_BOM):]
+    if not raw.strip():
+        return None
+    if b"\x00" in raw:
+        raise DataError("contains NUL bytes; is this a binary file?", path, line_no)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"invalid UTF-8 at byte {e.start} of the line; re-encode the file as UTF-8",
+                        path, line_no) from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        hint = ""
+        if line_no == 1 and text.lstrip().startswith("["):
+            hint = "; this looks like a JSON array: JSONL needs one JSON object per line"
+        raise DataError(f"invalid JSON: {e.msg} at column {e.colno}{hint}", path, line_no) from None
+    if kind is None:  # mixed files (tokenizer training): the keys say what the record is
+        kind = detect_kind(obj)
+        if kind is None:
+            raise DataError('cannot tell the kind of record: expected a "text", "conversations" or '
+                            f'"chosen"/"rejected" key' + (f"; keys: {_keys(obj)}" if isinstance(obj, dict) else
+                                                         f", got {_type_name(obj)}"), path, line_no)
+    try:
+        validate_record(kind, obj)
+    except RecordError as e:
+        raise DataError(e.message, path, line_no, e.field) from None
+    return obj
+
+
+def check_input_file(path: str | os.PathLike) -> Path:
+    """Fail early, naming the path, if it is missing, a directory, empty or binary."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError("no such file", path)
+    if path.is_dir():
+        raise DataError("is a directory; pass the .jsonl files inside it", path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_SNIFF_BYTES)
+    except OSError as e:
+        raise DataError(f"cannot be read: {e.strerror}", path) from None
+    if not head.strip(UTF8_BOM + b" \t\r\n"):
+        raise DataError("is empty (no records)", path)
+    if head.startswith(b"\x1f\x8b"):
+        raise DataError("is gzip-compressed; decompress it first (gunzip)", path)
+    if b"\x00" in head:
+        raise DataError("is a binary file (it contains NUL bytes), not JSONL text", path)
+    return path
+
+
+def iter_records(path: str | os.PathLike, kind: str, skip_invalid: bool = False,
+                 counter: SkipCounter | None = None) -> Iterator[tuple[int, dict]]:
+    """Yield (line_no, record) for every valid record of `kind` in the JSONL file at `path`.
+
+    Invalid records raise DataError, or with skip_invalid=True are skipped and added to `counter`.
+    A file with no records at all (or none valid) raises DataError naming the path.
+    """
+    if kind not in KINDS:
+        raise NanoforgeError(f"unknown data kind {kind!r}; expected one of {', '.join(KINDS)}")
+    path = check_input_file(path)
+    seen = 0
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                record = parse_line(raw, kind, path, line_no)
+            except DataError as e:
+                if not skip_invalid:
+                    raise
+                if counter is not None:
+                    counter.add(e)
+                continue
+            if record is None:
+                continue
+            seen += 1
+            yield line_no, record
+    if seen == 0:
+        raise DataError(f"has no valid {kind} records", path)
+
+
+def detect_kind(obj: Any) -> str | None:
+    """The kind of a record judged by its keys (used where files of several kinds are mixed)."""
+    if isinstance(obj, dict):
+        if "text" in obj:
+            return "pretrain"
+        if "conversations" in obj:
+            return "sft"
+        if "chosen" in obj or "rejected" in obj:
+            return "dpo"
+    return None

@@ -1,0 +1,609 @@
+"""JSONL -> token shards on disk, in parallel, with a manifest; and memmap readers over them.
+
+Layout of a prepared directory (everything a training run needs, nothing else):
+
+    manifest.json               format version, kind, tokenizer hash, sources, per-split counts
+    tokenizer/                  a copy of the tokenizer, so the directory is self-contained
+    {split}_{k:05d}.bin         flat token ids (uint16 when the vocabulary fits, else uint32)
+    {split}_{k:05d}.idx         int64 document start offsets within the shard, plus the final end offset
+    {split}_{k:05d}.mask        (sft) uint8 loss mask, one per token: 1 on assistant tokens
+
+Why flat binary shards read by memmap (as nanoGPT's train.bin): the OS pages data in and out, so training
+memory stays flat however large the corpus, and any window is one slice away.
+
+Preparing is parallel: the parent reads each file in ~2 MB chunks of whole lines and hands them to worker
+processes, which parse, validate and tokenize; results come back and are written in input order, so the
+output is byte-identical for any number of workers. At most 2 chunks per worker are in flight, which bounds
+memory whatever the input size (`Pool.imap` would read the whole input ahead). Everything is written into a
+temporary directory next to out_dir and renamed into place at the end: an error or Ctrl-C leaves out_dir as it
+was and no temporary directory behind.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import multiprocessing
+import os
+import shutil
+import signal
+import time
+from collections import deque
+from contextlib import closing
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from nanoforge.data.jsonl import DataError, SkipCounter, check_input_file, parse_line
+from nanoforge.errors import NanoforgeError
+
+FORMAT = "nanoforge-token-shards"
+FORMAT_VERSION = 1
+SPLITS = ("train", "val")
+SHARD_TOKENS = 100_000_000  # start a new shard after this many tokens (200 MB of uint16)
+CHUNK_BYTES = 2 << 20  # raw JSONL handed to a worker at a time
+ENCODE_BATCH_CHARS = 1 << 18  # texts per encode_batch call, bounds the Rust-side memory of one call
+PREPARED_KINDS = ("pretrain", "sft")
+
+
+# ---------------------------------------------------------------------------------------------- prepare
+
+
+def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 0.01, workers: int = 0,
+                    skip_invalid: bool = False, force: bool = False, log: Callable[[str], None] = print, *,
+                    chunk_bytes: int = CHUNK_BYTES, max_shard_tokens: int = SHARD_TOKENS) -> dict:
+    """Tokenize JSONL `files` of `kind` into shards in `out_dir`; return the manifest (also written there).
+
+    pretrain: each document is encode(text) + [eos].  sft: each conversation is tokenizer.render_chat(...),
+    ids plus a loss mask on the assistant tokens (no eos: the rendered conversation ends with <|im_end|>\\n).
+    Document i (0-based over all valid documents in input order) goes to val iff
+    floor((i+1)*val_fraction) > floor(i*val_fraction): deterministic, spread evenly, exactly ~fraction.
+    workers=0 uses os.cpu_count() processes (never more than there are chunks); workers=1 runs in this
+    process. Keyword-only chunk_bytes and max_shard_tokens exist for tests and tuning.
+    """
+    from nanoforge.tokenizer import Tokenizer, load_tokenizer
+
+    started = time.perf_counter()
+    _check_kind(kind)
+    if not 0.0 <= val_fraction < 1.0:
+        raise NanoforgeError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+    if kind == "pretrain" and tokenizer.eos_id is None:
+        raise NanoforgeError("the tokenizer has no end-of-text token (<|endoftext|> or an eos_token in "
+                             "tokenizer_config.json), which pretraining puts between documents")
+    files = [files] if isinstance(files, (str, os.PathLike)) else list(files)
+    if not files:
+        raise NanoforgeError("no input files given to prepare")
+    paths = [check_input_file(f) for f in files]
+    out_dir = Path(out_dir)
+    _check_out_dir(out_dir, force)
+    workers = workers or os.cpu_count() or 1
+    # no more processes than chunks: starting a worker costs ~0.5 s, more than a small input takes
+    workers = max(1, min(workers, math.ceil(sum(p.stat().st_size for p in paths) / chunk_bytes)))
+    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
+
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    writers = {}
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        writers = {split: SplitWriter(tmp, split, dtype, with_mask=kind == "sft",
+                                      max_shard_tokens=max_shard_tokens) for split in SPLITS}
+        sources = [SourceStats(path) for path in paths]
+        tasks = _chunk_tasks(kind, sources, chunk_bytes, skip_invalid)
+        docs_seen = 0
+        with closing(_run_chunks(tasks, tokenizer, workers)) as results:  # closing stops the workers
+            for result in results:
+                source = sources[result.file_index]
+                source.records += len(result.doc_lens)
+                source.skips.merge(result.skips)
+                docs_seen = _write_result(result, writers, docs_seen, val_fraction)
+        for source in sources:
+            if source.records == 0:
+                raise DataError(f"has no valid {kind} records" +
+                                (f" ({source.skips.skipped} skipped)" if source.skips.skipped else ""), source.path)
+            _log_source(source, log)
+        splits = {split: writer.close() for split, writer in writers.items()}
+        tokenizer.save(tmp / "tokenizer")
+        manifest = _manifest(kind, tokenizer, dtype, val_fraction, sources, splits, workers,
+                             time.perf_counter() - started)
+        _write_json(tmp / "manifest.json", manifest)
+        _swap_into_place(tmp, out_dir, force)
+    except BaseException:  # KeyboardInterrupt too: never leave a half-written directory behind
+        for writer in writers.values():
+            writer.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _log_summary(manifest, out_dir, log)
+    return manifest
+
+
+def _check_kind(kind: str) -> None:
+    if kind == "dpo":
+        raise NanoforgeError("prepare --kind dpo is not implemented yet (pretrain and sft are)")
+    if kind not in PREPARED_KINDS:
+        raise NanoforgeError(f"unknown data kind {kind!r}; expected one of pretrain, sft, dpo")
+
+
+def _check_out_dir(out_dir: Path, force: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NanoforgeError(f"{out_dir}: exists and is not a directory; choose another --out")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        raise NanoforgeError(f"{out_dir}: already exists and is not empty; pass --force to replace it")
+
+
+@dataclass
+class SourceStats:
+    """What the manifest records about one input file; filled in as its chunks are read and processed."""
+
+    path: Path
+    records: int = 0
+    size: int = 0
+    hasher: "hashlib._Hash" = field(default_factory=hashlib.sha256)
+    skips: SkipCounter = field(default_factory=SkipCounter)
+
+    def to_json(self) -> dict:
+        return {"path": str(self.path.resolve()), "bytes": self.size, "sha256": self.hasher.hexdigest(),
+                "records": self.records, "skipped": self.skips.skipped}
+
+
+# ---- reading chunks
+
+
+@dataclass
+class ChunkTask:
+    kind: str
+    file_index: int
+    path: str
+    first_line: int
+    data: bytes
+    skip_invalid: bool
+
+
+def _chunk_tasks(kind: str, sources: list[SourceStats], chunk_bytes: int,
+                 skip_invalid: bool) -> Iterator[ChunkTask]:
+    for index, source in enumerate(sources):
+        for first_line, data in _line_chunks(source, chunk_bytes):
+            yield ChunkTask(kind, index, str(source.path), first_line, data, skip_invalid)
+
+
+def _line_chunks(source: SourceStats, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """(first line number, bytes) chunks of whole lines; hashes and sizes the file on the way."""
+    line_no, carry = 1, b""
+    with open(source.path, "rb") as f:
+        while True:
+            block = f.read(chunk_bytes)
+            if not block:
+                break
+            source.hasher.update(block)
+            source.size += len(block)
+            data = carry + block
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:  # a line longer than one block: keep reading until it ends
+                carry = data
+                continue
+            yield line_no, data[:cut]
+            line_no += data.count(b"\n", 0, cut)
+            carry = data[cut:]
+    if carry:
+        yield line_no, carry
+
+
+# ---- encoding chunks (runs in the workers)
+
+
+@dataclass
+class ChunkResult:
+    file_index: int
+    tokens: np.ndarray  # (N,) all documents of the chunk, concatenated
+    doc_lens: np.ndarray  # (D,) int64 tokens per document
+    doc_bytes: np.ndarray  # (D,) int64 UTF-8 bytes of each document's source text
+    mask: np.ndarray | None  # (N,) uint8 loss mask for sft
+    skips: SkipCounter
+
+
+_worker_tokenizer = None
+
+
+def _init_worker(tokenizer) -> None:
+    """Pool initializer: one tokenizer per process; no Rust threads (the processes are the parallelism)."""
+    global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # Ctrl-C reaches the whole process group; the parent handles it (and terminates us), so the workers
+    # must not print a traceback each.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _worker_tokenizer = tokenizer
+
+
+def _encode_chunk_in_worker(task: ChunkTask) -> ChunkResult:
+    return encode_chunk(task, _worker_tokenizer)
+
+
+def encode_chunk(task: ChunkTask, tokenizer) -> ChunkResult:
+    """Parse, validate and tokenize the lines of one chunk. Raises the DataError of its first bad line."""
+    skips = SkipCounter()
+    records = []
+    for offset, raw in enumerate(task.data.split(b"\n")):
+        line_no = task.first_line + offset
+        try:
+            record = parse_line(raw, task.kind, task.path, line_no)
+        except DataError as e:
+            if not task.skip_invalid:
+                raise
+            skips.add(e)
+            continue
+        if record is not None:
+            records.append((line_no, record))
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+    encode = _encode_pretrain if task.kind == "pretrain" else _encode_sft
+    tokens, lens, nbytes, mask = encode(records, tokenizer, dtype, task, skips)
+    return ChunkResult(task.file_index, tokens, lens, nbytes, mask, skips)
+
+
+def _encode_pretrain(records, tokenizer, dtype, task: ChunkTask, skips: SkipCounter):
+    """Each document is encode(text) + [eos]. Texts go through the batch encoder a few hundred KB at a time
+    (bounds the Rust-side memory of one call) and are collected into one flat list: one numpy conversion per
+    chunk is much cheaper than one per document."""
+    flat, lens, nbytes, batch, batch_chars = [], [], [], [], 0
+    eos = tokenizer.eos_id
+
+    def flush():
+        for ids in tokenizer.encode_batch(batch):
+            flat.extend(ids)
+            flat.append(eos)
+            lens.append(len(ids) + 1)
+        batch.clear()
+
+    for _, record in records:
+        text = record["text"]
+        nbytes.append(len(text.encode("utf-8")))
+        batch.append(text)
+        batch_chars += len(text)
+        if batch_chars >= ENCODE_BATCH_CHARS:
+            flush()
+            batch_chars = 0
+    if batch:
+        flush()
+    return (np.array(flat, dtype=dtype), np.array(lens, dtype=np.int64), np.array(nbytes, dtype=np.int64), None)
+
+
+def _encode_sft(records, tokenizer, dtype, task: ChunkTask, skips: SkipCounter):
+    """Each conversation is rendered with the chat template; the mask marks the assistant tokens.
+    A conversation whose mask cannot be computed is a DataError at its line (or skipped)."""
+    from nanoforge.tokenizer import ChatTemplateError
+
+    flat, flat_mask, lens, nbytes = [], [], [], []
+    for line_no, record in records:
+        try:
+            ids, mask, text = tokenizer.render_chat_with_text(record["conversations"])
+        except ChatTemplateError as e:
+            error = DataError(str(e), task.path, line_no, '"conversations"')
+            if not task.skip_invalid:
+                raise error from None
+            skips.add(error)
+            continue
+        flat.extend(ids)
+        flat_mask.extend(mask)
+        lens.append(len(ids))
+        nbytes.append(len(text.encode("utf-8")))
+    return (np.array(flat, dtype=dtype), np.array(lens, dtype=np.int64), np.array(nbytes, dtype=np.int64),
+            np.array(flat_mask, dtype=np.uint8))
+
+
+def _run_chunks(tasks: Iterator[ChunkTask], tokenizer, workers: int) -> Iterator[ChunkResult]:
+    """Results of `tasks` in input order, computed by `workers` processes with bounded read-ahead."""
+    if workers <= 1:
+        for task in tasks:
+            yield encode_chunk(task, tokenizer)
+        return
+    # spawn: a fresh interpreter per worker, so no Rust thread pool or lock is inherited through fork
+    # (the deadlock tokenizers warns about); its start-up cost (~0.5 s) is paid once per run.
+    context = multiprocessing.get_context("spawn")
+    max_in_flight = 2 * workers
+    with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
+        pending = deque()
+        for task in tasks:
+            pending.append(pool.apply_async(_encode_chunk_in_worker, (task,)))
+            if len(pending) >= max_in_flight:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+    # leaving the `with` block terminates the workers, also when an error or Ctrl-C unwinds through here
+
+
+def _write_result(result: ChunkResult, writers: dict, docs_seen: int, val_fraction: float) -> int:
+    """Send each document of the chunk to train or val; return the running document count."""
+    n = len(result.doc_lens)
+    index = np.arange(docs_seen, docs_seen + n, dtype=np.float64)
+    is_val = np.floor((index + 1) * val_fraction) > np.floor(index * val_fraction)  # (D,)
+    token_is_val = np.repeat(is_val, result.doc_lens)  # (N,)
+    for split, doc_sel, tok_sel in (("train", ~is_val, ~token_is_val), ("val", is_val, token_is_val)):
+        if doc_sel.any():
+            mask = None if result.mask is None else result.mask[tok_sel]
+            writers[split].write(result.tokens[tok_sel], result.doc_lens[doc_sel],
+                                 int(result.doc_bytes[doc_sel].sum()), mask)
+    return docs_seen + n
+
+
+# ---- writing
+
+
+class SplitWriter:
+    """Appends documents to the shards of one split, starting a new shard after max_shard_tokens."""
+
+    def __init__(self, directory: Path, split: str, dtype: np.dtype, with_mask: bool, max_shard_tokens: int):
+        self.directory, self.split, self.dtype = directory, split, dtype
+        self.with_mask, self.max_shard_tokens = with_mask, max_shard_tokens
+        self.shards: list[dict] = []
+        self.bytes = 0
+        self._files = None  # (bin, idx, mask) of the open shard; opened on the first document
+
+    def write(self, tokens: np.ndarray, doc_lens: np.ndarray, nbytes: int, mask: np.ndarray | None) -> None:
+        self.bytes += nbytes
+        while len(doc_lens):
+            if self._files is None:
+                self._open_shard()
+            shard = self.shards[-1]
+            # documents never span shards: take those that start before the shard is full
+            starts = np.cumsum(doc_lens) - doc_lens
+            take = max(1, int(np.searchsorted(starts, self.max_shard_tokens - shard["tokens"], side="left")))
+            ntok = int(doc_lens[:take].sum())
+            bin_f, idx_f, mask_f = self._files
+            bin_f.write(np.ascontiguousarray(tokens[:ntok], dtype=self.dtype).tobytes())
+            ends = shard["tokens"] + np.cumsum(doc_lens[:take], dtype=np.int64)
+            idx_f.write(ends.astype(np.int64).tobytes())
+            if mask_f is not None:
+                mask_f.write(np.ascontiguousarray(mask[:ntok], dtype=np.uint8).tobytes())
+                mask = mask[ntok:]
+            shard["tokens"] += ntok
+            shard["docs"] += take
+            tokens, doc_lens = tokens[ntok:], doc_lens[take:]
+            if shard["tokens"] >= self.max_shard_tokens:
+                self._close_shard()
+
+    def _open_shard(self) -> None:
+        name = f"{self.split}_{len(self.shards):05d}"
+        self.shards.append({"name": name, "tokens": 0, "docs": 0})
+        files = [open(self.directory / f"{name}.bin", "wb"), open(self.directory / f"{name}.idx", "wb")]
+        files.append(open(self.directory / f"{name}.mask", "wb") if self.with_mask else None)
+        files[1].write(np.zeros(1, dtype=np.int64).tobytes())  # the first document starts at 0
+        self._files = files
+
+    def _close_shard(self) -> None:
+        for f in self._files:
+            if f is not None:
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+        self._files = None
+
+    def close(self) -> dict:
+        """Finish the split; return its manifest entry."""
+        if self._files is not None:
+            self._close_shard()
+        return {"shards": self.shards, "tokens": sum(s["tokens"] for s in self.shards),
+                "docs": sum(s["docs"] for s in self.shards), "bytes": self.bytes}
+
+    def abort(self) -> None:
+        if self._files is not None:
+            for f in self._files:
+                if f is not None:
+                    f.close()
+            self._files = None
+
+
+def _manifest(kind, tokenizer, dtype, val_fraction, sources, splits, workers, seconds) -> dict:
+    from nanoforge import __version__
+
+    input_bytes = sum(s.size for s in sources)
+    tokens = sum(s["tokens"] for s in splits.values())
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "kind": kind,
+        "tokenizer": {"sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id},
+        "dtype": dtype.name,
+        "val_fraction": val_fraction,
+        "sources": [s.to_json() for s in sources],
+        "splits": splits,
+        "stats": {"seconds": round(seconds, 3), "workers": workers,
+                  "tokens_per_s": round(tokens / max(seconds, 1e-9)),
+                  "mb_per_s": round(input_bytes / 1e6 / max(seconds, 1e-9), 3)},
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "nanoforge_version": __version__,
+    }
+
+
+def _write_json(path: Path, obj) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, ensure_ascii=False, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_tree(directory: Path) -> None:
+    """Flush every file and directory under `directory` to disk before it is renamed into place."""
+    for root, _, names in os.walk(directory):
+        for name in names:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(root))
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _swap_into_place(tmp: Path, out_dir: Path, force: bool) -> None:
+    """Rename the finished temp dir onto out_dir. An existing out_dir is moved aside first and deleted only
+    once the new one is in place (two renames: a crash in between leaves the old data under .NAME.old-PID)."""
+    _fsync_tree(tmp)
+    if out_dir.is_dir():
+        if any(out_dir.iterdir()):
+            if not force:  # checked at the start too; someone may have written there since
+                raise NanoforgeError(f"{out_dir}: already exists and is not empty; pass --force to replace it")
+            old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+            os.rename(out_dir, old)
+            try:
+                os.rename(tmp, out_dir)
+            except BaseException:
+                os.rename(old, out_dir)
+                raise
+            shutil.rmtree(old)
+        else:
+            out_dir.rmdir()
+            os.rename(tmp, out_dir)
+    else:
+        os.rename(tmp, out_dir)
+    _fsync_dir(out_dir.parent)
+
+
+def _log_source(source: SourceStats, log) -> None:
+    log(f"{source.path}: {source.records} records" +
+        (f", skipped {source.skips.skipped} invalid" if source.skips.skipped else ""))
+    if source.skips.skipped:
+        log(source.skips.summary())
+
+
+def _log_summary(manifest: dict, out_dir: Path, log) -> None:
+    train, val = manifest["splits"]["train"], manifest["splits"]["val"]
+    stats = manifest["stats"]
+    log(f"prepared {out_dir}: train {train['tokens']:,} tokens / {train['docs']:,} docs, "
+        f"val {val['tokens']:,} tokens / {val['docs']:,} docs ({manifest['dtype']}); "
+        f"{stats['seconds']:.1f} s, {stats['mb_per_s']:.2f} MB/s, {stats['tokens_per_s']:,} tokens/s")
+
+
+# ---------------------------------------------------------------------------------------------- read
+
+
+def read_manifest(directory) -> dict:
+    """The manifest of a prepared directory, checked for format and version."""
+    path = Path(directory) / "manifest.json"
+    if not path.is_file():
+        raise NanoforgeError(f"{directory}: not a prepared dataset (no manifest.json); "
+                             "create it with `nanoforge prepare`")
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise NanoforgeError(f"{path}: unreadable manifest ({e}); re-run `nanoforge prepare`") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise NanoforgeError(f"{path}: not a nanoforge token-shard manifest; re-run `nanoforge prepare`")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise NanoforgeError(f"{path}: format version {manifest.get('format_version')} but this nanoforge "
+                             f"reads version {FORMAT_VERSION}; re-run `nanoforge prepare`")
+    return manifest
+
+
+def check_tokenizer(directory, tokenizer) -> None:
+    """Raise if the data in `directory` was tokenized by a different tokenizer than `tokenizer`."""
+    expected = read_manifest(directory)["tokenizer"]
+    if expected["sha256"] != tokenizer.sha256:
+        raise NanoforgeError(
+            f"{directory} was prepared with a different tokenizer (sha256 {expected['sha256'][:12]}, vocab "
+            f"{expected['vocab_size']}) than the one in use (sha256 {tokenizer.sha256[:12]}, vocab "
+            f"{tokenizer.vocab_size}); re-run `nanoforge prepare` with this tokenizer, or train with "
+            f"{Path(directory) / 'tokenizer'}")
+
+
+class TokenShards:
+    """Read-only memmap view of one split of a prepared directory, as one flat token stream."""
+
+    def __init__(self, directory, split: str):
+        self.directory = Path(directory)
+        self.split = split
+        self.manifest = read_manifest(self.directory)
+        splits = self.manifest.get("splits", {})
+        if split not in splits:
+            raise NanoforgeError(f"{self.directory}: no split {split!r} (have {', '.join(splits)})")
+        entry = splits[split]
+        self.dtype = np.dtype(self.manifest["dtype"])
+        self.kind = self.manifest["kind"]
+        self.num_tokens = int(entry["tokens"])
+        self.num_docs = int(entry["docs"])
+        self.num_bytes = int(entry["bytes"])
+        self._tokens, self._idx, self._masks = [], [], []
+        for shard in entry["shards"]:
+            self._open_shard(shard)
+        self._token_starts = np.cumsum([0] + [len(t) for t in self._tokens])  # (S+1,)
+        self._doc_starts = np.cumsum([0] + [len(i) - 1 for i in self._idx])  # (S+1,)
+        if self._token_starts[-1] != self.num_tokens or self._doc_starts[-1] != self.num_docs:
+            raise NanoforgeError(f"{self.directory / 'manifest.json'}: split {split} totals do not match its "
+                                 "shards; re-run `nanoforge prepare`")
+
+    def _open_shard(self, shard: dict) -> None:
+        base = self.directory / shard["name"]
+        tokens, docs = int(shard["tokens"]), int(shard["docs"])
+        self._tokens.append(self._map(base.with_suffix(".bin"), self.dtype, tokens))
+        idx = self._map(base.with_suffix(".idx"), np.dtype(np.int64), docs + 1)
+        if idx[0] != 0 or idx[-1] != tokens:
+            raise NanoforgeError(f"{base.with_suffix('.idx')}: offsets do not match the manifest; "
+                                 "the file is corrupt, re-run `nanoforge prepare`")
+        self._idx.append(idx)
+        if self.kind == "sft":
+            self._masks.append(self._map(base.with_suffix(".mask"), np.dtype(np.uint8), tokens))
+
+    @staticmethod
+    def _map(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
+        if not path.is_file():
+            raise NanoforgeError(f"{path}: missing; the prepared directory is incomplete, re-run `nanoforge prepare`")
+        expected = count * dtype.itemsize
+        actual = path.stat().st_size
+        if actual != expected:
+            raise NanoforgeError(f"{path}: {actual} bytes but the manifest says {expected}; the file is corrupt "
+                                 "or truncated, re-run `nanoforge prepare`")
+        if count == 0:
+            return np.zeros(0, dtype=dtype)  # numpy cannot memmap an empty file
+        return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+
+    @property
+    def has_mask(self) -> bool:
+        return bool(self._masks)
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start+length) of the split's stream, across shard boundaries; a copy."""
+        return self._gather(self._tokens, start, length)
+
+    def read_mask(self, start: int, length: int) -> np.ndarray:
+        """Loss mask [start, start+length) for sft data."""
+        if not self._masks:
+            raise NanoforgeError(f"{self.directory}: {self.kind} data has no loss mask")
+        return self._gather(self._masks, start, length)
+
+    def _gather(self, arrays: list, start: int, length: int) -> np.ndarray:
+        if start < 0 or length < 0 or start + length > self.num_tokens:
+            raise IndexError(f"tokens [{start}, {start + length}) out of range for {self.num_tokens} tokens")
+        parts = []
+        shard = int(np.searchsorted(self._token_starts, start, side="right")) - 1
+        while length > 0:
+            local = start - int(self._token_starts[shard])
+            take = min(length, len(arrays[shard]) - local)
+            parts.append(arrays[shard][local:local + take])
+            start, length, shard = start + take, length - take, shard + 1
+        if not parts:
+            return np.zeros(0, dtype=arrays[0].dtype if arrays else self.dtype)
+        return np.concatenate(parts) if len(parts) > 1 else np.array(parts[0])
+
+    def doc(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Tokens (and the loss mask for sft, else None) of document i of the split."""
+        if not 0 <= i < self.num_docs:
+            raise IndexError(f"document {i} out of range for {self.num_docs} documents")
+        shard = int(np.searchsorted(self._doc_starts, i, side="right")) - 1
+        local = i - int(self._doc_starts[shard])
+        start, end = int(self._idx[shard][local]), int(self._idx[shard][local + 1])
+        tokens = np.array(self._tokens[shard][start:end])
+        mask = np.array(self._masks[shard][start:end]) if self._masks else None
+        return tokens, mask
+
+    def __len__(self) -> int:
+        return self.num_tokens

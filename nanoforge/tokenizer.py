@@ -1,0 +1,462 @@
+"""Byte-level BPE tokenizers: train one, load any `tokenizer.json`, render chats with ChatML.
+
+Why byte-level BPE (GPT-2: Radford et al. 2019, "Language Models are Unsupervised Multitask Learners",
+section 2.2): the 256 byte symbols are always in the vocabulary, so every string, Chinese, emoji or binary
+junk, encodes and decodes back exactly; there is no <unk>. The HF `tokenizers` library does the work in
+Rust, and its `tokenizer.json` is the format every tool reads, MiniMind's included.
+
+The chat template is the single definition of how a conversation becomes text. It is stored next to the
+tokenizer in HF's format, so `transformers.AutoTokenizer.apply_chat_template` renders the very same string
+that SFT trained on, and `render_chat` computes the loss mask from that one rendered string.
+"""
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+from nanoforge.data.jsonl import DataError, check_input_file, detect_kind, parse_line
+from nanoforge.errors import NanoforgeError
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"<|reserved_{i}|>" for i in range(13)]
+EOS_TOKEN, IM_START, IM_END = SPECIAL_TOKENS[:3]
+
+# ChatML (as Qwen uses it). Whitespace matters: HF renders with trim_blocks/lstrip_blocks and the `{%-` marks
+# keep the template's own newlines out of the output, so only the quoted '\n's appear.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
+
+DEFAULT_MODEL_MAX_LENGTH = 32768
+PLAIN_TEXT_SUFFIXES = (".txt", ".text", ".md")
+_TEXT_BLOCK_BYTES = 1 << 20  # plain-text files are fed to the trainer in ~1 MB blocks cut at newlines
+
+
+class ChatTemplateError(NanoforgeError):
+    """The chat template and a conversation do not fit together (no ChatML tokens, unmaskable render)."""
+
+
+# ---------------------------------------------------------------------------------------------- class
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus what nanoforge needs around it: special ids, chat template, hash."""
+
+    def __init__(self, inner, chat_template: str | None = None, config: dict | None = None):
+        self._tok = inner
+        self.config = dict(config or {})  # the tokenizer_config.json it was loaded with, if any
+        self.chat_template = chat_template if chat_template is not None else CHAT_TEMPLATE
+        self.vocab_size = inner.get_vocab_size(with_added_tokens=True)
+        self.eos_id = self._find_eos_id()
+        self.pad_id = self.eos_id
+        self.im_start_id = inner.token_to_id(IM_START)
+        self.im_end_id = inner.token_to_id(IM_END)
+        self.model_max_length = int(self.config.get("model_max_length") or DEFAULT_MODEL_MAX_LENGTH)
+        self.sha256 = hashlib.sha256(_canonical_json(inner.to_str()).encode("utf-8")).hexdigest()
+        self._compiled_template = None
+        self._names = None
+
+    def _find_eos_id(self) -> int | None:
+        """<|endoftext|> when present (ours, MiniMind's, Qwen's); else whatever the config calls eos."""
+        eos = self._tok.token_to_id(EOS_TOKEN)
+        if eos is None:
+            name = _token_text(self.config.get("eos_token"))
+            eos = self._tok.token_to_id(name) if name else None
+        return eos
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, sha256={self.sha256[:12]})"
+
+    def __getstate__(self):
+        # Sent to worker processes by `prepare`; the compiled Jinja template does not pickle.
+        state = dict(self.__dict__)
+        state["_compiled_template"] = None
+        return state
+
+    @property
+    def backend(self):
+        """The underlying `tokenizers.Tokenizer`, for the rare caller that needs offsets or the vocab."""
+        return self._tok
+
+    # ---- encode / decode
+
+    def encode(self, text: str) -> list[int]:
+        # add_special_tokens=False: no post-processor (BOS/EOS) is ever added behind our back; the data
+        # pipeline appends eos itself and the chat template spells out its special tokens.
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Encode many texts with the Rust batch encoder (multi-threaded unless TOKENIZERS_PARALLELISM=false)."""
+        texts = list(texts)
+        fast = getattr(self._tok, "encode_batch_fast", None)  # tokenizers >= 0.21: skips offset tracking
+        encodings = (fast or self._tok.encode_batch)(texts, add_special_tokens=False)
+        return [e.ids for e in encodings]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def decode_batch(self, batch: Sequence[Iterable[int]], skip_special_tokens: bool = False) -> list[str]:
+        return self._tok.decode_batch([[int(i) for i in ids] for ids in batch],
+                                      skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(int(token_id))
+
+    # ---- save
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write tokenizer.json and an HF-compatible tokenizer_config.json (AutoTokenizer can load the dir)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(directory / "tokenizer.json"), pretty=True)
+        with open(directory / "tokenizer_config.json", "w", encoding="utf-8") as f:
+            json.dump(self.hf_config(), f, ensure_ascii=False, indent=2)
+            f.write("\n")
+        return directory
+
+    def hf_config(self) -> dict:
+        """tokenizer_config.json contents in the shape transformers' PreTrainedTokenizerFast expects."""
+        added = {}
+        for token_id, token in sorted(self._tok.get_added_tokens_decoder().items()):
+            added[str(token_id)] = {"content": token.content, "lstrip": token.lstrip,
+                                    "normalized": token.normalized, "rstrip": token.rstrip,
+                                    "single_word": token.single_word, "special": token.special}
+        eos = self.id_to_token(self.eos_id) if self.eos_id is not None else None
+        chatml = [t for t in (IM_START, IM_END) if self._tok.token_to_id(t) is not None]
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            # MiniMind's choices for bos/unk (users know them); eos/pad follow our eos_id.
+            "bos_token": _token_text(self.config.get("bos_token")) or (IM_START if IM_START in chatml else None),
+            "eos_token": eos,
+            "pad_token": eos,
+            "unk_token": _token_text(self.config.get("unk_token")) or eos,
+            "additional_special_tokens": chatml,
+            "added_tokens_decoder": added,
+            "chat_template": self.chat_template,
+            "model_max_length": self.model_max_length,
+            "clean_up_tokenization_spaces": False,
+            "split_special_tokens": False,
+        }
+
+    # ---- chat
+
+    def render_text(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
+        """The conversation as text, exactly as HF `apply_chat_template(..., tokenize=False)` renders it."""
+        if self._compiled_template is None:
+            self._compiled_template = _compile_template(self.chat_template)
+        names = self._template_names()
+        try:
+            return self._compiled_template.render(
+                messages=list(messages), add_generation_prompt=add_generation_prompt,
+                bos_token=names["bos_token"], eos_token=names["eos_token"], pad_token=names["pad_token"],
+                unk_token=names["unk_token"], additional_special_tokens=names["additional_special_tokens"])
+        except NanoforgeError:
+            raise
+        except Exception as e:  # jinja2 errors and whatever the template's own expressions raise
+            raise ChatTemplateError(f"the chat template could not render this conversation: {e}") from e
+
+    def _template_names(self) -> dict:
+        """The special-token names HF passes to templates (bos_token, eos_token, ...); computed once."""
+        if getattr(self, "_names", None) is None:
+            config = self.hf_config()
+            self._names = {k: config[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token",
+                                                  "additional_special_tokens")}
+        return self._names
+
+    def render_chat(self, messages: Sequence[dict],
+                    add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+        """Token ids of the rendered conversation and a loss mask: 1 on each assistant message's content and
+        its closing <|im_end|>, 0 elsewhere (system, user, the `<|im_start|>assistant\\n` header, the `\\n`).
+
+        The whole rendered string is encoded in one call, so the ids equal what HF apply_chat_template +
+        encode gives; the mask comes from the character offsets of that one encoding.
+        """
+        ids, mask, _ = self.render_chat_with_text(messages, add_generation_prompt)
+        return ids, mask
+
+    def render_chat_with_text(self, messages: Sequence[dict], add_generation_prompt: bool = False):
+        """render_chat plus the rendered text (`prepare` counts its UTF-8 bytes for bits per byte)."""
+        if self.im_start_id is None or self.im_end_id is None:
+            raise ChatTemplateError(
+                "this tokenizer has no <|im_start|>/<|im_end|> tokens, so it cannot render ChatML "
+                "conversations; use a tokenizer trained by `nanoforge tokenizer train` or another ChatML one")
+        _check_message_shapes(messages)
+        text, spans = self._render_with_assistant_spans(messages, add_generation_prompt)
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        mask = _assistant_mask(encoding.ids, encoding.offsets, spans, self.im_end_id, text)
+        return encoding.ids, mask, text
+
+    def _render_with_assistant_spans(self, messages, add_generation_prompt):
+        """Render, and find where each assistant content sits in the text, closing <|im_end|> included.
+
+        Searching the rendered text for the content would be wrong (a user turn may repeat it), so each
+        assistant content is first replaced by a unique marker, the markers are located, then the contents
+        are put back; re-rendering the real messages must give the same text, or the template is doing
+        something to assistant contents that we cannot mask (then we say so rather than guess).
+        """
+        marked, contents = [], []
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":
+                marked.append({**message, "content": f"\ue000{len(contents)}\ue001"})
+                contents.append(message["content"])
+            else:
+                marked.append(message)
+        template_text = self.render_text(marked, add_generation_prompt)
+        pieces, spans, cursor = [], [], 0
+        out_len = 0
+        for k, content in enumerate(contents):
+            marker = f"\ue000{k}\ue001"
+            at = template_text.find(marker, cursor)
+            if at < 0:
+                raise ChatTemplateError(f"the chat template dropped or altered assistant message {k}, so its "
+                                        "loss mask cannot be computed")
+            pieces.append(template_text[cursor:at])
+            out_len += at - cursor
+            start = out_len
+            pieces.append(content)
+            out_len += len(content)
+            cursor = at + len(marker)
+            if not template_text.startswith(IM_END, cursor):
+                raise ChatTemplateError(f"the chat template does not close assistant message {k} with {IM_END}; "
+                                        "the loss mask needs that token right after the content")
+            spans.append((start, out_len + len(IM_END)))
+        pieces.append(template_text[cursor:])
+        text = "".join(pieces)
+        if text != self.render_text(messages, add_generation_prompt):
+            raise ChatTemplateError("the chat template changes assistant contents while rendering (e.g. strips "
+                                    "or splits them), so the loss mask cannot be computed from the template")
+        return text, spans
+
+
+def _check_message_shapes(messages) -> None:
+    if not isinstance(messages, (list, tuple)):
+        raise ChatTemplateError(f"messages must be a list of {{role, content}} objects, got {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise ChatTemplateError(f"message {i} must be an object with string role and content, got {message!r:.80}")
+
+
+def _assistant_mask(ids, offsets, spans, im_end_id, text) -> list[int]:
+    """1 for tokens inside an assistant span, 0 outside; a token crossing a span edge is an error.
+
+    Byte-level BPE with the GPT-2 split regex keeps edges clean for ChatML: the special tokens are split out
+    first and the template's '\\n' before the content only merges with the content when the content itself
+    starts with two or more whitespace characters or is only whitespace (then we raise rather than silently
+    train on half a token).
+    """
+    mask = [0] * len(ids)
+    span_index = 0
+    for i, (start, end) in enumerate(offsets):
+        while span_index < len(spans) and spans[span_index][1] <= start:
+            span_index += 1
+        if span_index == len(spans):
+            break
+        lo, hi = spans[span_index]
+        if start < lo < end or start < hi < end:
+            edge = lo if start < lo < end else hi
+            raise ChatTemplateError(
+                f"token {i} ({text[start:end]!r}) crosses the edge of an assistant message at character {edge}, "
+                "so it cannot be masked cleanly; this happens when an assistant message starts with two or more "
+                "whitespace characters or is only whitespace; strip that whitespace from the data")
+        if lo <= start and end <= hi and end > start:
+            mask[i] = 1
+    _check_mask_closes_with_im_end(ids, mask, im_end_id, len(spans))
+    return mask
+
+
+def _check_mask_closes_with_im_end(ids, mask, im_end_id, num_spans) -> None:
+    """Every masked run must end on <|im_end|>: that is the token that teaches the model to stop."""
+    runs_closed = 0
+    for i, m in enumerate(mask):
+        if m and (i + 1 == len(mask) or not mask[i + 1]):
+            if ids[i] != im_end_id:
+                raise ChatTemplateError("an assistant message was not encoded with a closing <|im_end|> token")
+            runs_closed += 1
+    if runs_closed != num_spans:
+        raise ChatTemplateError(f"found {runs_closed} masked assistant runs for {num_spans} assistant messages")
+
+
+def _compile_template(source: str):
+    """Compile a chat template the way transformers does (sandboxed, trim_blocks, lstrip_blocks)."""
+    from jinja2 import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise ChatTemplateError(f"the chat template refused the conversation: {message}")
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(source)
+    except TemplateError as e:
+        raise ChatTemplateError(f"the chat template is not valid Jinja: {e}") from e
+
+
+def _canonical_json(text: str) -> str:
+    """One spelling of a tokenizer.json, whatever indentation or key order it was saved with."""
+    return json.dumps(json.loads(text), sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def _token_text(value) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+# ---------------------------------------------------------------------------------------------- load
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Load a directory holding tokenizer.json (+ optional tokenizer_config.json / chat_template.jinja),
+    or a tokenizer.json file (its sibling config is used too). Any HF tokenizer.json loads."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = Path(path)
+    if not path.exists():
+        raise NanoforgeError(f"{path}: no such tokenizer file or directory")
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise NanoforgeError(f"{path}: no tokenizer.json in this directory; train one with "
+                             "`nanoforge tokenizer train` or point at a tokenizer.json")
+    try:
+        inner = HFTokenizer.from_file(str(file))
+    except Exception as e:  # the Rust side raises a bare Exception for any parse problem
+        raise NanoforgeError(f"{file}: not a valid tokenizer.json ({e})") from None
+    config = _read_config(file.parent / "tokenizer_config.json")
+    template = _read_chat_template(file.parent, config)
+    return Tokenizer(inner, chat_template=template, config=config)
+
+
+def _read_config(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise NanoforgeError(f"{path}: not a valid tokenizer_config.json ({e})") from None
+    if not isinstance(config, dict):
+        raise NanoforgeError(f"{path}: must hold a JSON object")
+    return config
+
+
+def _read_chat_template(directory: Path, config: dict) -> str | None:
+    """The template from chat_template.jinja (newer transformers) or tokenizer_config.json, else ours."""
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+# ---------------------------------------------------------------------------------------------- train
+
+
+def train_tokenizer(files, vocab_size: int = 6400, out_dir: str | os.PathLike | None = None,
+                    min_frequency: int = 2) -> Tokenizer:
+    """Train a byte-level BPE tokenizer on JSONL (pretrain/SFT/DPO, detected per line) or plain-text files.
+
+    The files are streamed through `train_from_iterator`, so their size is limited by disk, not memory.
+    The special tokens take ids 0..15; the 256 byte symbols are all in the initial alphabet, so any text
+    round-trips even if some bytes never occur in the training files.
+    """
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    files = [files] if isinstance(files, (str, os.PathLike)) else list(files)
+    if not files:
+        raise NanoforgeError("no training files given for the tokenizer")
+    minimum = len(SPECIAL_TOKENS) + 256
+    if vocab_size < minimum:
+        raise NanoforgeError(f"vocab_size {vocab_size} is too small: byte-level BPE needs the 256 bytes plus "
+                             f"{len(SPECIAL_TOKENS)} special tokens, so at least {minimum}")
+    paths = [check_input_file(f) for f in files]
+
+    inner = HFTokenizer(models.BPE())
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    inner.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                  special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    inner.train_from_iterator(_training_texts(paths), trainer=trainer)
+    tokenizer = Tokenizer(inner)
+    if out_dir is not None:
+        tokenizer.save(out_dir)
+    return tokenizer
+
+
+def _training_texts(paths: list[Path]) -> Iterator[str]:
+    for path in paths:
+        if path.suffix.lower() in PLAIN_TEXT_SUFFIXES:
+            yield from _plain_text_blocks(path)
+        else:
+            yield from _jsonl_texts(path)
+
+
+def _jsonl_texts(path: Path) -> Iterator[str]:
+    """Every text a model will see in this file: pretrain text, message contents of SFT and DPO records."""
+    found = False
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            record = parse_line(raw, None, path, line_no)
+            if record is None:
+                continue
+            found = True
+            kind = detect_kind(record)
+            if kind == "pretrain":
+                yield record["text"]
+            elif kind == "sft":
+                for message in record["conversations"]:
+                    yield message["content"]
+            else:  # dpo: the shared prefix once, then both final answers
+                for message in record["chosen"]:
+                    yield message["content"]
+                yield record["rejected"][-1]["content"]
+    if not found:
+        raise DataError("has no records", path)
+
+
+def _plain_text_blocks(path: Path) -> Iterator[str]:
+    """~1 MB blocks of a text file, cut after a newline, decoded incrementally (never the whole file)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    carry, line_no = "", 1
+    with open(path, "rb") as f:
+        while True:
+            raw = f.read(_TEXT_BLOCK_BYTES)
+            try:
+                text = carry + decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError:
+                raise DataError("invalid UTF-8; re-encode the file as UTF-8", path, line_no) from None
+            if not raw:
+                if text:
+                    yield text
+                return
+            cut = text.rfind("\n") + 1
+            if cut == 0 and len(text) < 4 * _TEXT_BLOCK_BYTES:
+                carry = text  # no newline yet: keep reading, up to a bound for one-line files
+                continue
+            cut = cut or len(text)
+            line_no += text.count("\n", 0, cut)
+            yield text[:cut]
+            carry = text[cut:]

@@ -1,0 +1,81 @@
+"""Shared fixtures: the real test data beside the repo, and a small tokenizer trained on it.
+
+The data lives in ../shared/data (see its README.md); it is never copied into the repo. Tests that need it
+skip with the reason when it is absent, unless NANOFORGE_REQUIRE_SHARED=1 (CI sets it) makes that a failure.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def _missing_shared_data(what: str = "this test") -> None:
+    """Skip (or fail under NANOFORGE_REQUIRE_SHARED=1) because ../shared/data is not there."""
+    reason = (f"{what} needs the shared test data at {SHARED_DATA} (a checkout of the project's shared/ "
+              "folder beside the repo); it is absent")
+    if os.environ.get("NANOFORGE_REQUIRE_SHARED") == "1":
+        pytest.fail(reason + " and NANOFORGE_REQUIRE_SHARED=1 is set")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """Path to ../shared/data; skips the test when it is absent (fails when NANOFORGE_REQUIRE_SHARED=1)."""
+    if not SHARED_DATA.is_dir():
+        _missing_shared_data()
+    return SHARED_DATA
+
+
+# A few lines of our own, so tokenizer-dependent tests still run on a machine without ../shared.
+_FALLBACK_TEXTS = [
+    "Once upon a time there was a little robot who liked to count the stars at night.",
+    "The quick brown fox jumps over the lazy dog, and the dog does not mind at all.",
+    "春天来了，小河里的冰化了，岸边的柳树也发芽了。",
+    "我们明天一起去图书馆看书吧，那里很安静。",
+    "Numbers like 3.14159 and 2024 appear in text too; so do symbols: #, %, & and emoji 🙂.",
+]
+
+
+def _write_fallback_corpus(directory: Path) -> list[Path]:
+    pretrain = directory / "fallback_pretrain.jsonl"
+    with open(pretrain, "w", encoding="utf-8") as f:
+        for i in range(200):
+            f.write(json.dumps({"text": f"{_FALLBACK_TEXTS[i % len(_FALLBACK_TEXTS)]} ({i})"},
+                               ensure_ascii=False) + "\n")
+    sft = directory / "fallback_sft.jsonl"
+    with open(sft, "w", encoding="utf-8") as f:
+        for i in range(50):
+            conversation = [{"role": "user", "content": _FALLBACK_TEXTS[i % 5]},
+                            {"role": "assistant", "content": _FALLBACK_TEXTS[(i + 1) % 5]}]
+            f.write(json.dumps({"conversations": conversation}, ensure_ascii=False) + "\n")
+    return [pretrain, sft]
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    """Directory of a vocab-512 byte-level BPE tokenizer trained on ../shared/data/tiny/*.jsonl (or, without
+    the shared data, on a small corpus written here)."""
+    from nanoforge.tokenizer import train_tokenizer
+
+    work = tmp_path_factory.mktemp("tiny_tokenizer")
+    if SHARED_DATA.is_dir():
+        files = sorted((SHARED_DATA / "tiny").glob("*.jsonl"))
+    elif os.environ.get("NANOFORGE_REQUIRE_SHARED") == "1":
+        _missing_shared_data("tiny_tokenizer")
+    else:
+        files = _write_fallback_corpus(work)
+    train_tokenizer(files, vocab_size=512, out_dir=work / "tokenizer")
+    return work / "tokenizer"
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_tokenizer_dir):
+    """The tiny tokenizer (nanoforge.tokenizer.Tokenizer); its files are in the `tiny_tokenizer_dir` fixture."""
+    from nanoforge.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_tokenizer_dir)

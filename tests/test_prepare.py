@@ -1,0 +1,390 @@
+"""prepare: JSONL -> shards end to end, parallel == serial byte for byte, atomic on errors; the memmap reader;
+and the deterministic, resumable batch sources."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from nanoforge.data.batches import PretrainBatches, eval_batches
+from nanoforge.data.jsonl import DataError
+from nanoforge.data.shards import TokenShards, check_tokenizer, prepare_dataset
+from nanoforge.errors import NanoforgeError
+from nanoforge.tokenizer import Tokenizer, train_tokenizer
+
+QUIET = dict(log=lambda message: None)
+
+
+def is_val(i: int, fraction: float) -> bool:
+    return math.floor((i + 1) * fraction) > math.floor(i * fraction)
+
+
+def read_texts(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line)["text"] for line in f if line.strip()]
+
+
+def write_pretrain(path, texts):
+    with open(path, "w", encoding="utf-8") as f:
+        for text in texts:
+            f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+    return path
+
+
+def leftovers(parent, name):
+    """Temporary or old directories a prepare run left next to out_dir."""
+    return [p.name for p in parent.iterdir() if p.name.startswith(f".{name}.")]
+
+
+@pytest.fixture
+def pretrain_file(shared_data):
+    return shared_data / "tiny" / "pretrain_tiny.jsonl"
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, shared_data, tiny_tokenizer):
+    """tiny pretrain data prepared once, with small shards so that reads cross shard boundaries."""
+    out = tmp_path_factory.mktemp("prepared") / "pre"
+    prepare_dataset("pretrain", [shared_data / "tiny" / "pretrain_tiny.jsonl"], tiny_tokenizer, out,
+                    val_fraction=0.05, workers=1, max_shard_tokens=20_000, **QUIET)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- prepare
+
+
+def test_prepare_pretrain_end_to_end(prepared, pretrain_file, tiny_tokenizer):
+    texts = read_texts(pretrain_file)
+    manifest = json.loads((prepared / "manifest.json").read_text(encoding="utf-8"))
+    val_docs = [i for i in range(len(texts)) if is_val(i, 0.05)]
+    assert len(val_docs) == 10 and val_docs[:2] == [19, 39]
+
+    assert manifest["kind"] == "pretrain" and manifest["dtype"] == "uint16" and manifest["format_version"] == 1
+    assert manifest["tokenizer"] == {"sha256": tiny_tokenizer.sha256, "vocab_size": 512, "eos_id": 0}
+    [source] = manifest["sources"]
+    assert source == {"path": str(pretrain_file.resolve()), "bytes": pretrain_file.stat().st_size,
+                      "sha256": hashlib.sha256(pretrain_file.read_bytes()).hexdigest(), "records": 200,
+                      "skipped": 0}
+    assert manifest["stats"]["tokens_per_s"] > 0 and manifest["stats"]["mb_per_s"] > 0 and manifest["created"]
+
+    expected = {"train": [], "val": []}
+    for i, text in enumerate(texts):
+        expected["val" if is_val(i, 0.05) else "train"].append(text)
+    for split, split_texts in expected.items():
+        shards = TokenShards(prepared, split)
+        entry = manifest["splits"][split]
+        docs = [tiny_tokenizer.encode(t) + [tiny_tokenizer.eos_id] for t in split_texts]
+        assert shards.num_docs == entry["docs"] == len(split_texts)
+        assert shards.num_tokens == entry["tokens"] == sum(map(len, docs))
+        assert shards.num_bytes == entry["bytes"] == sum(len(t.encode("utf-8")) for t in split_texts)
+        assert shards.dtype == np.uint16
+        for i, doc in enumerate(docs):
+            tokens, mask = shards.doc(i)
+            assert tokens.tolist() == doc and mask is None
+        stream = [t for doc in docs for t in doc]
+        assert shards.read(0, shards.num_tokens).tolist() == stream
+        for shard in entry["shards"]:
+            assert (prepared / f"{shard['name']}.bin").stat().st_size == 2 * shard["tokens"]
+            assert (prepared / f"{shard['name']}.idx").stat().st_size == 8 * (shard["docs"] + 1)
+    assert len(manifest["splits"]["train"]["shards"]) >= 5  # small shards, so the reads above crossed them
+
+
+def test_reads_across_shard_boundaries(prepared):
+    shards = TokenShards(prepared, "train")
+    everything = shards.read(0, shards.num_tokens)
+    boundary = int(shards._token_starts[1])
+    for start, length in ((boundary - 3, 7), (0, 1), (boundary, 20_001), (shards.num_tokens - 5, 5)):
+        assert shards.read(start, length).tolist() == everything[start:start + length].tolist()
+    with pytest.raises(IndexError):
+        shards.read(shards.num_tokens - 2, 3)
+
+
+def test_prepared_dir_is_self_contained(prepared, tiny_tokenizer, tmp_path):
+    from nanoforge.tokenizer import load_tokenizer
+
+    assert load_tokenizer(prepared / "tokenizer").sha256 == tiny_tokenizer.sha256
+    check_tokenizer(prepared, tiny_tokenizer)
+    other = write_pretrain(tmp_path / "other.jsonl", ["a different corpus entirely"] * 20)
+    with pytest.raises(NanoforgeError, match="prepared with a different tokenizer"):
+        check_tokenizer(prepared, train_tokenizer([other], vocab_size=300))
+
+
+def test_parallel_output_is_byte_identical(tmp_path, shared_data, tiny_tokenizer):
+    files = [shared_data / "tiny" / "pretrain_tiny.jsonl", shared_data / "minimind" / "pretrain_zh_guwen.jsonl"]
+    outputs = []
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        outputs.append((out, prepare_dataset("pretrain", files, tiny_tokenizer, out, workers=workers,
+                                             chunk_bytes=32 << 10, max_shard_tokens=200_000, **QUIET)))
+    (a, manifest_a), (b, manifest_b) = outputs
+    names = sorted(p.name for p in a.iterdir() if p.is_file() and p.name != "manifest.json")
+    assert names == sorted(p.name for p in b.iterdir() if p.is_file() and p.name != "manifest.json")
+    assert any(n.startswith("val_") for n in names) and len([n for n in names if n.endswith(".bin")]) > 2
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    for manifest in (manifest_a, manifest_b):
+        del manifest["stats"], manifest["created"]
+    assert manifest_a == manifest_b
+
+
+def test_bad_line_fails_with_file_and_line_and_leaves_nothing(tmp_path, tiny_tokenizer):
+    texts = [f"document number {i} " * 20 for i in range(400)]
+    data = write_pretrain(tmp_path / "data.jsonl", texts)
+    lines = data.read_text(encoding="utf-8").splitlines(keepends=True)
+    lines[299] = '{"text": 17}\n'  # line 300, in a later chunk than line 1
+    lines[349] = "{broken\n"  # also bad, but later: the first bad line in input order is reported
+    data.write_text("".join(lines), encoding="utf-8")
+    out = tmp_path / "out"
+    for workers in (1, 2):
+        with pytest.raises(DataError) as caught:
+            prepare_dataset("pretrain", [data], tiny_tokenizer, out, workers=workers, chunk_bytes=16 << 10, **QUIET)
+        assert str(caught.value).startswith(f'{data}:300: "text": must be a string')
+        assert (caught.value.line, caught.value.field) == (300, '"text"')
+        assert not out.exists() and leftovers(tmp_path, "out") == []
+
+
+def test_failed_rerun_leaves_the_old_output_untouched(tmp_path, pretrain_file, tiny_tokenizer):
+    out = tmp_path / "out"
+    prepare_dataset("pretrain", [pretrain_file], tiny_tokenizer, out, workers=1, **QUIET)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": ""}\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: \"text\": is empty"):
+        prepare_dataset("pretrain", [bad], tiny_tokenizer, out, workers=2, force=True, **QUIET)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert leftovers(tmp_path, "out") == []
+
+
+def test_existing_output_needs_force(tmp_path, pretrain_file, tiny_tokenizer):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("someone's file", encoding="utf-8")
+    with pytest.raises(NanoforgeError, match="not empty; pass --force"):
+        prepare_dataset("pretrain", [pretrain_file], tiny_tokenizer, out, **QUIET)
+    assert (out / "keep.txt").exists()
+    prepare_dataset("pretrain", [pretrain_file], tiny_tokenizer, out, force=True, workers=1, **QUIET)
+    assert not (out / "keep.txt").exists() and (out / "manifest.json").exists()
+    assert leftovers(tmp_path, "out") == []
+    empty = tmp_path / "empty"
+    empty.mkdir()  # an empty directory is fine without force
+    prepare_dataset("pretrain", [pretrain_file], tiny_tokenizer, empty, workers=1, **QUIET)
+
+
+def test_interrupt_cleans_up(tmp_path, pretrain_file, tiny_tokenizer):
+    def interrupt(message):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        prepare_dataset("pretrain", [pretrain_file], tiny_tokenizer, tmp_path / "out", workers=1, log=interrupt)
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path, "out") == []
+
+
+def test_skip_invalid_counts_skipped_records(tmp_path, tiny_tokenizer):
+    data = tmp_path / "mixed.jsonl"
+    data.write_text('{"text": "one"}\n{"text": ""}\nnot json\n{"text": "two"}\n{"txt": "three"}\n', encoding="utf-8")
+    messages = []
+    manifest = prepare_dataset("pretrain", [data], tiny_tokenizer, tmp_path / "out", skip_invalid=True,
+                               workers=1, val_fraction=0.0, log=messages.append)
+    assert manifest["sources"][0]["records"] == 2 and manifest["sources"][0]["skipped"] == 3
+    assert manifest["splits"]["train"]["docs"] == 2 and manifest["splits"]["val"]["docs"] == 0
+    log = "\n".join(messages)
+    assert "skipped 3 invalid" in log and f"{data}:2:" in log and f"{data}:3:" in log
+
+
+def test_input_problems_are_reported_before_any_work(tmp_path, tiny_tokenizer):
+    with pytest.raises(DataError, match="no such file"):
+        prepare_dataset("pretrain", [tmp_path / "missing.jsonl"], tiny_tokenizer, tmp_path / "out", **QUIET)
+    with pytest.raises(NanoforgeError, match="val_fraction"):
+        prepare_dataset("pretrain", [tmp_path], tiny_tokenizer, tmp_path / "out", val_fraction=1.5, **QUIET)
+    with pytest.raises(NanoforgeError, match="not implemented yet"):
+        prepare_dataset("dpo", [tmp_path], tiny_tokenizer, tmp_path / "out", **QUIET)
+    assert not (tmp_path / "out").exists()
+
+
+def test_large_vocabulary_uses_uint32(tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+    # byte symbols placed above 65536 so the ids only fit uint32
+    vocab = {f"<unused{i}>": i for i in range(70_000)}
+    for symbol in pre_tokenizers.ByteLevel.alphabet():
+        vocab[symbol] = len(vocab)
+    inner = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    inner.decoder = decoders.ByteLevel()
+    inner.add_special_tokens(["<|endoftext|>"])
+    tok = Tokenizer(inner)
+    data = write_pretrain(tmp_path / "d.jsonl", ["big ids", "更大的词表"])
+    manifest = prepare_dataset("pretrain", [data], tok, tmp_path / "out", val_fraction=0.0, workers=1, **QUIET)
+    assert manifest["dtype"] == "uint32"
+    shards = TokenShards(tmp_path / "out", "train")
+    assert shards.doc(1)[0].tolist() == tok.encode("更大的词表") + [tok.eos_id]
+    assert max(shards.read(0, shards.num_tokens)) > 65_535
+
+
+def test_sft_prepare_stores_the_assistant_mask(tmp_path, shared_data, tiny_tokenizer):
+    data = shared_data / "tiny" / "sft_tiny.jsonl"
+    manifest = prepare_dataset("sft", [data], tiny_tokenizer, tmp_path / "sft", val_fraction=0.1, workers=2,
+                               chunk_bytes=32 << 10, **QUIET)
+    with open(data, encoding="utf-8") as f:
+        conversations = [json.loads(line)["conversations"] for line in f]
+    train = [c for i, c in enumerate(conversations) if not is_val(i, 0.1)]
+    shards = TokenShards(tmp_path / "sft", "train")
+    assert shards.num_docs == len(train) == manifest["splits"]["train"]["docs"]
+    assert (tmp_path / "sft" / "train_00000.mask").stat().st_size == shards.num_tokens
+    for i, conversation in enumerate(train):
+        ids, mask = tiny_tokenizer.render_chat(conversation)
+        tokens, stored_mask = shards.doc(i)
+        assert tokens.tolist() == ids and stored_mask.tolist() == mask
+    assert shards.read_mask(0, 10).dtype == np.uint8
+
+
+def test_sft_prepare_reports_unmaskable_conversations(tmp_path):
+    corpus = tmp_path / "newlines.txt"
+    corpus.write_text("a\n\n\nb\n" * 500, encoding="utf-8")
+    tok = train_tokenizer([corpus], vocab_size=300)
+    data = tmp_path / "sft.jsonl"
+    good = {"conversations": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    bad = {"conversations": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "\n\nb"}]}
+    data.write_text("\n".join(json.dumps(r) for r in (good, bad, good)) + "\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r'sft\.jsonl:2: "conversations": token .* crosses the edge'):
+        prepare_dataset("sft", [data], tok, tmp_path / "out", workers=1, **QUIET)
+    manifest = prepare_dataset("sft", [data], tok, tmp_path / "out", workers=1, skip_invalid=True, **QUIET)
+    assert manifest["sources"][0]["skipped"] == 1 and manifest["sources"][0]["records"] == 2
+
+
+# ---------------------------------------------------------------------------------------------- reader
+
+
+def test_corrupt_or_missing_shards_are_named(tmp_path, pretrain_file, tiny_tokenizer):
+    out = tmp_path / "out"
+    prepare_dataset("pretrain", [pretrain_file], tiny_tokenizer, out, workers=1, **QUIET)
+    TokenShards(out, "train")
+    with open(out / "train_00000.bin", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(NanoforgeError, match=r"train_00000\.bin: 10 bytes but the manifest says"):
+        TokenShards(out, "train")
+    (out / "val_00000.idx").unlink()
+    with pytest.raises(NanoforgeError, match=r"val_00000\.idx: missing"):
+        TokenShards(out, "val")
+    with pytest.raises(NanoforgeError, match="no split 'test'"):
+        TokenShards(out, "test")
+    manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
+    manifest["format_version"] = 99
+    (out / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    with pytest.raises(NanoforgeError, match="format version 99"):
+        TokenShards(out, "train")
+    with pytest.raises(NanoforgeError, match="no manifest.json"):
+        TokenShards(tmp_path, "train")
+
+
+# ---------------------------------------------------------------------------------------------- batches
+
+
+def take(batches, n):
+    return [batches.next_batch() for _ in range(n)]
+
+
+def same(a, b):
+    return all(torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["labels"], y["labels"])
+               for x, y in zip(a, b, strict=True))
+
+
+def test_pretrain_batches_shapes_and_windows(prepared):
+    shards = TokenShards(prepared, "train")
+    batches = PretrainBatches(shards, batch_size=4, seq_len=64, seed=3)
+    batch = batches.next_batch()
+    assert batch["input_ids"].shape == batch["labels"].shape == (4, 64)
+    assert batch["input_ids"].dtype == batch["labels"].dtype == torch.int64
+    assert torch.equal(batch["input_ids"][:, 1:], batch["labels"][:, :-1])
+    first_window = int(torch.randperm(batches.num_windows, generator=torch.Generator().manual_seed(3))[0])
+    expected = shards.read(first_window * 64, 65).astype(np.int64)
+    assert batch["input_ids"][0].tolist() == expected[:-1].tolist()
+    assert batch["labels"][0].tolist() == expected[1:].tolist()
+
+
+def test_pretrain_batches_cover_each_window_once_per_epoch(prepared):
+    shards = TokenShards(prepared, "train")
+    batches = PretrainBatches(shards, batch_size=8, seq_len=512, seed=0)
+    windows = batches.num_windows
+    assert windows % 8  # the epoch does not divide evenly: the last batch runs into epoch 1
+    starts = []
+    for batch in take(batches, math.ceil(windows / 8)):
+        starts += [row[0] for row in batch["input_ids"].tolist()]
+    everything = shards.read(0, shards.num_tokens)
+    first_tokens = sorted(int(everything[k * 512]) for k in range(windows))
+    assert sorted(starts[:windows]) == first_tokens
+    assert batches.epoch == 1 and batches.cursor == 8 - windows % 8
+
+
+def test_pretrain_batches_are_deterministic_and_resume_exactly(prepared):
+    shards = TokenShards(prepared, "train")
+    reference = take(PretrainBatches(shards, batch_size=8, seq_len=512, seed=7), 70)  # ~2.5 epochs
+    assert same(reference, take(PretrainBatches(shards, batch_size=8, seq_len=512, seed=7), 70))
+    assert not same(reference[:3], take(PretrainBatches(shards, batch_size=8, seq_len=512, seed=8), 3))
+    for stop in (1, 27, 28, 29, 55):
+        first = PretrainBatches(shards, batch_size=8, seq_len=512, seed=7)
+        take(first, stop)
+        state = json.loads(json.dumps(first.state_dict()))  # as stored in a checkpoint
+        resumed = PretrainBatches(shards, batch_size=8, seq_len=512, seed=7)
+        resumed.load_state_dict(state)
+        assert same(reference[stop:], take(resumed, 70 - stop)), stop
+
+
+def test_ranks_split_the_global_batch(prepared):
+    shards = TokenShards(prepared, "train")
+    single = take(PretrainBatches(shards, batch_size=6, seq_len=128, seed=1), 5)
+    ranks = [take(PretrainBatches(shards, batch_size=3, seq_len=128, seed=1, rank=r, world_size=2), 5)
+             for r in range(2)]
+    for step in range(5):
+        joined = torch.cat([ranks[0][step]["input_ids"], ranks[1][step]["input_ids"]])
+        assert torch.equal(joined, single[step]["input_ids"])
+
+
+def test_batch_errors_say_what_to_change(prepared):
+    shards = TokenShards(prepared, "val")
+    with pytest.raises(NanoforgeError, match="at least .* tokens; add data or lower --batch-size"):
+        PretrainBatches(shards, batch_size=64, seq_len=512, seed=0)
+    batches = PretrainBatches(TokenShards(prepared, "train"), batch_size=2, seq_len=64, seed=0)
+    state = batches.state_dict()
+    other = PretrainBatches(TokenShards(prepared, "train"), batch_size=2, seq_len=32, seed=0)
+    with pytest.raises(NanoforgeError, match="seq_len=64 but this run has seq_len=32"):
+        other.load_state_dict(state)
+
+
+def test_eval_batches_are_consecutive_and_repeatable(prepared):
+    shards = TokenShards(prepared, "val")
+    evaluation = eval_batches(shards, batch_size=4, seq_len=64, max_batches=3)
+    batches = list(evaluation)
+    assert len(batches) == len(evaluation) == 3
+    assert same(batches, list(evaluation))
+    assert batches[0]["input_ids"][1].tolist() == shards.read(64, 64).astype(np.int64).tolist()
+    assert batches[2]["labels"][3].tolist() == shards.read(11 * 64 + 1, 64).astype(np.int64).tolist()
+    assert evaluation.bytes_per_token == pytest.approx(shards.num_bytes / shards.num_tokens)
+    small = eval_batches(shards, batch_size=4, seq_len=1024, max_batches=100)
+    windows = (shards.num_tokens - 1) // 1024
+    assert sum(len(b["input_ids"]) for b in small) == windows  # a short last batch, nothing dropped
+    with pytest.raises(NanoforgeError, match="fewer than one window"):
+        eval_batches(shards, batch_size=1, seq_len=shards.num_tokens, max_batches=1)
+
+
+def test_parallel_reading_stays_bounded(tmp_path, tiny_tokenizer):
+    """The reader must not run ahead of the workers (Pool.imap would read the whole input into memory)."""
+    from nanoforge.data.shards import ChunkTask, _run_chunks
+
+    pulled = []
+
+    def tasks():
+        for i in range(40):
+            pulled.append(i)
+            yield ChunkTask("pretrain", 0, "mem.jsonl", 1 + i, b'{"text": "some text"}\n', False)
+
+    results = _run_chunks(tasks(), tiny_tokenizer, workers=2)
+    first = next(results)
+    assert first.doc_lens.tolist() == [len(tiny_tokenizer.encode("some text")) + 1]
+    assert len(pulled) <= 2 * 2 + 1
+    assert sum(len(r.doc_lens) for r in results) == 39
+    assert len(pulled) == 40
