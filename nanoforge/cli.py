@@ -11,10 +11,11 @@ from nanoforge.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, ModelConfig, T
 from nanoforge.errors import NanoforgeError
 
 
-def add_config_flags(p: argparse.ArgumentParser) -> None:
+def add_config_flags(p: argparse.ArgumentParser, presets: bool = True) -> None:
     """--preset, --config and one --field-name flag per config field, defaults shown in --help."""
-    p.add_argument("--preset", choices=sorted(PRESETS), help="model/training preset (default: mini when no "
-                   "--config is given)")
+    if presets:
+        p.add_argument("--preset", choices=sorted(PRESETS), help="model/training preset (default: mini when no "
+                       "--config is given)")
     p.add_argument("--config", metavar="FILE.toml", help="TOML file with [model] and [train] sections")
     for title, cls, names in (("model", ModelConfig, MODEL_FIELDS), ("training", TrainConfig, TRAIN_FIELDS)):
         group = p.add_argument_group(f"{title} config fields (override preset and --config)")
@@ -80,6 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--tokenizer", metavar="DIR", help="tokenizer for raw JSONL (default: train one on the data)")
     pre.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(pre)
+
+    sft = sub.add_parser("sft", help="supervised fine-tuning on conversations (loss on assistant replies)",
+                         formatter_class=fmt)
+    sft.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the pretrained run or checkpoint to start from")
+    sft.add_argument("--data", nargs="*", default=[], metavar="PATH",
+                     help="a directory from `prepare --kind sft`, or conversation JSONL files")
+    sft.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
+    sft.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    sft.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_config_flags(sft, presets=False)
     return parser
 
 
@@ -113,6 +124,11 @@ def run(args: argparse.Namespace) -> int:
                            overrides=config_overrides(args), resume=args.resume, tokenizer=args.tokenizer,
                            quiet=args.quiet)
         print(f"pretrain finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
+    elif args.command == "sft":
+        from nanoforge.train.stages import sft
+        summary = sft(args.init, args.data, args.out, config_file=args.config, overrides=config_overrides(args),
+                      resume=args.resume, quiet=args.quiet)
+        print(f"sft finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
     return 0
 
 

@@ -8,6 +8,7 @@ uninterrupted run would have seen.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
@@ -134,3 +135,194 @@ def eval_batches(shards: TokenShards, batch_size: int, seq_len: int, max_batches
     """At most max_batches batches of consecutive windows from the start of `shards`; re-iterable, with
     `.bytes_per_token` for bits per byte."""
     return EvalBatches(shards, batch_size, seq_len, max_batches)
+
+
+# ---------------------------------------------------------------------------------------------- SFT packing
+
+IGNORE = -100  # label of positions without loss (prompt tokens, padding); matches train.objectives.IGNORE
+
+
+@dataclass
+class PackingReport:
+    """What packing did to the conversations of a split, for the log and for docs/perf.md."""
+    conversations: int = 0
+    truncated: int = 0  # longer than the window: cut after the last assistant turn that fits
+    skipped: int = 0  # not even the first assistant reply fits, or nothing to learn from
+    rows: int = 0
+    positions: int = 0  # rows * seq_len
+    real: int = 0  # positions holding a conversation token
+
+    @property
+    def padding_fraction(self) -> float:
+        return 1.0 - self.real / max(self.positions, 1)
+
+    def summary(self, seq_len: int) -> str:
+        return (f"{self.conversations:,} conversations -> {self.rows:,} packed rows of {seq_len} "
+                f"(padding {100 * self.padding_fraction:.1f}%)"
+                f"; {self.truncated:,} truncated at a turn boundary, {self.skipped:,} skipped as too long")
+
+
+def fit_to_window(mask: np.ndarray, window: int) -> int:
+    """Length to keep of a conversation whose loss mask is `mask`, so that it fits `window` tokens: the whole
+    thing if it fits, else the end of the last assistant turn (its <|im_end|>, mask 1 followed by 0) that
+    fits, never a cut inside a reply. 0 means no assistant turn fits: skip the conversation."""
+    n = len(mask)
+    if n <= window:
+        return n if mask[1:].any() else 0  # the first token is never a label
+    m = mask[:window + 1].astype(np.int8)
+    ends = np.flatnonzero((m[:-1] == 1) & (m[1:] == 0)) + 1  # cut points right after an assistant turn
+    return int(ends[-1]) if len(ends) else 0
+
+
+def pack_rows(lengths: np.ndarray, order: np.ndarray, capacity: int, lookahead: int = 64) -> list[list[int]]:
+    """Group documents into rows of at most `capacity` positions: best fit within a window of the next
+    `lookahead` documents of `order`. Deterministic; order within the window is kept by stable ties.
+
+    Plain next-fit (start a new row when the next document does not fit) wastes half a conversation per row
+    on average, ~15% on chat data; best fit over a small window brings it to a few percent while the order
+    stays close to the shuffled one."""
+    import bisect
+    rows: list[list[int]] = []
+    pool: list[tuple[int, int, int]] = []  # (length, arrival, doc) sorted by length
+    it = iter(order.tolist())
+    arrival = 0
+
+    def refill():
+        nonlocal arrival
+        while len(pool) < lookahead:
+            doc = next(it, None)
+            if doc is None:
+                return
+            bisect.insort(pool, (int(lengths[doc]), arrival, doc))
+            arrival += 1
+
+    refill()
+    while pool:
+        row, room = [], capacity
+        while pool:
+            i = bisect.bisect_right(pool, (room, float("inf"), 0)) - 1  # longest that fits
+            if i < 0:
+                break
+            length, _, doc = pool.pop(i)
+            row.append(doc)
+            room -= length
+            refill()
+        if not row:  # cannot happen: every length <= capacity
+            raise AssertionError("document longer than the row")
+        rows.append(row)
+    return rows
+
+
+class SFTBatches:
+    """Conversations packed whole into rows of seq_len positions, each attending only to itself.
+
+    Row layout: conversations back to back, then padding. For a conversation of n tokens the row holds its
+    first n-1 tokens as inputs and the next tokens as labels, kept only where the loss mask is 1 (the
+    assistant replies and their <|im_end|>). `segment_ids` tell the model where each conversation starts,
+    so attention is block-diagonal and positions restart at 0: packing changes nothing about what each
+    conversation computes, only how little padding is wasted (MiniMind pads every row to the maximum).
+
+    Order: a seeded permutation of the conversations per epoch, packed by `pack_rows`; the state is
+    (epoch, row cursor) and the rows are recomputed identically on resume. shuffle=False packs in file order
+    (for validation).
+    """
+
+    def __init__(self, shards: TokenShards, batch_size: int, seq_len: int, seed: int = 0, rank: int = 0,
+                 world_size: int = 1, shuffle: bool = True, pad_id: int = 0):
+        _check_positive(batch_size=batch_size, seq_len=seq_len, world_size=world_size)
+        if not shards.has_mask:
+            raise NanoforgeError(f"{shards.directory}: prepared as {shards.kind!r} data; SFT needs "
+                                 f"`nanoforge prepare --kind sft`")
+        self.shards, self.batch_size, self.seq_len = shards, batch_size, seq_len
+        self.seed, self.rank, self.world_size, self.shuffle, self.pad_id = int(seed), rank, world_size, shuffle, pad_id
+        self.offsets = shards.doc_offsets()  # (D+1,)
+        full = np.diff(self.offsets)  # tokens per conversation
+        keep = full.copy()
+        report = PackingReport(conversations=len(full))
+        for i in np.flatnonzero(full > seq_len + 1):  # only long ones need their mask read
+            keep[i] = fit_to_window(shards.read_mask(int(self.offsets[i]), int(full[i])), seq_len + 1)
+            if keep[i]:
+                report.truncated += 1
+        self.keep = keep  # tokens used per conversation (0 = skipped)
+        self.usable = np.flatnonzero(keep >= 2)
+        report.skipped = len(full) - len(self.usable)
+        self.report = report
+        if len(self.usable) == 0:
+            raise NanoforgeError(f"{shards.directory} ({shards.split}): no conversation fits a window of "
+                                 f"{seq_len} tokens with an assistant reply; raise --seq-len")
+        self.epoch, self.cursor = 0, 0
+        self._rows_epoch, self._rows = None, None
+        rows = self._rows_for(0)
+        report.rows = len(rows)
+        report.positions = len(rows) * seq_len
+        report.real = int((keep[self.usable] - 1).sum())
+        if len(rows) < batch_size * world_size and shuffle:
+            raise NanoforgeError(f"{shards.directory} ({shards.split}) packs into {len(rows)} rows of {seq_len}, "
+                                 f"fewer than one step needs ({batch_size} x {world_size}); add data or lower "
+                                 f"--batch-size / --seq-len")
+
+    def _rows_for(self, epoch: int) -> list[list[int]]:
+        if self._rows_epoch != epoch:
+            if self.shuffle:
+                perm = torch.randperm(len(self.usable), generator=torch.Generator().manual_seed(self.seed + epoch))
+                order = self.usable[perm.numpy()]
+            else:
+                order = self.usable
+            self._rows = pack_rows(self.keep - 1, order, self.seq_len)
+            self._rows_epoch = epoch
+        return self._rows
+
+    def _row(self, docs: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        T = self.seq_len
+        ids = np.full(T, self.pad_id, dtype=np.int64)
+        labels = np.full(T, IGNORE, dtype=np.int64)
+        segments = np.full(T, -1, dtype=np.int64)
+        pos = 0
+        for s, doc in enumerate(docs):
+            n = int(self.keep[doc])
+            start = int(self.offsets[doc])
+            tokens = self.shards.read(start, n).astype(np.int64)
+            mask = self.shards.read_mask(start, n).astype(bool)
+            ids[pos:pos + n - 1] = tokens[:-1]
+            labels[pos:pos + n - 1] = np.where(mask[1:], tokens[1:], IGNORE)
+            segments[pos:pos + n - 1] = s
+            pos += n - 1
+        return ids, labels, segments
+
+    def _batch(self, rows: list[list[int]]) -> dict[str, torch.Tensor]:
+        built = [self._row(r) for r in rows]
+        return {"input_ids": torch.from_numpy(np.stack([b[0] for b in built])),
+                "labels": torch.from_numpy(np.stack([b[1] for b in built])),
+                "segment_ids": torch.from_numpy(np.stack([b[2] for b in built]))}  # (B, T) each
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        step_rows = []
+        needed = self.batch_size * self.world_size
+        while needed:
+            rows = self._rows_for(self.epoch)
+            take = min(needed, len(rows) - self.cursor)
+            step_rows.extend(rows[self.cursor:self.cursor + take])
+            self.cursor += take
+            needed -= take
+            if self.cursor == len(rows):
+                self.epoch, self.cursor = self.epoch + 1, 0
+        return self._batch(step_rows[self.rank * self.batch_size:(self.rank + 1) * self.batch_size])
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "seq_len": self.seq_len,
+                "conversations": int(len(self.keep))}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, have in (("seed", self.seed), ("seq_len", self.seq_len), ("conversations", len(self.keep))):
+            if key in state and state[key] != have:
+                raise NanoforgeError(f"cannot resume the data position: it was saved with {key}={state[key]} but "
+                                     f"this run has {key}={have}; use the same data, --seq-len and --seed")
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        if self.cursor >= len(self._rows_for(self.epoch)):
+            raise NanoforgeError(f"invalid data position in checkpoint: epoch {self.epoch}, row {self.cursor}")
+
+    def eval_batches(self, max_batches: int) -> Iterator[dict[str, torch.Tensor]]:
+        """The first max_batches batches of rows in file order (for validation; use shuffle=False)."""
+        rows = self._rows_for(0)
+        for start in range(0, min(len(rows), max_batches * self.batch_size), self.batch_size):
+            yield self._batch(rows[start:start + self.batch_size])

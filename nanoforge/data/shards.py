@@ -594,6 +594,11 @@ class TokenShards:
             return np.zeros(0, dtype=arrays[0].dtype if arrays else self.dtype)
         return np.concatenate(parts) if len(parts) > 1 else np.array(parts[0])
 
+    def doc_offsets(self) -> np.ndarray:
+        """Start offset of every document in the split's flat stream, plus the end: (num_docs + 1,) int64."""
+        parts = [idx[:-1] + int(start) for idx, start in zip(self._idx, self._token_starts[:-1])]
+        return np.concatenate(parts + [np.array([self.num_tokens], dtype=np.int64)]).astype(np.int64)
+
     def doc(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Tokens (and the loss mask for sft, else None) of document i of the split."""
         if not 0 <= i < self.num_docs:

@@ -221,7 +221,7 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
 
     step_times: list[float] = []
     consecutive_bad = 0
-    window = {"loss": torch.zeros((), device=device), "steps": 0, "tokens": 0, "time": 0.0}
+    window = {"loss": torch.zeros((), device=device), "steps": 0, "tokens": 0, "supervised": 0, "time": 0.0}
     last_saved: Path | None = None
     summary: dict[str, Any] = {}
     stop_reason = "max_steps"
@@ -285,6 +285,7 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
                     window["loss"] += step_loss
                     window["steps"] += 1
                 window["tokens"] += n_tokens
+                window["supervised"] += n_supervised
                 window["time"] += dt
 
                 if step % tcfg.log_every == 0 or step == tcfg.max_steps:
@@ -292,6 +293,7 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
                     values: dict[str, Any] = {
                         "loss": (window["loss"] / max(window["steps"], 1)).item(),
                         "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s,
+                        "supervised_tokens_per_s": int(window["supervised"]) / max(window["time"], 1e-9),
                         "mfu": flops_per_token * tokens_per_s / peak if peak else 0.0,
                         "peak_mem_gb": peak_memory_bytes(device) / 1e9, "skipped_steps": st["skipped_steps"],
                     }
@@ -301,7 +303,8 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
                     recent = sorted(step_times[-50:])[len(step_times[-50:]) // 2]
                     log.log(step, values)
                     log.print(progress_line(step, tcfg.max_steps, values, recent * (tcfg.max_steps - step)))
-                    window = {"loss": torch.zeros((), device=device), "steps": 0, "tokens": 0, "time": 0.0}
+                    window = {"loss": torch.zeros((), device=device), "steps": 0, "tokens": 0, "supervised": 0,
+                              "time": 0.0}
 
                 evaluated = False
                 if stage.val_batches and tcfg.eval_every and (step % tcfg.eval_every == 0 or step == tcfg.max_steps):

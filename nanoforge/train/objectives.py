@@ -13,7 +13,7 @@ IGNORE = -100  # label value of tokens that carry no loss (prompt, padding)
 
 def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]):
     """Next-token cross-entropy over the positions whose label is not IGNORE (pretraining and SFT)."""
-    logits = model(batch["input_ids"])  # (B, T, V)
+    logits = model(batch["input_ids"], segment_ids=batch.get("segment_ids"))  # (B, T, V)
     labels = batch["labels"]  # (B, T)
     # float32 for the softmax: bf16 logits lose the small differences the loss is made of
     loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")

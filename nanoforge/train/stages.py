@@ -128,3 +128,74 @@ def pretrain(data: Sequence[str], out: str | Path, preset: str | None = None, co
     model = GPT(mcfg)
     stage = Stage("pretrain", batches, causal_lm_loss, val_batches, val_bpt, run_info)
     return train(stage, model, mcfg, tcfg, run_dir, resume=resume, quiet=quiet)
+
+
+# Training defaults of a fine-tuning stage, under the preset/--config/--field layers. A pretrained model has
+# found its basin; a tenth of the pretraining rate adapts it without wiping what it learned.
+SFT_DEFAULTS = {"lr": 5e-5, "warmup_steps": 20, "min_lr_ratio": 0.1, "weight_decay": 0.0, "max_steps": 500,
+                "eval_every": 50, "save_every": 200}
+
+
+def init_config(init: str | Path) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint --init points at, and the config it was trained with."""
+    from nanoforge.train import checkpoint as ckpt
+    path = ckpt.resolve_checkpoint(init)
+    return path, ckpt.load_state(path).get("config", {})
+
+
+def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str | None = None,
+        overrides: dict[str, Any] | None = None, resume: bool = False, quiet: bool = False) -> dict[str, Any]:
+    """`nanoforge sft`: next-token loss on assistant replies only, conversations packed without padding."""
+    from nanoforge.data.batches import SFTBatches
+    from nanoforge.data.shards import TokenShards, check_tokenizer
+    from nanoforge.model.gpt import GPT
+    from nanoforge.train import checkpoint as ckpt
+    from nanoforge.tokenizer import load_tokenizer
+
+    overrides = dict(overrides or {})
+    run_dir = Path(out)
+    if resume:
+        run_dir, mcfg, tcfg, saved_run, _ = open_run(out, True, None, config_file, overrides)
+        init_path = Path(saved_run["init"])
+        tokenizer_dir = run_dir / "tokenizer"
+    else:
+        if not init:
+            raise NanoforgeError("--init is required: the run directory or checkpoint to fine-tune")
+        init_path, init_cfg = init_config(init)
+        base = {"model": init_cfg.get("model", {}),
+                "train": {**SFT_DEFAULTS, "seq_len": init_cfg.get("train", {}).get("seq_len", 512)}}
+        shape = {k for k in base["model"] if k not in ("dropout",)}
+        changed = [k for k in overrides if k in shape and overrides[k] != base["model"][k]]
+        if changed:
+            raise NanoforgeError(f"the model shape comes from --init {init}; drop "
+                                 + ", ".join(f"--{k.replace('_', '-')}" for k in changed))
+        if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+            raise NanoforgeError(f"{run_dir} already holds a run; add --resume to continue it, or choose another --out")
+        mcfg, tcfg = build_config(None, config_file, overrides, base=base)
+        tokenizer_dir = init_path.parent.parent / "tokenizer"
+        saved_run = {}
+    tok = load_tokenizer(tokenizer_dir)
+    if resume and not data:
+        data_dir = Path(saved_run["data"])
+    else:
+        data_dir = resolve_data("sft", data, run_dir, str(tokenizer_dir), mcfg, tcfg, quiet)
+    check_tokenizer(data_dir, tok)
+    train_shards = TokenShards(data_dir, "train")
+    batches = SFTBatches(train_shards, tcfg.batch_size, tcfg.seq_len, tcfg.seed, pad_id=tok.pad_id)
+    if not quiet:
+        print(f"sft train: {batches.report.summary(tcfg.seq_len)}", flush=True)
+    val_batches = None
+    val_shards = TokenShards(data_dir, "val")
+    if val_shards.num_docs:
+        val = SFTBatches(val_shards, tcfg.batch_size, tcfg.seq_len, shuffle=False, pad_id=tok.pad_id)
+        val_batches = lambda: val.eval_batches(tcfg.eval_batches)  # noqa: E731
+
+    run_info = {"stage": "sft", "data": str(data_dir.resolve()), "tokenizer": "tokenizer",
+                "init": str(init_path.resolve()), "padding_fraction": round(batches.report.padding_fraction, 4)}
+    copy_tokenizer(tokenizer_dir, run_dir)
+    write_run_config(run_dir, mcfg, tcfg, run_info)
+    model = GPT(mcfg)
+    if not resume:
+        model.load_weights(ckpt.load_weights_file(init_path))
+    stage = Stage("sft", batches, causal_lm_loss, val_batches, None, run_info)
+    return train(stage, model, mcfg, tcfg, run_dir, resume=resume, quiet=quiet)
