@@ -91,7 +91,26 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     sft.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(sft, presets=False)
+
+    from nanoforge.infer import chat as chat_defaults
+    chat = sub.add_parser("chat", help="talk to a trained model in the terminal (streaming)", formatter_class=fmt)
+    chat.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint) or a checkpoint directory")
+    add_sampling_flags(chat, chat_defaults)
+    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--device", default=chat_defaults.DEFAULT_DEVICE, help="auto, cpu, cuda, cuda:N, mps")
+    chat.add_argument("--precision", default=chat_defaults.DEFAULT_PRECISION,
+                      choices=chat_defaults.PRECISION_CHOICES, help="inference precision")
     return parser
+
+
+def add_sampling_flags(p: argparse.ArgumentParser, defaults) -> None:
+    p.add_argument("--temperature", type=float, default=defaults.DEFAULT_TEMPERATURE, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=defaults.DEFAULT_TOP_K, help="0 disables")
+    p.add_argument("--top-p", type=float, default=defaults.DEFAULT_TOP_P, help="1.0 disables")
+    p.add_argument("--repetition-penalty", type=float, default=defaults.DEFAULT_REPETITION_PENALTY,
+                   help="1.0 disables")
+    p.add_argument("--max-new-tokens", type=int, default=defaults.DEFAULT_MAX_NEW_TOKENS, help="reply length cap")
+    p.add_argument("--seed", type=int, help="makes sampling reproducible")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,6 +148,11 @@ def run(args: argparse.Namespace) -> int:
         summary = sft(args.init, args.data, args.out, config_file=args.config, overrides=config_overrides(args),
                       resume=args.resume, quiet=args.quiet)
         print(f"sft finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
+    elif args.command == "chat":
+        from nanoforge.infer.chat import run_chat
+        run_chat(args.run, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                 repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_new_tokens,
+                 system=args.system, seed=args.seed, device=args.device, precision=args.precision)
     return 0
 
 

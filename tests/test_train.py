@@ -311,3 +311,12 @@ def test_sigterm_writes_checkpoint_and_resume_finishes(pretrain_dir, tmp_path):
                            "--max-steps", str(stopped + 3), "--quiet"], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert ckpt.load_state(ckpt.latest_checkpoint(out))["step"] == stopped + 3
+
+
+def test_early_stopping_when_validation_stops_improving(pretrain_dir, tmp_path):
+    # an lr far below fp32 resolution leaves the weights bit-identical, so validation cannot improve
+    s = pretrain([str(pretrain_dir)], tmp_path / "es", preset="tiny",
+                 overrides={**FAST, "max_steps": 50, "lr": 1e-15, "eval_every": 1, "eval_batches": 1,
+                            "early_stop_patience": 2}, quiet=True)
+    assert s["stop_reason"] == "early_stop" and s["step"] == 3
+    assert ckpt.latest_checkpoint(tmp_path / "es").name == "step_000003"
