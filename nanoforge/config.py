@@ -39,6 +39,10 @@ class ModelConfig:
     dropout: float = 0.0
     tie_embeddings: bool = True
     init_std: float = 0.02
+    # mixture of experts: 0 keeps the dense SwiGLU; otherwise each token goes to its top experts_per_token
+    n_experts: int = 0
+    experts_per_token: int = 2
+    moe_aux_weight: float = 0.01  # weight of the load-balancing loss added to the training loss
 
     @property
     def head_dim(self) -> int:
@@ -68,6 +72,11 @@ class ModelConfig:
             raise ConfigError(f"rope_scaling_factor={self.rope_scaling_factor} must be >= 1")
         if self.norm_eps <= 0 or self.init_std <= 0:
             raise ConfigError("norm_eps and init_std must be > 0")
+        if self.n_experts < 0 or self.moe_aux_weight < 0:
+            raise ConfigError("n_experts and moe_aux_weight must be >= 0")
+        if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
+            raise ConfigError(f"experts_per_token={self.experts_per_token} must be between 1 and "
+                              f"n_experts={self.n_experts}")
 
 
 @dataclass
@@ -156,6 +165,8 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     },
     # MiniMind's 26M reference: d_model 512, 8 layers, 8 heads, 2 KV heads, vocab 6400
     "mini": {"model": {}, "train": {}},
+    # the mini shape with 4 SwiGLU experts per layer, 2 active per token (MiniMind's MoE routes top-2 of 4)
+    "mini-moe": {"model": dict(n_experts=4, experts_per_token=2), "train": {}},
     # about 100M parameters, MiniMind's larger dense shape (768 wide, 16 layers)
     "base": {
         "model": dict(d_model=768, n_layers=16, n_heads=8, n_kv_heads=2, max_seq_len=1024),

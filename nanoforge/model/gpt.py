@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from nanoforge.config import ModelConfig
 from nanoforge.errors import NanoforgeError
+from nanoforge.model.moe import MoE
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -261,7 +262,7 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x, cos, sin, mask, is_causal, cache=None, layer=0):
@@ -314,7 +315,9 @@ class GPT(nn.Module):
         # Each block adds two branches to the residual stream, whose variance would grow with depth;
         # GPT-2 (Radford et al. 2019, section 2.3) scales the branches' output projections by 1/sqrt(2L).
         for block in self.model.layers:
-            for proj in (block.self_attn.o_proj, block.mlp.down_proj):
+            outputs = [block.self_attn.o_proj]
+            outputs += list(block.mlp.down_proj) if isinstance(block.mlp, MoE) else [block.mlp.down_proj]
+            for proj in outputs:
                 nn.init.normal_(proj.weight, mean=0.0, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
         # When tied, lm_head.weight is embed_tokens.weight: both were initialised by the loop above (twice,
         # harmlessly). Keep the RoPE tables valid on whatever device the model now lives on.
@@ -442,7 +445,16 @@ class GPT(nn.Module):
         n = self.num_params(exclude_embeddings=True)
         if self.cfg.tie_embeddings:
             n += cfg.vocab_size * cfg.d_model
+        if cfg.n_experts:  # only experts_per_token of the n_experts run for each token
+            per_expert = 3 * cfg.d_model * cfg.ffn_dim
+            n -= cfg.n_layers * (cfg.n_experts - cfg.experts_per_token) * per_expert
         return 6.0 * n + 12.0 * cfg.n_layers * cfg.d_model * seq_len
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """Mean load-balancing loss of the MoE layers from the last forward; None for a dense model."""
+        if not self.cfg.n_experts:
+            return None
+        return torch.stack([block.mlp.aux_loss for block in self.model.layers]).mean()
 
     def state_dict_for_save(self) -> dict[str, torch.Tensor]:
         """The weights to write to a checkpoint: the state dict without `lm_head.weight` when it is tied

@@ -52,6 +52,12 @@ class Stage:
     val_bytes_per_token: float | None = None
     # extra sections saved in config.toml and state.json (data paths, tokenizer, stage options)
     run_info: dict[str, Any] = field(default_factory=dict)
+    # what the step's loss is normalised by: supervised tokens for LM losses, pairs for DPO
+    count_fn: Callable[[Batch], torch.Tensor] = None  # type: ignore[assignment]
+
+    def __post_init__(self):
+        if self.count_fn is None:
+            self.count_fn = count_supervised
 
 
 class TrainingInterrupted(NanoforgeError):
@@ -109,19 +115,23 @@ def parse_injections(spec: str) -> dict[str, set[int]]:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Iterable[Batch], loss_fn: LossFn, device: torch.device,
-             precision: str) -> tuple[float, int]:
-    """Mean loss per supervised token over all batches, and the token count."""
+             precision: str) -> tuple[float, int, dict[str, float]]:
+    """Mean loss per counted unit (token, or pair for DPO) over all batches, the count, and the objective's
+    extra scalars averaged with the same weights."""
     was_training = model.training
     model.eval()
-    total, tokens = torch.zeros((), device=device, dtype=torch.float64), 0
+    total, count = torch.zeros((), device=device, dtype=torch.float64), 0
+    extras: dict[str, torch.Tensor] = {}
     for batch in batches:
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         with autocast_context(device, precision):
-            loss_sum, n, _ = loss_fn(model, batch)
+            loss_sum, n, extra = loss_fn(model, batch)
         total += loss_sum.double()
-        tokens += int(n)
+        count += int(n)
+        for k, v in extra.items():
+            extras[k] = extras.get(k, 0) + v.detach().double() * int(n)
     model.train(was_training)
-    return (total.item() / max(tokens, 1)), tokens
+    return total.item() / max(count, 1), count, {k: v.item() / max(count, 1) for k, v in extras.items()}
 
 
 class _SignalFlag:
@@ -232,7 +242,7 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
                 t0 = time.perf_counter()
                 micro = [stage.train_batches.next_batch() for _ in range(tcfg.grad_accum)]
                 micro = [{k: v.to(device, non_blocking=True) for k, v in b.items()} for b in micro]
-                n_supervised = sum(count_supervised(b) for b in micro).clamp(min=1)
+                n_supervised = sum(stage.count_fn(b) for b in micro).clamp(min=1)
                 step_loss = torch.zeros((), device=device)
                 extras: dict[str, torch.Tensor] = {}
                 for batch in micro:
@@ -309,8 +319,10 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
                 evaluated = False
                 if stage.val_batches and tcfg.eval_every and (step % tcfg.eval_every == 0 or step == tcfg.max_steps):
                     evaluated = True
-                    val_loss, _ = evaluate(model, stage.val_batches(), stage.loss_fn, device, st["precision"])
-                    values = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+                    val_loss, _, val_extras = evaluate(model, stage.val_batches(), stage.loss_fn, device,
+                                                       st["precision"])
+                    values = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)),
+                              **{f"val_{k}": v for k, v in val_extras.items()}}
                     if stage.val_bytes_per_token:
                         values["val_bpb"] = val_loss / math.log(2) / stage.val_bytes_per_token
                     log.log(step, values)

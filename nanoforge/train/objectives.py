@@ -17,4 +17,14 @@ def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]):
     labels = batch["labels"]  # (B, T)
     # float32 for the softmax: bf16 logits lose the small differences the loss is made of
     loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
-    return loss_sum, (labels != IGNORE).sum(), {}
+    n = (labels != IGNORE).sum()
+    return (*with_aux_loss(model, loss_sum, n),)
+
+
+def with_aux_loss(model: nn.Module, loss_sum: torch.Tensor, n: torch.Tensor):
+    """Add an MoE model's load-balancing loss, weighted per supervised token so that the loop's normalisation
+    turns it into moe_aux_weight * aux; it is also returned on its own for the logs."""
+    aux = model.aux_loss() if hasattr(model, "aux_loss") and model.training else None
+    if aux is None:  # dense model, or evaluation: validation loss stays the pure language-model loss
+        return loss_sum, n, {}
+    return loss_sum + model.cfg.moe_aux_weight * aux * n, n, {"moe_aux": aux.detach()}
