@@ -92,6 +92,21 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(sft, presets=False)
 
+    dist = sub.add_parser("distill", help="distill a teacher run into a student (a run or a preset)",
+                          formatter_class=fmt)
+    dist.add_argument("--teacher", metavar="RUN", help="the run or checkpoint to learn from")
+    dist.add_argument("--init", metavar="RUN_OR_PRESET",
+                      help=f"the student: a run/checkpoint, or a preset for a fresh one ({', '.join(PRESETS)})")
+    dist.add_argument("--data", nargs="*", default=[], metavar="PATH",
+                      help="pretraining or SFT data: a prepared directory or JSONL files")
+    dist.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
+    dist.add_argument("--temperature", type=float, default=1.5, help="softening of both distributions")
+    dist.add_argument("--alpha", type=float, default=0.5, help="weight of the data's cross-entropy; "
+                      "1 - alpha weighs the KL to the teacher")
+    dist.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    dist.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_config_flags(dist, presets=False)
+
     from nanoforge.infer import chat as chat_defaults
     chat = sub.add_parser("chat", help="talk to a trained model in the terminal (streaming)", formatter_class=fmt)
     chat.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint) or a checkpoint directory")
@@ -148,6 +163,12 @@ def run(args: argparse.Namespace) -> int:
         summary = sft(args.init, args.data, args.out, config_file=args.config, overrides=config_overrides(args),
                       resume=args.resume, quiet=args.quiet)
         print(f"sft finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
+    elif args.command == "distill":
+        from nanoforge.train.stages import distill
+        summary = distill(args.teacher, args.init, args.data, args.out, config_file=args.config,
+                          overrides=config_overrides(args), resume=args.resume, temperature=args.temperature,
+                          alpha=args.alpha, quiet=args.quiet)
+        print(f"distill finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
     elif args.command == "chat":
         from nanoforge.infer.chat import run_chat
         run_chat(args.run, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -28,3 +28,58 @@ def with_aux_loss(model: nn.Module, loss_sum: torch.Tensor, n: torch.Tensor):
     if aux is None:  # dense model, or evaluation: validation loss stays the pure language-model loss
         return loss_sum, n, {}
     return loss_sum + model.cfg.moe_aux_weight * aux * n, n, {"moe_aux": aux.detach()}
+
+
+def dpo_loss(model: nn.Module, batch: dict[str, torch.Tensor], beta: float = 0.1):
+    """Direct Preference Optimization (Rafailov et al. 2023, arXiv 2305.18290, eq. 7), summed over pairs.
+
+    The batch (nanoforge.data.dpo.DPOBatches) holds 2B rows, B chosen then B rejected, with `labels` on the
+    final reply only and `ref_logps` (2B,) precomputed by the frozen reference model. With pc, pr the
+    policy's and rc, rr the reference's summed log-probabilities of the chosen and rejected replies:
+        margin = beta * ((pc - rc) - (pr - rr)),  loss = -log sigmoid(margin)  per pair.
+    Returns (sum of pair losses, number of pairs, extras); the dpo stage normalises by pairs
+    (Stage.count_fn = nanoforge.data.dpo.count_pairs). At the start policy == reference, so every pair's
+    loss is log 2 = 0.6931: a loss stuck there means the policy is not moving (lr far too small).
+    """
+    from nanoforge.data.dpo import sequence_logps
+
+    logits = model(batch["input_ids"])  # (2B, T, V)
+    logps = sequence_logps(logits, batch["labels"])  # (2B,) float32
+    ratios = logps - batch["ref_logps"].float()  # (2B,) log pi/pi_ref of each reply
+    n_pairs = ratios.shape[0] // 2
+    chosen, rejected = beta * ratios[:n_pairs], beta * ratios[n_pairs:]  # (B,) implicit rewards
+    margin = chosen - rejected  # (B,)
+    loss_sum = -F.logsigmoid(margin).sum()
+    n = torch.tensor(n_pairs, device=logps.device)
+    extras = {"reward_margin": margin.detach().mean(), "reward_accuracy": (margin.detach() > 0).float().mean(),
+              "chosen_reward": chosen.detach().mean(), "rejected_reward": rejected.detach().mean()}
+    loss_sum, n, aux = with_aux_loss(model, loss_sum, n)
+    return loss_sum, n, {**extras, **aux}
+
+
+def make_distill_loss(teacher: nn.Module, temperature: float = 1.5, alpha: float = 0.5):
+    """White-box distillation (Hinton et al., arXiv 1503.02531): on every supervised position,
+    alpha * cross-entropy with the data + (1 - alpha) * T^2 * KL(teacher_T || student_T), where _T are the
+    distributions softened by temperature T. T^2 keeps the soft term's gradient scale independent of T.
+    The teacher runs without gradients; it must share the student's tokenizer (checked by the stage)."""
+    if temperature <= 0 or not 0.0 <= alpha <= 1.0:
+        raise ValueError("temperature must be > 0 and alpha in [0, 1]")
+
+    def distill_loss(model: nn.Module, batch: dict[str, torch.Tensor]):
+        seg = batch.get("segment_ids")
+        logits = model(batch["input_ids"], segment_ids=seg).float()  # (B, T, V)
+        with torch.no_grad():
+            teacher_logits = teacher(batch["input_ids"], segment_ids=seg).float()  # (B, T, V)
+        labels = batch["labels"]
+        keep = labels != IGNORE  # (B, T)
+        s, t = logits[keep], teacher_logits[keep]  # (N, V)
+        ce = F.cross_entropy(s, labels[keep], reduction="sum")
+        kl = F.kl_div(F.log_softmax(s / temperature, -1), F.log_softmax(t / temperature, -1), log_target=True,
+                      reduction="sum")
+        n = keep.sum()
+        loss_sum = alpha * ce + (1 - alpha) * temperature**2 * kl
+        denom = n.clamp(min=1)
+        loss_sum, n, extras = with_aux_loss(model, loss_sum, n)
+        return loss_sum, n, {**extras, "kl": kl.detach() / denom, "ce": ce.detach() / denom}
+
+    return distill_loss

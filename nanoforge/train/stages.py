@@ -97,8 +97,6 @@ def pretrain(data: Sequence[str], out: str | Path, preset: str | None = None, co
              overrides: dict[str, Any] | None = None, resume: bool = False, tokenizer: str | None = None,
              quiet: bool = False) -> dict[str, Any]:
     """`nanoforge pretrain`: packed next-token prediction on a token stream."""
-    from nanoforge.data.batches import PretrainBatches, eval_batches
-    from nanoforge.data.shards import TokenShards
     from nanoforge.model.gpt import GPT
     from nanoforge.tokenizer import load_tokenizer
 
@@ -107,19 +105,10 @@ def pretrain(data: Sequence[str], out: str | Path, preset: str | None = None, co
         resolve_data("pretrain", data, run_dir, tokenizer, mcfg, tcfg, quiet)
     tok = load_tokenizer(data_dir / "tokenizer")
     fit_vocab(mcfg, tok, explicit)
-    train_shards = TokenShards(data_dir, "train")
-    if train_shards.manifest.get("kind") != "pretrain":
-        raise NanoforgeError(f"{data_dir}: prepared as {train_shards.manifest.get('kind')!r} data, "
+    batches, val_batches, val_bpt = lm_batches(data_dir, tcfg, tok, quiet)
+    if batches.shards.kind != "pretrain":
+        raise NanoforgeError(f"{data_dir}: prepared as {batches.shards.kind!r} data, "
                              f"but pretrain needs --kind pretrain")
-    batches = PretrainBatches(train_shards, tcfg.batch_size, tcfg.seq_len, tcfg.seed)
-    val_batches, val_bpt = None, None
-    val_shards = TokenShards(data_dir, "val")
-    if val_shards.num_tokens > tcfg.seq_len + 1:
-        val_batches = lambda: eval_batches(val_shards, tcfg.batch_size, tcfg.seq_len, tcfg.eval_batches)  # noqa: E731
-        val_bpt = val_shards.num_bytes / val_shards.num_tokens
-    elif not quiet:
-        print(f"note: the validation split of {data_dir} has {val_shards.num_tokens} tokens, fewer than one "
-              f"window of {tcfg.seq_len + 1}; validation is off (raise --val-fraction when preparing)")
 
     run_info = {"stage": "pretrain", "data": str(data_dir.resolve()), "tokenizer": "tokenizer"}
     copy_tokenizer(data_dir / "tokenizer", run_dir)
@@ -143,28 +132,85 @@ def init_config(init: str | Path) -> tuple[Path, dict[str, Any]]:
     return path, ckpt.load_state(path).get("config", {})
 
 
-def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str | None = None,
-        overrides: dict[str, Any] | None = None, resume: bool = False, quiet: bool = False) -> dict[str, Any]:
-    """`nanoforge sft`: next-token loss on assistant replies only, conversations packed without padding."""
-    from nanoforge.data.batches import SFTBatches
-    from nanoforge.data.shards import TokenShards, check_tokenizer
-    from nanoforge.model.gpt import GPT
-    from nanoforge.train import checkpoint as ckpt
+def data_kind(data: Sequence[str]) -> str:
+    """The kind of the given data: a prepared directory's manifest, or the first record of a JSONL file."""
+    import json
+    from nanoforge.data.jsonl import check_input_file, detect_kind
+    from nanoforge.data.shards import read_manifest
+    if not data:
+        raise NanoforgeError("--data is required: a prepared directory or one or more JSONL files")
+    first = Path(data[0])
+    if first.is_dir():
+        return read_manifest(first)["kind"]
+    check_input_file(first)
+    with open(first, encoding="utf-8-sig", errors="replace") as f:
+        for line_no, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    kind = detect_kind(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise NanoforgeError(f"{first}:{line_no}: invalid JSON: {e.msg}") from None
+                if kind is None:
+                    raise NanoforgeError(f"{first}:{line_no}: cannot tell the kind of record (no \"text\", "
+                                         f"\"conversations\" or \"chosen\"/\"rejected\" key)")
+                return kind
+    raise NanoforgeError(f"{first}: no records")
+
+
+def lm_batches(data_dir: Path, tcfg: TrainConfig, tok, quiet: bool):
+    """Training batches, a validation-batch factory and bytes per token for a pretraining or SFT directory:
+    the language-model stages (pretrain, sft, lora, distill) share them."""
+    from nanoforge.data.batches import PretrainBatches, SFTBatches, eval_batches
+    from nanoforge.data.shards import TokenShards
+
+    train_shards, val_shards = TokenShards(data_dir, "train"), TokenShards(data_dir, "val")
+    if train_shards.kind == "pretrain":
+        batches = PretrainBatches(train_shards, tcfg.batch_size, tcfg.seq_len, tcfg.seed)
+        if val_shards.num_tokens > tcfg.seq_len + 1:
+            return (batches, lambda: eval_batches(val_shards, tcfg.batch_size, tcfg.seq_len, tcfg.eval_batches),
+                    val_shards.num_bytes / val_shards.num_tokens)
+        if not quiet:
+            print(f"note: the validation split of {data_dir} has {val_shards.num_tokens} tokens, fewer than one "
+                  f"window of {tcfg.seq_len + 1}; validation is off (raise --val-fraction when preparing)")
+        return batches, None, None
+    if train_shards.kind == "sft":
+        batches = SFTBatches(train_shards, tcfg.batch_size, tcfg.seq_len, tcfg.seed, pad_id=tok.pad_id)
+        if not quiet:
+            print(f"{data_dir.name} train: {batches.report.summary(tcfg.seq_len)}", flush=True)
+        if not val_shards.num_docs:
+            return batches, None, None
+        val = SFTBatches(val_shards, tcfg.batch_size, tcfg.seq_len, shuffle=False, pad_id=tok.pad_id)
+        return batches, (lambda: val.eval_batches(tcfg.eval_batches)), None
+    raise NanoforgeError(f"{data_dir}: prepared as {train_shards.kind!r} data, which this stage does not train "
+                         f"on (use pretrain or sft data)")
+
+
+def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str | Path, config_file: str | None,
+                   overrides: dict[str, Any], resume: bool, quiet: bool, train_defaults: dict[str, Any],
+                   run_options: dict[str, Any] | None = None):
+    """What every stage that starts from a trained model shares: the run directory, the config (the model
+    shape from --init, training defaults of the stage under --config and flags), the tokenizer of the init
+    run, and the data prepared with that tokenizer.
+
+    Returns (run_dir, mcfg, tcfg, run_info, init_path, tokenizer, data_dir). On --resume, --init, the data and
+    the stage's options (run_options) come from the run's config.toml."""
+    from nanoforge.data.shards import check_tokenizer
     from nanoforge.tokenizer import load_tokenizer
 
-    overrides = dict(overrides or {})
     run_dir = Path(out)
     if resume:
         run_dir, mcfg, tcfg, saved_run, _ = open_run(out, True, None, config_file, overrides)
-        init_path = Path(saved_run["init"])
-        tokenizer_dir = run_dir / "tokenizer"
+        if saved_run.get("stage") != stage:
+            raise NanoforgeError(f"--resume: {run_dir} is a {saved_run.get('stage')!r} run, not {stage}")
+        init_path, tokenizer_dir = Path(saved_run["init"]), run_dir / "tokenizer"
+        run_info = saved_run
     else:
         if not init:
-            raise NanoforgeError("--init is required: the run directory or checkpoint to fine-tune")
+            raise NanoforgeError("--init is required: the run directory or checkpoint to start from")
         init_path, init_cfg = init_config(init)
         base = {"model": init_cfg.get("model", {}),
-                "train": {**SFT_DEFAULTS, "seq_len": init_cfg.get("train", {}).get("seq_len", 512)}}
-        shape = {k for k in base["model"] if k not in ("dropout",)}
+                "train": {**train_defaults, "seq_len": init_cfg.get("train", {}).get("seq_len", 512)}}
+        shape = {k for k in base["model"] if k not in ("dropout", "moe_aux_weight")}
         changed = [k for k in overrides if k in shape and overrides[k] != base["model"][k]]
         if changed:
             raise NanoforgeError(f"the model shape comes from --init {init}; drop "
@@ -173,29 +219,92 @@ def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str
             raise NanoforgeError(f"{run_dir} already holds a run; add --resume to continue it, or choose another --out")
         mcfg, tcfg = build_config(None, config_file, overrides, base=base)
         tokenizer_dir = init_path.parent.parent / "tokenizer"
-        saved_run = {}
+        run_info = {"stage": stage, "init": str(init_path.resolve()), "tokenizer": "tokenizer", **(run_options or {})}
     tok = load_tokenizer(tokenizer_dir)
     if resume and not data:
-        data_dir = Path(saved_run["data"])
+        data_dir = Path(run_info["data"])
     else:
-        data_dir = resolve_data("sft", data, run_dir, str(tokenizer_dir), mcfg, tcfg, quiet)
+        data_dir = resolve_data(data_kind(data), data, run_dir, str(tokenizer_dir), mcfg, tcfg, quiet)
     check_tokenizer(data_dir, tok)
-    train_shards = TokenShards(data_dir, "train")
-    batches = SFTBatches(train_shards, tcfg.batch_size, tcfg.seq_len, tcfg.seed, pad_id=tok.pad_id)
-    if not quiet:
-        print(f"sft train: {batches.report.summary(tcfg.seq_len)}", flush=True)
-    val_batches = None
-    val_shards = TokenShards(data_dir, "val")
-    if val_shards.num_docs:
-        val = SFTBatches(val_shards, tcfg.batch_size, tcfg.seq_len, shuffle=False, pad_id=tok.pad_id)
-        val_batches = lambda: val.eval_batches(tcfg.eval_batches)  # noqa: E731
-
-    run_info = {"stage": "sft", "data": str(data_dir.resolve()), "tokenizer": "tokenizer",
-                "init": str(init_path.resolve()), "padding_fraction": round(batches.report.padding_fraction, 4)}
+    run_info["data"] = str(data_dir.resolve())
     copy_tokenizer(tokenizer_dir, run_dir)
     write_run_config(run_dir, mcfg, tcfg, run_info)
+    return run_dir, mcfg, tcfg, run_info, init_path, tok, data_dir
+
+
+def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str | None = None,
+        overrides: dict[str, Any] | None = None, resume: bool = False, quiet: bool = False) -> dict[str, Any]:
+    """`nanoforge sft`: next-token loss on assistant replies only, conversations packed without padding."""
+    from nanoforge.model.gpt import GPT
+    from nanoforge.train import checkpoint as ckpt
+
+    run_dir, mcfg, tcfg, run_info, init_path, tok, data_dir = finetune_setup(
+        "sft", init, data, out, config_file, dict(overrides or {}), resume, quiet, SFT_DEFAULTS)
+    batches, val_batches, _ = lm_batches(data_dir, tcfg, tok, quiet)
+    if batches.shards.kind != "sft":
+        raise NanoforgeError(f"{data_dir}: prepared as {batches.shards.kind!r} data; sft needs conversations "
+                             f"(`nanoforge prepare --kind sft`)")
     model = GPT(mcfg)
     if not resume:
         model.load_weights(ckpt.load_weights_file(init_path))
     stage = Stage("sft", batches, causal_lm_loss, val_batches, None, run_info)
+    return train(stage, model, mcfg, tcfg, run_dir, resume=resume, quiet=quiet)
+
+
+def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str | Path,
+            config_file: str | None = None, overrides: dict[str, Any] | None = None, resume: bool = False,
+            temperature: float = 1.5, alpha: float = 0.5, quiet: bool = False) -> dict[str, Any]:
+    """`nanoforge distill`: train a student (a run, or a fresh model of a preset) to match a teacher's
+    softened distributions on the data's supervised positions, mixed with the data's own cross-entropy."""
+    from nanoforge.config import PRESETS
+    from nanoforge.model.gpt import GPT
+    from nanoforge.train import checkpoint as ckpt
+    from nanoforge.train.objectives import make_distill_loss
+
+    overrides = dict(overrides or {})
+    if resume:
+        saved = load_toml(Path(out) / "config.toml").get("run", {}) if (Path(out) / "config.toml").is_file() else {}
+        teacher = saved.get("teacher", teacher)
+        temperature, alpha = saved.get("temperature", temperature), saved.get("alpha", alpha)
+    if not teacher:
+        raise NanoforgeError("--teacher is required: the run or checkpoint to distill from")
+    if temperature <= 0 or not 0 <= alpha <= 1:
+        raise NanoforgeError(f"--temperature {temperature} must be > 0 and --alpha {alpha} in [0, 1]")
+    teacher_model, teacher_tok, teacher_path = ckpt.load_model(teacher)
+    options = {"teacher": str(teacher_path.resolve()), "temperature": temperature, "alpha": alpha}
+
+    if not resume and init in PRESETS:
+        # a fresh student of a preset's shape, speaking the teacher's tokenizer
+        run_dir, mcfg, tcfg, _, explicit = open_run(out, False, init, config_file, overrides)
+        fit_vocab(mcfg, teacher_tok, explicit)
+        data_dir = resolve_data(data_kind(data), data, run_dir, str(teacher_path.parent.parent / "tokenizer"),
+                                mcfg, tcfg, quiet)
+        from nanoforge.data.shards import check_tokenizer
+        check_tokenizer(data_dir, teacher_tok)
+        run_info = {"stage": "distill", "init": f"preset:{init}", "tokenizer": "tokenizer",
+                    "data": str(data_dir.resolve()), **options}
+        copy_tokenizer(teacher_path.parent.parent / "tokenizer", run_dir)
+        write_run_config(run_dir, mcfg, tcfg, run_info)
+        tok, init_path = teacher_tok, None
+    else:
+        run_dir, mcfg, tcfg, run_info, init_path, tok, data_dir = finetune_setup(
+            "distill", init, data, out, config_file, overrides, resume, quiet, SFT_DEFAULTS, options)
+        if str(run_info["init"]).startswith("preset:"):  # resuming a student that began as a preset
+            init_path = None
+    if tok.sha256 != teacher_tok.sha256:
+        raise NanoforgeError(f"the student's tokenizer ({tok.sha256[:12]}, {tok.vocab_size} tokens) is not the "
+                             f"teacher's ({teacher_tok.sha256[:12]}, {teacher_tok.vocab_size} tokens): "
+                             f"distillation compares distributions token by token, so they must be the same")
+    if mcfg.vocab_size != teacher_model.cfg.vocab_size:
+        raise NanoforgeError(f"student vocab_size {mcfg.vocab_size} differs from the teacher's "
+                             f"{teacher_model.cfg.vocab_size}")
+    batches, val_batches, val_bpt = lm_batches(data_dir, tcfg, tok, quiet)
+    torch.manual_seed(tcfg.seed)
+    model = GPT(mcfg)
+    if not resume and init_path is not None:
+        model.load_weights(ckpt.load_weights_file(init_path))
+    from nanoforge.train.loop import resolve_device
+    teacher_model.to(resolve_device(tcfg.device)).eval().requires_grad_(False)
+    loss = make_distill_loss(teacher_model, temperature, alpha)
+    stage = Stage("distill", batches, loss, val_batches, None, run_info)
     return train(stage, model, mcfg, tcfg, run_dir, resume=resume, quiet=quiet)
