@@ -11,7 +11,7 @@ from nanoforge.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, ModelConfig, T
 from nanoforge.errors import NanoforgeError
 
 
-def add_config_flags(p: argparse.ArgumentParser, presets: bool = True) -> None:
+def add_config_flags(p: argparse.ArgumentParser, presets: bool = True, exclude: tuple[str, ...] = ()) -> None:
     """--preset, --config and one --field-name flag per config field, defaults shown in --help."""
     if presets:
         p.add_argument("--preset", choices=sorted(PRESETS), help="model/training preset (default: mini when no "
@@ -21,6 +21,8 @@ def add_config_flags(p: argparse.ArgumentParser, presets: bool = True) -> None:
         group = p.add_argument_group(f"{title} config fields (override preset and --config)")
         defaults = cls()
         for name, f in names.items():
+            if name in exclude:
+                continue
             default = getattr(defaults, name)
             group.add_argument(f"--{name.replace('_', '-')}", dest=f"cfg_{name}", metavar=_metavar(f),
                                help=f"(default: {default!r})")
@@ -91,6 +93,23 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     sft.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(sft, presets=False)
+
+    lora = sub.add_parser("lora", help="LoRA fine-tuning on conversations; `lora merge RUN --out DIR` folds "
+                          "the adapters into the base", formatter_class=fmt)
+    lora.add_argument("action", nargs="?", choices=["merge"], help="merge: write RUN's base with the adapters "
+                      "folded in to --out")
+    lora.add_argument("run", nargs="?", metavar="RUN", help="with merge: the LoRA run or checkpoint")
+    lora.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the base run or checkpoint to adapt")
+    lora.add_argument("--data", nargs="*", default=[], metavar="PATH",
+                      help="a directory from `prepare --kind sft`, or conversation JSONL files")
+    lora.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
+    lora.add_argument("--rank", type=int, default=16, help="adapter rank")
+    lora.add_argument("--alpha", type=float, default=32.0, help="adapter scale numerator (scale = alpha / rank)")
+    lora.add_argument("--dropout", type=float, default=0.05, help="dropout on the adapters' input")
+    lora.add_argument("--targets", default="q,k,v,o,gate,up,down", help="linear layers to adapt")
+    lora.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    lora.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_config_flags(lora, presets=False, exclude=("dropout",))
 
     dist = sub.add_parser("distill", help="distill a teacher run into a student (a run or a preset)",
                           formatter_class=fmt)
@@ -163,6 +182,18 @@ def run(args: argparse.Namespace) -> int:
         summary = sft(args.init, args.data, args.out, config_file=args.config, overrides=config_overrides(args),
                       resume=args.resume, quiet=args.quiet)
         print(f"sft finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
+    elif args.command == "lora":
+        from nanoforge.train.stages import lora_merge, sft
+        if args.action == "merge":
+            if not args.run:
+                raise NanoforgeError("lora merge needs the LoRA run: nanoforge lora merge RUN --out DIR")
+            print(f"merged model written to {lora_merge(args.run, args.out)}")
+            return 0
+        from nanoforge.model.lora import LoraConfig
+        lcfg = LoraConfig(rank=args.rank, alpha=args.alpha, dropout=args.dropout, targets=args.targets)
+        summary = sft(args.init, args.data, args.out, config_file=args.config, overrides=config_overrides(args),
+                      resume=args.resume, quiet=args.quiet, lora=lcfg)
+        print(f"lora finished at step {summary['step']}: adapters in {summary['checkpoint']}")
     elif args.command == "distill":
         from nanoforge.train.stages import distill
         summary = distill(args.teacher, args.init, args.data, args.out, config_file=args.config,

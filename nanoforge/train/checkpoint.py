@@ -171,12 +171,16 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
 
     path = resolve_checkpoint(path)
     state = load_state(path)
-    saved = state.get("config", {}).get("model", {})
-    unknown = set(saved) - set(MODEL_FIELDS)
-    if unknown:
-        raise NanoforgeError(f"{path / 'state.json'}: unknown model config fields {sorted(unknown)}")
-    model = GPT(ModelConfig(**saved))
-    model.load_weights(load_weights_file(path))
+    if "base_sha256" in state.get("run", {}):  # a LoRA run: adapters on a recorded base, merged into a plain GPT
+        from nanoforge.model.lora import load_adapter_checkpoint
+        model = load_adapter_checkpoint(path)
+    else:
+        saved = state.get("config", {}).get("model", {})
+        unknown = set(saved) - set(MODEL_FIELDS)
+        if unknown:
+            raise NanoforgeError(f"{path / 'state.json'}: unknown model config fields {sorted(unknown)}")
+        model = GPT(ModelConfig(**saved))
+        model.load_weights(load_weights_file(path))
     tokenizer_dir = path.parent.parent / "tokenizer"
     if not tokenizer_dir.is_dir():
         raise NanoforgeError(f"{tokenizer_dir}: the run's tokenizer is missing")

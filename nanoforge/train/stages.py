@@ -11,7 +11,8 @@ from typing import Any, Sequence
 
 import torch
 
-from nanoforge.config import (ConfigError, ModelConfig, TrainConfig, build_config, config_to_toml, load_toml)
+from nanoforge.config import (ConfigError, ModelConfig, TrainConfig, build_config, config_dicts, config_to_toml,
+                              load_toml)
 from nanoforge.errors import NanoforgeError
 from nanoforge.train.loop import Stage, train
 from nanoforge.train.objectives import causal_lm_loss
@@ -232,23 +233,68 @@ def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str |
     return run_dir, mcfg, tcfg, run_info, init_path, tok, data_dir
 
 
+LORA_DEFAULTS = {**SFT_DEFAULTS, "lr": 1e-4}  # adapters start at zero and tolerate a larger step (MiniMind's too)
+
+
 def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str | None = None,
-        overrides: dict[str, Any] | None = None, resume: bool = False, quiet: bool = False) -> dict[str, Any]:
-    """`nanoforge sft`: next-token loss on assistant replies only, conversations packed without padding."""
+        overrides: dict[str, Any] | None = None, resume: bool = False, quiet: bool = False,
+        lora=None) -> dict[str, Any]:
+    """`nanoforge sft` (and `nanoforge lora`, with a LoraConfig): next-token loss on assistant replies only,
+    conversations packed without padding. With LoRA only the adapters train and checkpoints hold only them,
+    with a reference (path, sha256, fingerprint) to the base they belong to."""
     from nanoforge.model.gpt import GPT
+    from nanoforge.model.lora import LoraConfig, LoraModel, adapter_metadata, check_base
     from nanoforge.train import checkpoint as ckpt
 
+    if resume and (Path(out) / "config.toml").is_file():
+        saved = load_toml(Path(out) / "config.toml").get("run", {})
+        if saved.get("stage") == "lora":
+            lora = LoraConfig.from_dict(saved)
+    name = "lora" if lora else "sft"
     run_dir, mcfg, tcfg, run_info, init_path, tok, data_dir = finetune_setup(
-        "sft", init, data, out, config_file, dict(overrides or {}), resume, quiet, SFT_DEFAULTS)
+        name, init, data, out, config_file, dict(overrides or {}), resume, quiet,
+        LORA_DEFAULTS if lora else SFT_DEFAULTS, lora.to_dict() if lora else None)
     batches, val_batches, _ = lm_batches(data_dir, tcfg, tok, quiet)
     if batches.shards.kind != "sft":
-        raise NanoforgeError(f"{data_dir}: prepared as {batches.shards.kind!r} data; sft needs conversations "
+        raise NanoforgeError(f"{data_dir}: prepared as {batches.shards.kind!r} data; {name} needs conversations "
                              f"(`nanoforge prepare --kind sft`)")
     model = GPT(mcfg)
-    if not resume:
+    if lora:
+        base_weights = ckpt.load_weights_file(init_path)  # every time: the checkpoints hold adapters only
+        if resume:
+            check_base(run_info, init_path)
+        else:
+            run_info.update(adapter_metadata(init_path, base_weights))
+            write_run_config(run_dir, mcfg, tcfg, run_info)
+        model.load_weights(base_weights)
+        model = LoraModel(model, lora)
+    elif not resume:
         model.load_weights(ckpt.load_weights_file(init_path))
-    stage = Stage("sft", batches, causal_lm_loss, val_batches, None, run_info)
+    stage = Stage(name, batches, causal_lm_loss, val_batches, None, run_info)
     return train(stage, model, mcfg, tcfg, run_dir, resume=resume, quiet=quiet)
+
+
+def lora_merge(run: str | Path, out: str | Path, force: bool = False) -> Path:
+    """`nanoforge lora merge`: fold a LoRA run's adapters into its base and write a plain run directory
+    (config, tokenizer, one checkpoint) that chat, export and further training read like any other."""
+    from nanoforge.model.lora import load_adapter_checkpoint
+    from nanoforge.train import checkpoint as ckpt
+
+    src = ckpt.resolve_checkpoint(run)
+    state = ckpt.load_state(src)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not force:
+        raise NanoforgeError(f"{out} exists and is not empty; choose another --out")
+    model = load_adapter_checkpoint(src)
+    cfg = state.get("config", {})
+    mcfg, tcfg = build_config(None, None, None, base={"model": cfg.get("model", {}), "train": cfg.get("train", {})})
+    run_info = {"stage": "lora-merge", "merged_from": str(src.resolve()), "tokenizer": "tokenizer"}
+    copy_tokenizer(src.parent.parent / "tokenizer", out)
+    write_run_config(out, mcfg, tcfg, run_info)
+    ckpt.save_checkpoint(out, state["step"], model.state_dict_for_save(), {},
+                         {"stage": "lora-merge", "config": config_dicts(mcfg, tcfg), "run": run_info,
+                          "run_state": {"step": state["step"]}, "data": {}})
+    return out
 
 
 def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str | Path,

@@ -1,0 +1,391 @@
+"""LoRA adapters (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", arXiv 2106.09685).
+
+A frozen projection W (out, in) learns only a low-rank update: y = W x + (alpha / r) * B A dropout(x), with
+A (r, in) and B (out, r). B starts at zero, so the adapted model is exactly the base model until the first
+step. Only A and B are trained: AdamW keeps two fp32 moments per trainable parameter, so the optimizer state
+shrinks by the ratio of model to adapter parameters: 22x for rank 16 on every projection of the mini model
+(1.16M trainable of 25.8M, 8.9 MiB of AdamW state instead of 197 MiB).
+
+Names follow PEFT's layout without its adapter-name level, so a checkpoint reads like the model it adapts:
+
+    model.layers.{i}.self_attn.q_proj.weight          the frozen base weight, under its usual name
+    model.layers.{i}.self_attn.q_proj.lora_A.weight   (r, in)
+    model.layers.{i}.self_attn.q_proj.lora_B.weight   (out, r)
+
+`LoraLinear` registers the wrapped Linear's own weight Parameter as its `weight` (no nested `.base`), so
+`model.state_dict()` keeps every base key unchanged and `merge_lora` can hand back a plain GPT.
+
+A LoRA run saves only the adapters plus a reference to its base (`adapter_metadata`): the path and sha256 of
+the base `model.safetensors` and a fingerprint of the base tensors; `check_base` refuses a different base.
+`LoraModel` wraps a GPT so that the one training loop saves and restores adapters only.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanoforge.errors import NanoforgeError
+
+# short target name -> (submodule of a Block, Linear inside it)
+TARGETS: dict[str, tuple[str, str]] = {
+    "q": ("self_attn", "q_proj"), "k": ("self_attn", "k_proj"), "v": ("self_attn", "v_proj"),
+    "o": ("self_attn", "o_proj"),
+    "gate": ("mlp", "gate_proj"), "up": ("mlp", "up_proj"), "down": ("mlp", "down_proj"),
+}
+ADAPTER_KEYS = (".lora_A.", ".lora_B.")
+
+
+def parse_targets(spec: str | Iterable[str]) -> tuple[str, ...]:
+    """"q,k,v" (or "q_proj,v_proj", or "all", or a list of names) -> ("q", "k", "v"), in the model's order."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    names = [s.strip() for s in items if s.strip()]
+    if names == ["all"]:
+        return tuple(TARGETS)
+    wanted = set()
+    for name in names:
+        short = name[:-len("_proj")] if name.endswith("_proj") else name
+        if short not in TARGETS:
+            raise NanoforgeError(f"unknown LoRA target {name!r}; valid targets: {', '.join(TARGETS)} "
+                                 f"(or their _proj names, or 'all')")
+        wanted.add(short)
+    if not wanted:
+        raise NanoforgeError(f"no LoRA targets given; choose from {', '.join(TARGETS)} (or 'all')")
+    return tuple(t for t in TARGETS if t in wanted)
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 16
+    alpha: float = 32.0  # the update is scaled by alpha / rank, so changing the rank needs no new lr
+    dropout: float = 0.05  # on the adapter's input only; the frozen path sees x unchanged
+    targets: tuple[str, ...] | str = ("q", "k", "v", "o", "gate", "up", "down")
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+            raise NanoforgeError(f"lora rank={self.rank!r} must be a positive integer")
+        if not self.alpha > 0:
+            raise NanoforgeError(f"lora alpha={self.alpha!r} must be > 0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise NanoforgeError(f"lora dropout={self.dropout!r} must be in [0, 1)")
+        self.targets = parse_targets(self.targets)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat scalars, for config.toml's [run] section and state.json."""
+        return {"lora_rank": self.rank, "lora_alpha": float(self.alpha), "lora_dropout": float(self.dropout),
+                "lora_targets": ",".join(self.targets)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LoraConfig:
+        try:
+            return cls(rank=d["lora_rank"], alpha=d["lora_alpha"], dropout=d["lora_dropout"],
+                       targets=d["lora_targets"])
+        except KeyError as e:
+            raise NanoforgeError(f"LoRA settings are incomplete: {e.args[0]} is missing") from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The adapted projection
+
+
+class LoraLinear(nn.Module):
+    """A frozen nn.Linear plus a trainable low-rank update: x -> W x + b + scaling * B(A(dropout(x))).
+
+    The wrapped Linear's `weight` (and `bias`) Parameters are registered here under the same names, so the
+    state dict key of the base weight does not change when a Linear is wrapped or unwrapped."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight  # the same Parameter object: (out, in)
+        self.register_parameter("bias", base.bias)
+        for p in (self.weight, self.bias):
+            if p is not None:
+                p.requires_grad_(False)
+        self.rank, self.scaling = rank, alpha / rank
+        kw = dict(device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_A = nn.Linear(self.in_features, rank, bias=False, **kw)  # weight (r, in)
+        self.lora_B = nn.Linear(rank, self.out_features, bias=False, **kw)  # weight (out, r)
+        self.lora_dropout = nn.Dropout(dropout)
+        self.reset_lora()
+        self.train(base.training)  # attached to a model in eval mode, the adapter's dropout must be off too
+
+    @torch.no_grad()
+    def reset_lora(self) -> None:
+        # A: nn.Linear's default (Kaiming-uniform with a=sqrt(5)), as loralib and PEFT do; the paper only asks
+        # for a random A. B = 0 makes B A = 0, so training starts from the base model exactly (paper, sec. 4.1).
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)  # (..., out)
+        return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling  # (..., out)
+
+    @torch.no_grad()
+    def merged_linear(self) -> nn.Linear:
+        """A plain nn.Linear whose weight is W + scaling * B A, computed in fp32 and stored in W's dtype.
+        It reuses this module's weight Parameter (updated in place), so ties and optimizers see one tensor."""
+        delta = (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling  # (out, in)
+        self.weight.copy_((self.weight.float() + delta).to(self.weight.dtype))
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        linear.weight = self.weight
+        if self.bias is not None:
+            linear.bias = self.bias
+        return linear
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, " \
+               f"scaling={self.scaling:g}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Attaching, merging, counting
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.gpt if isinstance(model, LoraModel) else model
+
+
+def attach_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
+    """Wrap the targeted projections of every block in LoraLinear and freeze everything else (the tied
+    embedding included). Returns the wrapped modules' names, e.g. "model.layers.0.self_attn.q_proj"."""
+    model = _unwrap(model)
+    if any(isinstance(m, LoraLinear) for m in model.modules()):
+        raise NanoforgeError("this model already has LoRA adapters; merge_lora() it before attaching new ones")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    replaced = []
+    for i, block in enumerate(model.model.layers):
+        for target in cfg.targets:
+            parent_name, child_name = TARGETS[target]
+            parent = getattr(block, parent_name)
+            base = getattr(parent, child_name)
+            if not isinstance(base, nn.Linear):
+                raise NanoforgeError(f"model.layers.{i}.{parent_name}.{child_name} is a {type(base).__name__}, "
+                                     f"not an nn.Linear; LoRA cannot wrap it")
+            setattr(parent, child_name, LoraLinear(base, cfg.rank, cfg.alpha, cfg.dropout))
+            replaced.append(f"model.layers.{i}.{parent_name}.{child_name}")
+    return replaced
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight and put plain nn.Linear back, in place. The result is an
+    ordinary GPT (HF-loadable `state_dict_for_save()`), with every parameter trainable again."""
+    gpt = _unwrap(model)
+    for name, module in list(gpt.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, LoraLinear):
+                setattr(module, child_name, child.merged_linear())
+    for p in gpt.parameters():
+        p.requires_grad_(True)
+    return gpt
+
+
+def num_trainable(model: nn.Module) -> int:
+    """Parameters that receive gradients (a shared tensor counted once)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Adapter weights
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter tensors only, under PEFT-like names (`...q_proj.lora_A.weight`)."""
+    return {k: v for k, v in _unwrap(model).state_dict().items() if any(s in k for s in ADAPTER_KEYS)}
+
+
+def load_lora_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load adapter tensors strictly: exactly the model's adapter keys with their shapes, or a NanoforgeError
+    naming the missing, unexpected and mis-shaped keys. Base weights are never touched."""
+    gpt = _unwrap(model)
+    params = {k: p for k, p in gpt.named_parameters() if any(s in k for s in ADAPTER_KEYS)}
+    if not params:
+        raise NanoforgeError("the model has no LoRA adapters to load into; attach_lora() it first")
+    problems = []
+    for key, p in params.items():
+        if key not in state_dict:
+            problems.append(f"{key} is missing from the adapter weights")
+        elif tuple(state_dict[key].shape) != tuple(p.shape):
+            problems.append(f"{key} has shape {tuple(state_dict[key].shape)} in the adapter weights, "
+                            f"{tuple(p.shape)} in the model")
+    problems += [f"{key} is in the adapter weights but not in the model" for key in state_dict if key not in params]
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise NanoforgeError("LoRA adapter weights do not match the model: " + "; ".join(problems[:5]) + more)
+    with torch.no_grad():
+        for key, p in params.items():
+            p.copy_(state_dict[key])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Which base an adapter belongs to
+
+
+def _base_file(base_checkpoint: str | Path) -> Path:
+    """A model.safetensors file, a checkpoint directory or a run directory -> the weights file."""
+    path = Path(base_checkpoint)
+    if path.is_file():
+        return path
+    from nanoforge.train.checkpoint import resolve_checkpoint
+    return resolve_checkpoint(path) / "model.safetensors"
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except OSError as e:
+        raise NanoforgeError(f"{path}: cannot read the base model weights: {e.strerror or e}") from None
+    return h.hexdigest()
+
+
+@torch.no_grad()
+def weights_fingerprint(weights: dict[str, torch.Tensor] | nn.Module, samples: int = 16) -> str:
+    """sha256 over the base tensors' names, shapes and `samples` evenly spaced values of each (as fp32).
+
+    Cheap (no full pass over the weights) yet any other base -- another run, another step, another shape --
+    differs in some sampled value. Adapter tensors and a tied lm_head copy are left out, so the same base
+    gives the same fingerprint whether it comes from a file, a GPT or a GPT with adapters attached."""
+    if isinstance(weights, nn.Module):
+        gpt = _unwrap(weights)
+        weights = gpt.state_dict_for_save() if hasattr(gpt, "state_dict_for_save") else gpt.state_dict()
+    h = hashlib.sha256()
+    tied = "lm_head.weight" in weights and "model.embed_tokens.weight" in weights and \
+        weights["lm_head.weight"].data_ptr() == weights["model.embed_tokens.weight"].data_ptr()
+    for name in sorted(weights):
+        if any(s in name for s in ADAPTER_KEYS) or (tied and name == "lm_head.weight"):
+            continue
+        t = weights[name].detach().reshape(-1)
+        idx = torch.linspace(0, max(t.numel() - 1, 0), min(samples, t.numel())).round().long().to(t.device)
+        values = t[idx].to("cpu", torch.float32).numpy().tobytes()
+        h.update(f"{name}:{tuple(weights[name].shape)}:".encode())
+        h.update(values)
+    return h.hexdigest()
+
+
+def adapter_metadata(base_checkpoint: str | Path, base_weights: dict[str, torch.Tensor] | nn.Module) -> dict[str, str]:
+    """What an adapter checkpoint records about its base (flat strings, for config.toml and state.json)."""
+    path = _base_file(base_checkpoint)
+    return {"base_checkpoint": str(path.resolve()), "base_sha256": file_sha256(path),
+            "base_fingerprint": weights_fingerprint(base_weights)}
+
+
+def check_base(meta: dict[str, Any], base_checkpoint: str | Path) -> None:
+    """Refuse to put an adapter on a base other than the one it was trained on.
+
+    The same file (sha256) passes at once; a different file passes only when its tensors have the base's
+    fingerprint (the same weights re-saved or moved)."""
+    for key in ("base_sha256", "base_fingerprint"):
+        if key not in meta:
+            raise NanoforgeError(f"the adapter's metadata has no {key}; cannot tell which base it was trained on")
+    path = _base_file(base_checkpoint)
+    sha = file_sha256(path)
+    if sha == meta["base_sha256"]:
+        return
+    if weights_fingerprint(_load_safetensors(path)) == meta["base_fingerprint"]:
+        return
+    raise NanoforgeError(f"adapter was trained on base {meta.get('base_checkpoint', '?')} "
+                         f"(sha256 {meta['base_sha256'][:12]}), not {path} (sha256 {sha[:12]}); "
+                         f"give the base it was trained on")
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    try:
+        return load_file(str(path))
+    except (OSError, SafetensorError, ValueError) as e:
+        raise NanoforgeError(f"{path}: cannot read weights (truncated or corrupted?): {e}") from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The model the training loop sees
+
+
+class LoraModel(nn.Module):
+    """A GPT with adapters attached, shaped for the one training loop: it forwards like the GPT, and its
+    `state_dict_for_save()` / `load_weights()` hold the adapters only, so checkpoints of a LoRA run are a few
+    MB and resume restores adapters onto the (separately loaded, frozen) base."""
+
+    def __init__(self, gpt: nn.Module, cfg: LoraConfig):
+        super().__init__()
+        self.gpt = gpt
+        self.lora_cfg = cfg
+        self.targets = attach_lora(gpt, cfg)
+
+    @property
+    def cfg(self):
+        return self.gpt.cfg
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        return self.gpt(*args, **kwargs)
+
+    def new_cache(self, *args, **kwargs):
+        return self.gpt.new_cache(*args, **kwargs)
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        return self.gpt.num_params(exclude_embeddings)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """The GPT's 6N convention less the frozen weights' gradient matmul: frozen matrices still cost 2N
+        forward and 2N for the input gradient, but no weight gradient; adapters cost the full 6 per param.
+        (The attention term has no weights and is unchanged.)"""
+        n_frozen = self.gpt.num_params(exclude_embeddings=True)
+        if self.gpt.cfg.tie_embeddings:
+            n_frozen += self.gpt.cfg.vocab_size * self.gpt.cfg.d_model
+        n_frozen -= num_trainable(self)
+        return self.gpt.flops_per_token(seq_len) - 2.0 * n_frozen
+
+    def state_dict_for_save(self) -> dict[str, torch.Tensor]:
+        return lora_state_dict(self.gpt)
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        load_lora_state_dict(self.gpt, state_dict)
+
+    def merged(self) -> nn.Module:
+        """Fold the adapters in and return the plain GPT (this wrapper is spent afterwards)."""
+        return merge_lora(self.gpt)
+
+
+def load_adapter_checkpoint(path: str | Path, base: str | Path | None = None, merge: bool = True,
+                            device: str | torch.device = "cpu") -> nn.Module:
+    """An adapter checkpoint (or LoRA run directory) -> the base GPT with the adapters loaded, merged into a
+    plain GPT unless merge=False (then a LoraModel). The base is `base` if given, else the one recorded in
+    the checkpoint; either way `check_base` must accept it."""
+    from nanoforge.config import MODEL_FIELDS, ModelConfig
+    from nanoforge.model.gpt import GPT
+    from nanoforge.train import checkpoint as ckpt
+
+    path = ckpt.resolve_checkpoint(path)
+    state = ckpt.load_state(path)
+    run = state.get("run", {})
+    if "base_sha256" not in run:
+        raise NanoforgeError(f"{path}: not a LoRA adapter checkpoint (state.json has no base reference)")
+    saved = state.get("config", {}).get("model", {})
+    unknown = set(saved) - set(MODEL_FIELDS)
+    if unknown:
+        raise NanoforgeError(f"{path / 'state.json'}: unknown model config fields {sorted(unknown)}")
+    base_file = _base_file(base if base is not None else run["base_checkpoint"])
+    check_base(run, base_file)
+    gpt = GPT(ModelConfig(**saved))
+    gpt.load_weights(_load_safetensors(base_file))
+    model = LoraModel(gpt, LoraConfig.from_dict(run))
+    model.load_weights(ckpt.load_weights_file(path))
+    model = model.to(device).eval()
+    return model.merged() if merge else model
