@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sft = sub.add_parser("sft", help="supervised fine-tuning on conversations (loss on assistant replies)",
                          formatter_class=fmt)
-    sft.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the pretrained run or checkpoint to start from")
+    sft.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the pretrained run, checkpoint or HF model directory to start from")
     sft.add_argument("--data", nargs="*", default=[], metavar="PATH",
                      help="a directory from `prepare --kind sft`, or conversation JSONL files")
     sft.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     lora.add_argument("action", nargs="?", choices=["merge"], help="merge: write RUN's base with the adapters "
                       "folded in to --out")
     lora.add_argument("run", nargs="?", metavar="RUN", help="with merge: the LoRA run or checkpoint")
-    lora.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the base run or checkpoint to adapt")
+    lora.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the base run, checkpoint or HF model directory to adapt")
     lora.add_argument("--data", nargs="*", default=[], metavar="PATH",
                       help="a directory from `prepare --kind sft`, or conversation JSONL files")
     lora.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
@@ -125,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     dist.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(dist, presets=False)
+
+    exp = sub.add_parser("export", help="write a run as an HF transformers directory or a GGUF file",
+                         formatter_class=fmt)
+    exp.add_argument("run", metavar="RUN_OR_CHECKPOINT", help="run directory (latest checkpoint) or checkpoint")
+    exp.add_argument("--format", choices=("hf", "gguf"), default="hf", help="output format")
+    exp.add_argument("--out", required=True, help="directory (hf); .gguf file or existing directory (gguf)")
+    exp.add_argument("--dtype", choices=("f32", "f16"), default="f32", help="GGUF tensor type")
+    exp.add_argument("--force", action="store_true", help="replace an existing output")
 
     from nanoforge.infer import chat as chat_defaults
     chat = sub.add_parser("chat", help="talk to a trained model in the terminal (streaming)", formatter_class=fmt)
@@ -200,6 +208,11 @@ def run(args: argparse.Namespace) -> int:
                           overrides=config_overrides(args), resume=args.resume, temperature=args.temperature,
                           alpha=args.alpha, quiet=args.quiet)
         print(f"distill finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
+    elif args.command == "export":
+        from nanoforge.export import export_gguf, export_hf
+        out = (export_hf(args.run, args.out, force=args.force) if args.format == "hf"
+               else export_gguf(args.run, args.out, dtype=args.dtype, force=args.force))
+        print(f"wrote {out}")
     elif args.command == "chat":
         from nanoforge.infer.chat import run_chat
         run_chat(args.run, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -169,6 +169,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
     from nanoforge.model.gpt import GPT
     from nanoforge.tokenizer import load_tokenizer
 
+    from nanoforge.export import is_hf_dir, load_hf_model
+    if is_hf_dir(path):
+        model, tokenizer = load_hf_model(path)
+        return model.to(device).eval(), tokenizer, Path(path)
     path = resolve_checkpoint(path)
     state = load_state(path)
     if "base_sha256" in state.get("run", {}):  # a LoRA run: adapters on a recorded base, merged into a plain GPT

@@ -127,10 +127,28 @@ SFT_DEFAULTS = {"lr": 5e-5, "warmup_steps": 20, "min_lr_ratio": 0.1, "weight_dec
 
 
 def init_config(init: str | Path) -> tuple[Path, dict[str, Any]]:
-    """The checkpoint --init points at, and the config it was trained with."""
+    """The checkpoint (or HF model directory) --init points at, and the config it was trained with."""
+    import dataclasses
+    from nanoforge.export import is_hf_dir, model_config_from_hf, read_hf_config
     from nanoforge.train import checkpoint as ckpt
+    if is_hf_dir(init):
+        path = Path(init)
+        m = model_config_from_hf(read_hf_config(path), path / "config.json")
+        return path, {"model": dataclasses.asdict(m), "train": {"seq_len": min(512, m.max_seq_len)}}
     path = ckpt.resolve_checkpoint(init)
     return path, ckpt.load_state(path).get("config", {})
+
+
+def init_tokenizer_dir(init_path: Path) -> Path:
+    from nanoforge.export import is_hf_dir
+    return init_path if is_hf_dir(init_path) else init_path.parent.parent / "tokenizer"
+
+
+def init_weights(init_path: Path):
+    """Weights of --init: a checkpoint's model.safetensors or an HF directory's (strictly mapped later)."""
+    from nanoforge.export import is_hf_dir, read_hf_weights
+    from nanoforge.train import checkpoint as ckpt
+    return read_hf_weights(init_path) if is_hf_dir(init_path) else ckpt.load_weights_file(init_path)
 
 
 def data_kind(data: Sequence[str]) -> str:
@@ -219,7 +237,7 @@ def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str |
         if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
             raise NanoforgeError(f"{run_dir} already holds a run; add --resume to continue it, or choose another --out")
         mcfg, tcfg = build_config(None, config_file, overrides, base=base)
-        tokenizer_dir = init_path.parent.parent / "tokenizer"
+        tokenizer_dir = init_tokenizer_dir(init_path)
         run_info = {"stage": stage, "init": str(init_path.resolve()), "tokenizer": "tokenizer", **(run_options or {})}
     tok = load_tokenizer(tokenizer_dir)
     if resume and not data:
@@ -260,7 +278,7 @@ def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str
                              f"(`nanoforge prepare --kind sft`)")
     model = GPT(mcfg)
     if lora:
-        base_weights = ckpt.load_weights_file(init_path)  # every time: the checkpoints hold adapters only
+        base_weights = init_weights(init_path)  # every time: the checkpoints hold adapters only
         if resume:
             check_base(run_info, init_path)
         else:
@@ -269,7 +287,7 @@ def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str
         model.load_weights(base_weights)
         model = LoraModel(model, lora)
     elif not resume:
-        model.load_weights(ckpt.load_weights_file(init_path))
+        model.load_weights(init_weights(init_path))
     stage = Stage(name, batches, causal_lm_loss, val_batches, None, run_info)
     return train(stage, model, mcfg, tcfg, run_dir, resume=resume, quiet=quiet)
 
@@ -323,13 +341,13 @@ def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str
         # a fresh student of a preset's shape, speaking the teacher's tokenizer
         run_dir, mcfg, tcfg, _, explicit = open_run(out, False, init, config_file, overrides)
         fit_vocab(mcfg, teacher_tok, explicit)
-        data_dir = resolve_data(data_kind(data), data, run_dir, str(teacher_path.parent.parent / "tokenizer"),
+        data_dir = resolve_data(data_kind(data), data, run_dir, str(init_tokenizer_dir(teacher_path)),
                                 mcfg, tcfg, quiet)
         from nanoforge.data.shards import check_tokenizer
         check_tokenizer(data_dir, teacher_tok)
         run_info = {"stage": "distill", "init": f"preset:{init}", "tokenizer": "tokenizer",
                     "data": str(data_dir.resolve()), **options}
-        copy_tokenizer(teacher_path.parent.parent / "tokenizer", run_dir)
+        copy_tokenizer(init_tokenizer_dir(teacher_path), run_dir)
         write_run_config(run_dir, mcfg, tcfg, run_info)
         tok, init_path = teacher_tok, None
     else:
@@ -348,7 +366,7 @@ def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str
     torch.manual_seed(tcfg.seed)
     model = GPT(mcfg)
     if not resume and init_path is not None:
-        model.load_weights(ckpt.load_weights_file(init_path))
+        model.load_weights(init_weights(init_path))
     from nanoforge.train.loop import resolve_device
     teacher_model.to(resolve_device(tcfg.device)).eval().requires_grad_(False)
     loss = make_distill_loss(teacher_model, temperature, alpha)
