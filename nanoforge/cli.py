@@ -111,6 +111,17 @@ def build_parser() -> argparse.ArgumentParser:
     lora.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(lora, presets=False, exclude=("dropout",))
 
+    dpo = sub.add_parser("dpo", help="direct preference optimisation on chosen/rejected pairs", formatter_class=fmt)
+    dpo.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the SFT run, checkpoint or HF model directory "
+                     "to align; it is also the frozen reference")
+    dpo.add_argument("--data", nargs="*", default=[], metavar="PATH",
+                     help="a directory from `prepare --kind dpo`, or DPO JSONL files")
+    dpo.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
+    dpo.add_argument("--beta", type=float, default=0.1, help="strength of the pull towards the reference")
+    dpo.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    dpo.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_config_flags(dpo, presets=False)
+
     dist = sub.add_parser("distill", help="distill a teacher run into a student (a run or a preset)",
                           formatter_class=fmt)
     dist.add_argument("--teacher", metavar="RUN", help="the run or checkpoint to learn from")
@@ -202,6 +213,11 @@ def run(args: argparse.Namespace) -> int:
         summary = sft(args.init, args.data, args.out, config_file=args.config, overrides=config_overrides(args),
                       resume=args.resume, quiet=args.quiet, lora=lcfg)
         print(f"lora finished at step {summary['step']}: adapters in {summary['checkpoint']}")
+    elif args.command == "dpo":
+        from nanoforge.train.stages import dpo
+        summary = dpo(args.init, args.data, args.out, config_file=args.config, overrides=config_overrides(args),
+                      resume=args.resume, beta=args.beta, quiet=args.quiet)
+        print(f"dpo finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
     elif args.command == "distill":
         from nanoforge.train.stages import distill
         summary = distill(args.teacher, args.init, args.data, args.out, config_file=args.config,

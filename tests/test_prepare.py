@@ -200,7 +200,7 @@ def test_input_problems_are_reported_before_any_work(tmp_path, tiny_tokenizer):
         prepare_dataset("pretrain", [tmp_path / "missing.jsonl"], tiny_tokenizer, tmp_path / "out", **QUIET)
     with pytest.raises(NanoforgeError, match="val_fraction"):
         prepare_dataset("pretrain", [tmp_path], tiny_tokenizer, tmp_path / "out", val_fraction=1.5, **QUIET)
-    with pytest.raises(NanoforgeError, match="not implemented yet"):
+    with pytest.raises(NanoforgeError, match="is a directory"):
         prepare_dataset("dpo", [tmp_path], tiny_tokenizer, tmp_path / "out", **QUIET)
     assert not (tmp_path / "out").exists()
 

@@ -6,7 +6,12 @@ Layout of a prepared directory (everything a training run needs, nothing else):
     tokenizer/                  a copy of the tokenizer, so the directory is self-contained
     {split}_{k:05d}.bin         flat token ids (uint16 when the vocabulary fits, else uint32)
     {split}_{k:05d}.idx         int64 document start offsets within the shard, plus the final end offset
-    {split}_{k:05d}.mask        (sft) uint8 loss mask, one per token: 1 on assistant tokens
+    {split}_{k:05d}.mask        (sft, dpo) uint8 loss mask, one per token: 1 on assistant tokens
+
+dpo data is stored as documents in pairs: document 2i of a split is the chosen conversation of pair i and
+document 2i+1 its rejected one (manifest "layout": "pairs"); the mask covers only the FINAL assistant reply
+and its <|im_end|> (the prefix is shared, so only the two answers differ). The train/val split is drawn per
+pair, so a pair is never cut in two.
 
 Why flat binary shards read by memmap (as nanoGPT's train.bin): the OS pages data in and out, so training
 memory stays flat however large the corpus, and any window is one slice away.
@@ -46,7 +51,8 @@ SPLITS = ("train", "val")
 SHARD_TOKENS = 100_000_000  # start a new shard after this many tokens (200 MB of uint16)
 CHUNK_BYTES = 2 << 20  # raw JSONL handed to a worker at a time
 ENCODE_BATCH_CHARS = 1 << 18  # texts per encode_batch call, bounds the Rust-side memory of one call
-PREPARED_KINDS = ("pretrain", "sft")
+PREPARED_KINDS = ("pretrain", "sft", "dpo")
+MASKED_KINDS = ("sft", "dpo")  # kinds stored with a loss mask
 
 
 # ---------------------------------------------------------------------------------------------- prepare
@@ -59,7 +65,8 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
 
     pretrain: each document is encode(text) + [eos].  sft: each conversation is tokenizer.render_chat(...),
     ids plus a loss mask on the assistant tokens (no eos: the rendered conversation ends with <|im_end|>\\n).
-    Document i (0-based over all valid documents in input order) goes to val iff
+    dpo: each record is two documents, chosen then rejected, masked on the final assistant reply only.
+    Record i (0-based over all valid records in input order) goes to val iff
     floor((i+1)*val_fraction) > floor(i*val_fraction): deterministic, spread evenly, exactly ~fraction.
     workers=0 uses os.cpu_count() processes (never more than there are chunks); workers=1 runs in this
     process. Keyword-only chunk_bytes and max_shard_tokens exist for tests and tuning.
@@ -92,7 +99,7 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        writers = {split: SplitWriter(tmp, split, dtype, with_mask=kind == "sft",
+        writers = {split: SplitWriter(tmp, split, dtype, with_mask=kind in MASKED_KINDS,
                                       max_shard_tokens=max_shard_tokens) for split in SPLITS}
         sources = [SourceStats(path) for path in paths]
         tasks = _chunk_tasks(kind, sources, chunk_bytes, skip_invalid)
@@ -100,9 +107,9 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
         with closing(_run_chunks(tasks, tokenizer, workers)) as results:  # closing stops the workers
             for result in results:
                 source = sources[result.file_index]
-                source.records += len(result.doc_lens)
+                source.records += len(result.doc_lens) // _docs_per_record(kind)
                 source.skips.merge(result.skips)
-                docs_seen = _write_result(result, writers, docs_seen, val_fraction)
+                docs_seen = _write_result(result, writers, docs_seen, val_fraction, _docs_per_record(kind))
         for source in sources:
             if source.records == 0:
                 raise DataError(f"has no valid {kind} records" +
@@ -124,10 +131,13 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
 
 
 def _check_kind(kind: str) -> None:
-    if kind == "dpo":
-        raise NanoforgeError("prepare --kind dpo is not implemented yet (pretrain and sft are)")
     if kind not in PREPARED_KINDS:
         raise NanoforgeError(f"unknown data kind {kind!r}; expected one of pretrain, sft, dpo")
+
+
+def _docs_per_record(kind: str) -> int:
+    """A dpo record is stored as two documents (chosen, rejected); every other kind as one."""
+    return 2 if kind == "dpo" else 1
 
 
 def _check_out_dir(out_dir: Path, force: bool) -> None:
@@ -203,7 +213,7 @@ class ChunkResult:
     tokens: np.ndarray  # (N,) all documents of the chunk, concatenated
     doc_lens: np.ndarray  # (D,) int64 tokens per document
     doc_bytes: np.ndarray  # (D,) int64 UTF-8 bytes of each document's source text
-    mask: np.ndarray | None  # (N,) uint8 loss mask for sft
+    mask: np.ndarray | None  # (N,) uint8 loss mask for sft and dpo
     skips: SkipCounter
 
 
@@ -240,7 +250,7 @@ def encode_chunk(task: ChunkTask, tokenizer) -> ChunkResult:
         if record is not None:
             records.append((line_no, record))
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
-    encode = _encode_pretrain if task.kind == "pretrain" else _encode_sft
+    encode = {"pretrain": _encode_pretrain, "sft": _encode_sft, "dpo": _encode_dpo}[task.kind]
     tokens, lens, nbytes, mask = encode(records, tokenizer, dtype, task, skips)
     return ChunkResult(task.file_index, tokens, lens, nbytes, mask, skips)
 
@@ -295,6 +305,43 @@ def _encode_sft(records, tokenizer, dtype, task: ChunkTask, skips: SkipCounter):
             np.array(flat_mask, dtype=np.uint8))
 
 
+def final_reply_mask(mask: list[int]) -> list[int]:
+    """Keep only the last run of 1s of an assistant mask: the final reply and its <|im_end|>."""
+    out = [0] * len(mask)
+    i = len(mask) - 1
+    while i >= 0 and not mask[i]:
+        i -= 1
+    while i >= 0 and mask[i]:
+        out[i] = 1
+        i -= 1
+    return out
+
+
+def _encode_dpo(records, tokenizer, dtype, task: ChunkTask, skips: SkipCounter):
+    """Each record becomes two documents, chosen then rejected, each rendered with the chat template and
+    masked on its final assistant reply only (Rafailov et al. 2023, arXiv 2305.18290: the DPO log-ratio is
+    over the answer given the shared prompt). A record whose template fails is a DataError (or skipped)."""
+    from nanoforge.tokenizer import ChatTemplateError
+
+    flat, flat_mask, lens, nbytes = [], [], [], []
+    for line_no, record in records:
+        try:
+            sides = [tokenizer.render_chat_with_text(record[name]) for name in ("chosen", "rejected")]
+        except ChatTemplateError as e:
+            error = DataError(str(e), task.path, line_no, '"chosen"/"rejected"')
+            if not task.skip_invalid:
+                raise error from None
+            skips.add(error)
+            continue
+        for ids, mask, text in sides:
+            flat.extend(ids)
+            flat_mask.extend(final_reply_mask(mask))
+            lens.append(len(ids))
+            nbytes.append(len(text.encode("utf-8")))
+    return (np.array(flat, dtype=dtype), np.array(lens, dtype=np.int64), np.array(nbytes, dtype=np.int64),
+            np.array(flat_mask, dtype=np.uint8))
+
+
 def _run_chunks(tasks: Iterator[ChunkTask], tokenizer, workers: int) -> Iterator[ChunkResult]:
     """Results of `tasks` in input order, computed by `workers` processes with bounded read-ahead."""
     if workers <= 1:
@@ -316,11 +363,14 @@ def _run_chunks(tasks: Iterator[ChunkTask], tokenizer, workers: int) -> Iterator
     # leaving the `with` block terminates the workers, also when an error or Ctrl-C unwinds through here
 
 
-def _write_result(result: ChunkResult, writers: dict, docs_seen: int, val_fraction: float) -> int:
-    """Send each document of the chunk to train or val; return the running document count."""
-    n = len(result.doc_lens)
+def _write_result(result: ChunkResult, writers: dict, docs_seen: int, val_fraction: float,
+                  docs_per_record: int = 1) -> int:
+    """Send each record of the chunk (1 document, or 2 for a dpo pair) to train or val; return the running
+    record count."""
+    n = len(result.doc_lens) // docs_per_record
     index = np.arange(docs_seen, docs_seen + n, dtype=np.float64)
-    is_val = np.floor((index + 1) * val_fraction) > np.floor(index * val_fraction)  # (D,)
+    is_val = np.repeat(np.floor((index + 1) * val_fraction) > np.floor(index * val_fraction),
+                       docs_per_record)  # (D,)
     token_is_val = np.repeat(is_val, result.doc_lens)  # (N,)
     for split, doc_sel, tok_sel in (("train", ~is_val, ~token_is_val), ("val", is_val, token_is_val)):
         if doc_sel.any():
@@ -408,6 +458,7 @@ def _manifest(kind, tokenizer, dtype, val_fraction, sources, splits, workers, se
         "kind": kind,
         "tokenizer": {"sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id},
         "dtype": dtype.name,
+        **({"layout": "pairs"} if kind == "dpo" else {}),  # doc 2i chosen, 2i+1 rejected
         "val_fraction": val_fraction,
         "sources": [s.to_json() for s in sources],
         "splits": splits,
@@ -550,7 +601,7 @@ class TokenShards:
             raise NanoforgeError(f"{base.with_suffix('.idx')}: offsets do not match the manifest; "
                                  "the file is corrupt, re-run `nanoforge prepare`")
         self._idx.append(idx)
-        if self.kind == "sft":
+        if self.kind in MASKED_KINDS:
             self._masks.append(self._map(base.with_suffix(".mask"), np.dtype(np.uint8), tokens))
 
     @staticmethod
@@ -575,7 +626,7 @@ class TokenShards:
         return self._gather(self._tokens, start, length)
 
     def read_mask(self, start: int, length: int) -> np.ndarray:
-        """Loss mask [start, start+length) for sft data."""
+        """Loss mask [start, start+length) for sft and dpo data."""
         if not self._masks:
             raise NanoforgeError(f"{self.directory}: {self.kind} data has no loss mask")
         return self._gather(self._masks, start, length)
@@ -600,7 +651,7 @@ class TokenShards:
         return np.concatenate(parts + [np.array([self.num_tokens], dtype=np.int64)]).astype(np.int64)
 
     def doc(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Tokens (and the loss mask for sft, else None) of document i of the split."""
+        """Tokens (and the loss mask for sft/dpo, else None) of document i of the split."""
         if not 0 <= i < self.num_docs:
             raise IndexError(f"document {i} out of range for {self.num_docs} documents")
         shard = int(np.searchsorted(self._doc_starts, i, side="right")) - 1
