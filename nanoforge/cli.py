@@ -149,6 +149,16 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="talk to a trained model in the terminal (streaming)", formatter_class=fmt)
     chat.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint) or a checkpoint directory")
     add_sampling_flags(chat, chat_defaults)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP API and a web chat page", formatter_class=fmt)
+    serve.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint), checkpoint or HF directory")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind; anything but loopback wants --api-key")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOFORGE_API_KEY, else none)")
+    serve.add_argument("--device", default=chat_defaults.DEFAULT_DEVICE, help="auto, cpu, cuda, cuda:N, mps")
+    serve.add_argument("--precision", default=chat_defaults.DEFAULT_PRECISION,
+                       choices=chat_defaults.PRECISION_CHOICES, help="inference precision")
     chat.add_argument("--system", help="system prompt")
     chat.add_argument("--device", default=chat_defaults.DEFAULT_DEVICE, help="auto, cpu, cuda, cuda:N, mps")
     chat.add_argument("--precision", default=chat_defaults.DEFAULT_PRECISION,
@@ -229,6 +239,12 @@ def run(args: argparse.Namespace) -> int:
         out = (export_hf(args.run, args.out, force=args.force) if args.format == "hf"
                else export_gguf(args.run, args.out, dtype=args.dtype, force=args.force))
         print(f"wrote {out}")
+    elif args.command == "serve":
+        import os
+        from nanoforge.infer.server import run_server
+        run_server(args.run, host=args.host, port=args.port,
+                   api_key=args.api_key or os.environ.get("NANOFORGE_API_KEY") or None,
+                   device=args.device, precision=args.precision)
     elif args.command == "chat":
         from nanoforge.infer.chat import run_chat
         run_chat(args.run, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
