@@ -137,6 +137,17 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(dist, presets=False)
 
+    plan = sub.add_parser("plan", help="memory, batch and time a run will need, before running it",
+                          formatter_class=fmt)
+    plan.add_argument("--device", default="rtx3090", help="cpu, rtx3090, rtx4090, a100-40g, a100-80g, h100, h200, "
+                      "l4, t4")
+    plan.add_argument("--global-batch", type=int, help="target sequences per optimizer step (default: "
+                      "batch_size x grad_accum)")
+    plan.add_argument("--tokens", type=float, help="training tokens, for a projected wall time")
+    plan.add_argument("--mfu", type=float, default=0.40, help="assumed model-FLOPs utilisation on a GPU")
+    plan.add_argument("--tokens-per-s", type=float, help="measured throughput to project with instead")
+    add_config_flags(plan, exclude=("device",))
+
     exp = sub.add_parser("export", help="write a run as an HF transformers directory or a GGUF file",
                          formatter_class=fmt)
     exp.add_argument("run", metavar="RUN_OR_CHECKPOINT", help="run directory (latest checkpoint) or checkpoint")
@@ -234,6 +245,13 @@ def run(args: argparse.Namespace) -> int:
                           overrides=config_overrides(args), resume=args.resume, temperature=args.temperature,
                           alpha=args.alpha, quiet=args.quiet)
         print(f"distill finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
+    elif args.command == "plan":
+        from nanoforge.config import build_config
+        from nanoforge.plan import format_plan, make_plan
+        preset = args.preset or (None if args.config else "mini")
+        mcfg, tcfg = build_config(preset, args.config, config_overrides(args))
+        p = make_plan(mcfg, tcfg, args.device, args.global_batch, args.tokens, args.mfu, args.tokens_per_s)
+        print(format_plan(p, mcfg, tcfg, args.tokens))
     elif args.command == "export":
         from nanoforge.export import export_gguf, export_hf
         out = (export_hf(args.run, args.out, force=args.force) if args.format == "hf"
