@@ -148,6 +148,28 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tokens-per-s", type=float, help="measured throughput to project with instead")
     add_config_flags(plan, exclude=("device",))
 
+    ev = sub.add_parser("eval", help="loss / bits per byte on data, multiple-choice benchmarks, samples",
+                        formatter_class=fmt)
+    ev.add_argument("run", metavar="RUN", help="run directory, checkpoint or HF model directory")
+    ev.add_argument("--data", nargs="+", metavar="PATH", help="pretraining or SFT JSONL files, or a prepared directory")
+    ev.add_argument("--bench", metavar="PATH", help="multiple-choice benchmark: a C-Eval/CMMLU folder or CSV, or JSONL")
+    ev.add_argument("--format", default="auto", choices=["auto", "jsonl", "ceval", "cmmlu", "csv"],
+                    help="benchmark format")
+    ev.add_argument("--shots", type=int, default=0, help="solved examples before each question (from the dev split)")
+    ev.add_argument("--dev", metavar="FILE", help="dev examples for --shots with a JSONL benchmark")
+    ev.add_argument("--limit", type=int, help="score at most this many questions")
+    ev.add_argument("--samples", action="store_true", help="generate replies to a fixed prompt set")
+    ev.add_argument("--prompts", metavar="FILE", help="prompts for --samples, one per line")
+    ev.add_argument("--chat", action="store_true", help="render sample prompts with the chat template")
+    ev.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
+    ev.add_argument("--seq-len", type=int, help="window length (default: the model's max_seq_len)")
+    ev.add_argument("--max-tokens", type=int, help="stop after scoring this many tokens")
+    ev.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="inference precision")
+    ev.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
+    ev.add_argument("--no-write", action="store_true", help="do not write RUN/samples.jsonl")
+    ev.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    ev.add_argument("--quiet", action="store_true", help="no progress")
+
     exp = sub.add_parser("export", help="write a run as an HF transformers directory or a GGUF file",
                          formatter_class=fmt)
     exp.add_argument("run", metavar="RUN_OR_CHECKPOINT", help="run directory (latest checkpoint) or checkpoint")
@@ -252,6 +274,12 @@ def run(args: argparse.Namespace) -> int:
         mcfg, tcfg = build_config(preset, args.config, config_overrides(args))
         p = make_plan(mcfg, tcfg, args.device, args.global_batch, args.tokens, args.mfu, args.tokens_per_s)
         print(format_plan(p, mcfg, tcfg, args.tokens))
+    elif args.command == "eval":
+        from nanoforge.evaluate import run_eval
+        run_eval(args.run, data=args.data, bench=args.bench, fmt=args.format, shots=args.shots, dev=args.dev,
+                 samples=args.samples, prompts_file=args.prompts, chat=args.chat, batch_size=args.batch_size,
+                 seq_len=args.seq_len, max_tokens=args.max_tokens, limit=args.limit, precision=args.precision,
+                 device=args.device, write=not args.no_write, json_out=args.json, progress=not args.quiet)
     elif args.command == "export":
         from nanoforge.export import export_gguf, export_hf
         out = (export_hf(args.run, args.out, force=args.force) if args.format == "hf"
