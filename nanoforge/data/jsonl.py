@@ -195,6 +195,16 @@ def _keys(obj: dict) -> str:
 # ---------------------------------------------------------------------------------------------- lines
 
 
+# One record over this is almost surely a file that is not JSONL (or a whole corpus on one line); tokenizing it
+# as one document would need gigabytes. Split such documents into several records.
+MAX_RECORD_BYTES = 32 << 20
+
+
+def record_too_long(size: int, path, line_no: int) -> DataError:
+    return DataError(f"the line is {size / 1e6:.0f} MB, over the {MAX_RECORD_BYTES >> 20} MB limit for one record; "
+                     f"split the document into several records", path, line_no)
+
+
 def parse_line(raw: bytes, kind: str | None, path: str | os.PathLike, line_no: int) -> dict | None:
     """Decode, parse and validate one raw line. Returns None for a blank line; raises DataError.
 
@@ -203,6 +213,8 @@ def parse_line(raw: bytes, kind: str | None, path: str | os.PathLike, line_no: i
     """
     if line_no == 1 and raw.startswith(UTF8_BOM):
         raw = raw[len(UTF8_BOM):]
+    if len(raw) > MAX_RECORD_BYTES:
+        raise record_too_long(len(raw), path, line_no)
     if not raw.strip():
         return None
     if b"\x00" in raw:

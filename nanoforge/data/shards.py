@@ -184,7 +184,8 @@ def _chunk_tasks(kind: str, sources: list[SourceStats], chunk_bytes: int,
 
 def _line_chunks(source: SourceStats, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
     """(first line number, bytes) chunks of whole lines; hashes and sizes the file on the way."""
-    line_no, carry = 1, b""
+    from nanoforge.data.jsonl import MAX_RECORD_BYTES, record_too_long
+    line_no, pending = 1, []  # pending: blocks of a line longer than one block, joined once it ends
     with open(source.path, "rb") as f:
         while True:
             block = f.read(chunk_bytes)
@@ -192,16 +193,19 @@ def _line_chunks(source: SourceStats, chunk_bytes: int) -> Iterator[tuple[int, b
                 break
             source.hasher.update(block)
             source.size += len(block)
-            data = carry + block
-            cut = data.rfind(b"\n") + 1
-            if cut == 0:  # a line longer than one block: keep reading until it ends
-                carry = data
+            cut = block.rfind(b"\n") + 1
+            if cut == 0:  # no line ends in this block: keep reading, but not without bound
+                pending.append(block)
+                size = sum(map(len, pending))
+                if size > MAX_RECORD_BYTES:
+                    raise record_too_long(size, source.path, line_no)
                 continue
-            yield line_no, data[:cut]
-            line_no += data.count(b"\n", 0, cut)
-            carry = data[cut:]
-    if carry:
-        yield line_no, carry
+            data = b"".join(pending) + block[:cut]
+            pending = [block[cut:]] if cut < len(block) else []
+            yield line_no, data
+            line_no += data.count(b"\n")
+    if pending:
+        yield line_no, b"".join(pending)
 
 
 # ---- encoding chunks (runs in the workers)
