@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from typing import Any
 
@@ -211,6 +212,9 @@ def add_sampling_flags(p: argparse.ArgumentParser, defaults) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from nanoforge.train.distributed import is_main
+    if not is_main():  # under torchrun only rank 0 talks to the user
+        sys.stdout = open(os.devnull, "w")
     try:
         return run(args)
     except NanoforgeError as e:

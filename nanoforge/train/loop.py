@@ -8,6 +8,9 @@ One optimizer step:
 
 Normalising by the tokens of the whole accumulated batch (not per micro-batch) makes the update identical
 to one big batch even when micro-batches hold different numbers of supervised tokens, as SFT batches do.
+
+Under torchrun the same holds across processes: the count is the whole step's on all ranks, so N processes with
+batch B train exactly like one with batch N*B (train/distributed.py has the wrapping and collectives).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from nanoforge import __version__
 from nanoforge.config import ModelConfig, TrainConfig, config_dicts
 from nanoforge.errors import NanoforgeError
 from nanoforge.train import checkpoint as ckpt
+from nanoforge.train import distributed
 from nanoforge.train.metrics import MetricsLog, peak_flops, peak_memory_bytes, progress_line
 from nanoforge.train.optim import build_optimizer, lr_at, set_lr
 
@@ -134,6 +138,19 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], loss_fn: LossFn, device
     return total.item() / max(count, 1), count, {k: v.item() / max(count, 1) for k, v in extras.items()}
 
 
+class _NoLog:
+    """What ranks other than 0 log: nothing (rank 0 writes metrics.jsonl, TensorBoard and the console)."""
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        pass
+
+    def print(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class _SignalFlag:
     """Turns SIGINT/SIGTERM into a flag checked between steps, so a checkpoint is never torn by the signal.
     A second SIGINT falls through to Python's default and interrupts at once."""
@@ -165,12 +182,19 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
     """Run (or resume) a stage to tcfg.max_steps. Returns a summary of the run."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    device = resolve_device(tcfg.device)
+    # Under torchrun: join the process group, this rank's device, and the model wrapped in DDP or FSDP2.
+    # `model` is what forward/backward run through; `raw` is the model itself (saved, measured, loaded).
+    world = distributed.world()
+    device = distributed.setup(resolve_device(tcfg.device))
+    quiet = quiet or not world.is_main
     torch.manual_seed(tcfg.seed)
-    model.to(device)
-    model.train()
-    optimizer = build_optimizer(model, tcfg, device)
-    params = [p for p in model.parameters() if p.requires_grad]
+    raw = model
+    raw.to(device)
+    raw.train()
+    model = distributed.wrap(raw, device, fsdp=tcfg.fsdp)
+    fsdp = distributed.is_fsdp(model)
+    optimizer = build_optimizer(raw, tcfg, device)  # after wrapping: FSDP2 replaces parameters by shards
+    params = [p for p in raw.parameters() if p.requires_grad]
     injections = parse_injections(tcfg.inject_nonfinite)
 
     # Mutable run state: everything here goes into state.json, so a resumed run continues exactly.
@@ -194,21 +218,33 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
 
     config = config_dicts(mcfg, tcfg)
     log = MetricsLog(run_dir, tensorboard=tcfg.tensorboard, wandb_project=tcfg.wandb_project,
-                     resume_step=st["step"], config=config, quiet=quiet)
-    n_params = sum(p.numel() for p in model.parameters())
-    flops_per_token = model.flops_per_token(tcfg.seq_len) if hasattr(model, "flops_per_token") else 0
+                     resume_step=st["step"], config=config, quiet=quiet) if world.is_main else _NoLog()
+    n_params = sum(p.numel() for p in raw.parameters())
+    flops_per_token = raw.flops_per_token(tcfg.seq_len) if hasattr(raw, "flops_per_token") else 0
     peak = peak_flops(device, st["precision"]) if flops_per_token else 0.0
     log.print(f"{stage.name}: {n_params / 1e6:.2f}M parameters on {device}, {st['precision']}, "
-              f"{tcfg.batch_size}x{tcfg.seq_len} x {tcfg.grad_accum} accum, {tcfg.max_steps} steps -> {run_dir}")
+              f"{tcfg.batch_size}x{tcfg.seq_len} x {tcfg.grad_accum} accum"
+              + (f" x {world.world_size} processes ({'FSDP2' if fsdp else 'DDP'})" if world.distributed else "")
+              + f", {tcfg.max_steps} steps -> {run_dir}")
 
     def save(step: int) -> Path:
-        weights = model.state_dict_for_save() if hasattr(model, "state_dict_for_save") else model.state_dict()
-        trainer = {"optimizer": optimizer.state_dict(), "rng": ckpt.rng_states()}
-        if scaler.is_enabled():
-            trainer["scaler"] = scaler.state_dict()
-        state = {"stage": stage.name, "run_state": {**st, "step": step}, "data": stage.train_batches.state_dict(),
-                 "config": config, "run": stage.run_info, "versions": _versions()}
-        return ckpt.save_checkpoint(run_dir, step, weights, trainer, state, keep_last=tcfg.keep_last)
+        weights = raw.state_dict_for_save() if hasattr(raw, "state_dict_for_save") else raw.state_dict()
+        if fsdp:  # gather full weights and optimizer state on rank 0, so any world size can resume
+            weights = distributed.full_state_dict(model, list(weights))
+            optimizer_state = distributed.full_optimizer_state(model, optimizer)
+        else:
+            optimizer_state = optimizer.state_dict()
+        path = run_dir / "checkpoints" / ckpt.step_dir_name(step)
+        if world.is_main:
+            trainer = {"optimizer": optimizer_state, "rng": ckpt.rng_states()}
+            if scaler.is_enabled():
+                trainer["scaler"] = scaler.state_dict()
+            state = {"stage": stage.name, "run_state": {**st, "step": step},
+                     "data": stage.train_batches.state_dict(), "config": config, "run": stage.run_info,
+                     "versions": _versions()}
+            path = ckpt.save_checkpoint(run_dir, step, weights, trainer, state, keep_last=tcfg.keep_last)
+        distributed.barrier()  # no rank reads or rolls back to a checkpoint before it is complete
+        return path
 
     def rollback(reason: str) -> None:
         last = ckpt.latest_checkpoint(run_dir)
@@ -242,26 +278,46 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
                 t0 = time.perf_counter()
                 micro = [stage.train_batches.next_batch() for _ in range(tcfg.grad_accum)]
                 micro = [{k: v.to(device, non_blocking=True) for k, v in b.items()} for b in micro]
-                n_supervised = sum(stage.count_fn(b) for b in micro).clamp(min=1)
+                # The whole step's supervised tokens on ALL ranks. DDP/FSDP average gradients over ranks, so each
+                # rank's loss is its token-loss sum / global count x world size: the mean of the ranks'
+                # gradients is then exactly the gradient of one process's loss on the global batch.
+                local_count = torch.as_tensor(sum(stage.count_fn(b) for b in micro), device=device)
+                n_supervised = distributed.all_reduce_sum(local_count).clamp(min=1)
                 step_loss = torch.zeros((), device=device)
                 extras: dict[str, torch.Tensor] = {}
-                for batch in micro:
-                    with autocast_context(device, st["precision"]):
-                        loss_sum, _, extra = stage.loss_fn(model, batch)
-                    loss = loss_sum.float() / n_supervised
-                    if step in injections["loss"]:
-                        loss = loss * float("inf")
-                    scaler.scale(loss).backward()
-                    step_loss += loss.detach()
+                for i, batch in enumerate(micro):
+                    # no gradient all-reduce until the last micro-batch
+                    with distributed.gradient_sync(model, i == len(micro) - 1):
+                        with autocast_context(device, st["precision"]):
+                            loss_sum, _, extra = stage.loss_fn(model, batch)
+                        loss = loss_sum.float() / n_supervised * world.world_size
+                        if step in injections["loss"]:
+                            loss = loss * float("inf")
+                        scaler.scale(loss).backward()
+                    step_loss += loss.detach() / world.world_size
                     for k, v in extra.items():
                         extras[k] = extras.get(k, 0) + v.detach() / tcfg.grad_accum
+                if world.distributed:  # the logged loss (and extras) are global means
+                    keys = sorted(extras)
+                    reduced = distributed.all_reduce_sum(torch.stack([step_loss, *(extras[k].float() for k in keys)]))
+                    step_loss = reduced[0]
+                    extras = {k: reduced[j + 1] / world.world_size for j, k in enumerate(keys)}
                 if step in injections["grad"]:
                     next(iter(params)).grad.view(-1)[0] = float("nan")
                 scaler.unscale_(optimizer)
                 max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else math.inf
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+                if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
+                    grad_norm = grad_norm.full_tensor()
                 loss_ok = bool(torch.isfinite(step_loss))
                 grads_ok = bool(torch.isfinite(grad_norm))
+                signum = flag.signum
+                if world.distributed:
+                    # Every rank must take the same branch (skip, roll back, stop), so the flags are agreed on.
+                    flags = distributed.all_reduce_sum(torch.tensor(
+                        [not loss_ok, not grads_ok, flag.signum is not None], dtype=torch.float32, device=device))
+                    loss_ok, grads_ok = bool(flags[0] == 0), bool(flags[1] == 0)
+                    signum = (flag.signum or signal.SIGTERM) if flags[2] > 0 else None
                 lr = lr_at(step, tcfg) * st["lr_scale"]
                 if loss_ok and grads_ok:
                     set_lr(optimizer, lr)
@@ -282,7 +338,7 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
                                   f"update skipped")
                 optimizer.zero_grad(set_to_none=True)
                 st["step"] = step = step + 1
-                n_tokens = sum(b["input_ids"].numel() for b in micro)
+                n_tokens = sum(b["input_ids"].numel() for b in micro) * world.world_size  # ranks' batches: same shape
                 st["tokens_seen"] += n_tokens
                 if consecutive_bad >= tcfg.nonfinite_patience:
                     rollback("non-finite loss or gradients")
@@ -319,8 +375,10 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
                 evaluated = False
                 if stage.val_batches and tcfg.eval_every and (step % tcfg.eval_every == 0 or step == tcfg.max_steps):
                     evaluated = True
-                    val_loss, _, val_extras = evaluate(model, stage.val_batches(), stage.loss_fn, device,
-                                                       st["precision"])
+                    # Every rank evaluates the same batches (so all agree on early stopping); under DDP on the model
+                    # itself, since a forward through the wrapper alone on one rank would wait for the others.
+                    val_loss, _, val_extras = evaluate(model if fsdp else raw, stage.val_batches(), stage.loss_fn,
+                                                       device, st["precision"])
                     values = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)),
                               **{f"val_{k}": v for k, v in val_extras.items()}}
                     if stage.val_bytes_per_token:
@@ -336,9 +394,9 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
 
                 if tcfg.save_every and step % tcfg.save_every == 0:
                     last_saved = save(step)
-                if flag.signum is not None:
+                if signum is not None or (not world.distributed and flag.signum is not None):
                     last_saved = save(step)
-                    raise TrainingInterrupted(flag.signum, last_saved)
+                    raise TrainingInterrupted(signum or flag.signum, last_saved)
                 if evaluated and tcfg.early_stop_patience and st["evals_since_best"] >= tcfg.early_stop_patience:
                     log.print(f"step {step}: validation loss has not improved for {tcfg.early_stop_patience} "
                               f"evaluations (best {st['best_val_loss']:.4f}); stopping early")
@@ -354,16 +412,28 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
 
 
 def _restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, stage: Stage) -> dict[str, Any]:
-    """Load weights, optimizer state and data position from a checkpoint into live objects."""
+    """Load weights, optimizer state and data position from a checkpoint into live objects. Checkpoints hold
+    full weights and optimizer state, so any world size (DDP or FSDP2) resumes any other's."""
     state = ckpt.load_state(path)
     weights = ckpt.load_weights_file(path)
-    if hasattr(model, "load_weights"):
-        model.load_weights(weights)
+    fsdp = distributed.is_fsdp(model)
+    raw = distributed.unwrap(model)
+    if fsdp:
+        if hasattr(raw, "state_dict_for_save"):  # the same strict key and shape check as load_weights
+            expected = {k: tuple(v.shape) for k, v in raw.state_dict_for_save().items()}
+            if {k: tuple(v.shape) for k, v in weights.items() if k in expected} != expected:
+                raise NanoforgeError(f"{path}: weights do not match this model")
+        distributed.load_full_weights(model, weights)
+    elif hasattr(raw, "load_weights"):
+        raw.load_weights(weights)
     else:
-        model.load_state_dict(weights)
+        raw.load_state_dict(weights)
     trainer = ckpt.load_trainer_file(path)
     try:
-        optimizer.load_state_dict(trainer["optimizer"])
+        if fsdp:
+            distributed.load_full_optimizer_state(model, optimizer, trainer["optimizer"])
+        else:
+            optimizer.load_state_dict(trainer["optimizer"])
     except (ValueError, KeyError) as e:
         raise NanoforgeError(f"{path}: optimizer state does not match this model/stage: {e}") from None
     stage.train_batches.load_state_dict(state["data"])

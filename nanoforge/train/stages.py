@@ -52,6 +52,18 @@ def fit_vocab(mcfg: ModelConfig, tokenizer, explicit: set[str]) -> None:
 def resolve_data(kind: str, data: Sequence[str], run_dir: Path, tokenizer_path: str | None, mcfg: ModelConfig,
                  tcfg: TrainConfig, quiet: bool) -> Path:
     """A prepared directory is used as is; raw JSONL files are prepared into RUN/data (once)."""
+    from nanoforge.train.distributed import main_first
+    with main_first(_device(tcfg)):  # under torchrun rank 0 prepares; the others then find RUN/data ready
+        return _resolve_data(kind, data, run_dir, tokenizer_path, mcfg, tcfg, quiet)
+
+
+def _device(tcfg: TrainConfig) -> torch.device:
+    from nanoforge.train.loop import resolve_device
+    return resolve_device(tcfg.device)
+
+
+def _resolve_data(kind: str, data: Sequence[str], run_dir: Path, tokenizer_path: str | None, mcfg: ModelConfig,
+                  tcfg: TrainConfig, quiet: bool) -> Path:
     from nanoforge.data.shards import prepare_dataset
     from nanoforge.tokenizer import load_tokenizer, train_tokenizer
 
@@ -79,15 +91,19 @@ def resolve_data(kind: str, data: Sequence[str], run_dir: Path, tokenizer_path: 
 
 
 def write_run_config(run_dir: Path, mcfg: ModelConfig, tcfg: TrainConfig, run_info: dict[str, Any]) -> None:
+    from nanoforge.train.distributed import is_main
     run_dir.mkdir(parents=True, exist_ok=True)
+    if not is_main():  # under torchrun only rank 0 writes the run directory
+        return
     tmp = run_dir / "config.toml.tmp"
     tmp.write_text(config_to_toml(mcfg, tcfg, {"run": run_info}), encoding="utf-8")
     tmp.replace(run_dir / "config.toml")
 
 
 def copy_tokenizer(src: Path, run_dir: Path) -> None:
+    from nanoforge.train.distributed import is_main
     dst = run_dir / "tokenizer"
-    if src.resolve() == dst.resolve():
+    if src.resolve() == dst.resolve() or not is_main():
         return
     if dst.exists():
         shutil.rmtree(dst)
@@ -181,10 +197,12 @@ def lm_batches(data_dir: Path, tcfg: TrainConfig, tok, quiet: bool):
     the language-model stages (pretrain, sft, lora, distill) share them."""
     from nanoforge.data.batches import PretrainBatches, SFTBatches, eval_batches
     from nanoforge.data.shards import TokenShards
+    from nanoforge.train.distributed import world
 
+    w = world()  # under torchrun each rank reads its slice of every step's global batch
     train_shards, val_shards = TokenShards(data_dir, "train"), TokenShards(data_dir, "val")
     if train_shards.kind == "pretrain":
-        batches = PretrainBatches(train_shards, tcfg.batch_size, tcfg.seq_len, tcfg.seed)
+        batches = PretrainBatches(train_shards, tcfg.batch_size, tcfg.seq_len, tcfg.seed, w.rank, w.world_size)
         if val_shards.num_tokens > tcfg.seq_len + 1:
             return (batches, lambda: eval_batches(val_shards, tcfg.batch_size, tcfg.seq_len, tcfg.eval_batches),
                     val_shards.num_bytes / val_shards.num_tokens)
@@ -193,7 +211,8 @@ def lm_batches(data_dir: Path, tcfg: TrainConfig, tok, quiet: bool):
                   f"window of {tcfg.seq_len + 1}; validation is off (raise --val-fraction when preparing)")
         return batches, None, None
     if train_shards.kind == "sft":
-        batches = SFTBatches(train_shards, tcfg.batch_size, tcfg.seq_len, tcfg.seed, pad_id=tok.pad_id)
+        batches = SFTBatches(train_shards, tcfg.batch_size, tcfg.seq_len, tcfg.seed, w.rank, w.world_size,
+                             pad_id=tok.pad_id)
         if not quiet:
             print(f"{data_dir.name} train: {batches.report.summary(tcfg.seq_len)}", flush=True)
         if not val_shards.num_docs:
@@ -345,16 +364,20 @@ def dpo(init: str | None, data: Sequence[str], out: str | Path, config_file: str
     # The reference is the initial policy, whatever step we resume at: rebuild it from --init.
     reference = GPT(mcfg)
     reference.load_weights(init_weights(init_path))
-    device = resolve_device(tcfg.device)
+    from nanoforge.train.distributed import main_first, setup, world
+    device = setup(resolve_device(tcfg.device))  # under torchrun: this rank's GPU
     reference.to(device).eval()
     log = (lambda *a: None) if quiet else print
-    ref = {split: reference_logps(reference, shards, run_dir, tcfg.batch_size * 2, tcfg.seq_len, tcfg.precision,
-                                  device, pad_id=tok.pad_id, log=log)
-           for split, shards in (("train", train_shards), ("val", val_shards)) if shards.num_docs}
+    with main_first(device):  # under torchrun rank 0 computes and caches; the others load the cache
+        ref = {split: reference_logps(reference, shards, run_dir, tcfg.batch_size * 2, tcfg.seq_len,
+                                      tcfg.precision, device, pad_id=tok.pad_id, log=log)
+               for split, shards in (("train", train_shards), ("val", val_shards)) if shards.num_docs}
     model = reference if not resume else GPT(mcfg)  # the policy starts as the reference (train() moves it)
     if resume:
         del reference
-    batches = DPOBatches(train_shards, ref["train"], tcfg.batch_size, tcfg.seq_len, tcfg.seed, pad_id=tok.pad_id)
+    w = world()
+    batches = DPOBatches(train_shards, ref["train"], tcfg.batch_size, tcfg.seq_len, tcfg.seed, w.rank, w.world_size,
+                         pad_id=tok.pad_id)
     log(f"dpo train: {batches.summary()}")
     val_batches = None
     if "val" in ref:

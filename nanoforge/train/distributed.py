@@ -1,0 +1,192 @@
+"""Many processes through `torchrun`: the environment, DDP / FSDP2 wrapping, and the few collectives the loop
+needs. With one process (no torchrun, or WORLD_SIZE=1) every function here is a no-op or the identity, so the
+loop reads the same either way.
+
+    torchrun --nproc-per-node N -m nanoforge pretrain ...
+
+Each rank reads its own slice of every step's global batch (the batch sources take rank and world_size), so
+the global batch is batch_size x world_size x grad_accum. Only rank 0 writes files.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def world() -> World:
+    """This process's place in the job, from the variables torchrun sets (a single process without them)."""
+    return World(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+                 int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def is_main() -> bool:
+    return world().is_main
+
+
+def setup(device: torch.device) -> torch.device:
+    """Join the process group (once) and return this rank's device: cuda:LOCAL_RANK under CUDA (nccl),
+    the given device otherwise (gloo)."""
+    w = world()
+    if not w.distributed:
+        return device
+    if device.type == "cuda":
+        device = torch.device("cuda", w.local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=w.rank,
+                                world_size=w.world_size)
+        atexit.register(dist.destroy_process_group)
+    return device
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def main_first(device: torch.device | None = None):
+    """Rank 0 runs the body first (e.g. preparing data into the run directory), the others after it, when
+    its results are on disk."""
+    w = world()
+    if w.distributed:
+        setup(device or torch.device("cpu"))
+    if not w.is_main:
+        barrier()
+    yield
+    if w.is_main:
+        barrier()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (in place, and returned); the identity in a single process."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+class DDP(DistributedDataParallel):
+    """DistributedDataParallel that forwards unknown attributes to the wrapped model, so objectives can still
+    call `model.cfg` and `model.aux_loss()` (the MoE load-balancing loss) through the wrapper."""
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
+
+def wrap(model: nn.Module, device: torch.device, fsdp: bool = False) -> nn.Module:
+    """The model the loop trains: DDP (gradients all-reduced, averaged) or FSDP2 (parameters sharded per
+    block and at the root, gradients reduce-scattered, averaged). The model itself with one process."""
+    if not world().distributed:
+        return model
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+        for block in _blocks(model):
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    # Mixture-of-experts layers may leave an expert without tokens in a step: DDP must look for unused ones.
+    moe = getattr(getattr(model, "cfg", None), "n_experts", 0)
+    ids = [device.index] if device.type == "cuda" else None
+    return DDP(model, device_ids=ids, find_unused_parameters=bool(moe))
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks, the unit FSDP2 gathers at a time (found as the model's `layers` ModuleList,
+    through a LoRA wrapper too)."""
+    for name, module in model.named_modules():
+        if name.split(".")[-1] == "layers" and isinstance(module, nn.ModuleList):
+            return list(module)
+    return []
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model without DDP's wrapper (FSDP2 shards in place: the model is itself)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
+
+
+def gradient_sync(model: nn.Module, enabled: bool):
+    """A context in which backward does (enabled) or does not (accumulation micro-batches) reduce
+    gradients across ranks."""
+    if enabled or not world().distributed:
+        if is_fsdp(model):
+            model.set_requires_gradient_sync(True)
+        return contextlib.nullcontext()
+    if isinstance(model, DistributedDataParallel):
+        return model.no_sync()
+    if is_fsdp(model):
+        model.set_requires_gradient_sync(False)
+    return contextlib.nullcontext()
+
+
+def full_state_dict(model: nn.Module, keys) -> dict[str, torch.Tensor]:
+    """FSDP2: gather the full (unsharded) weights onto rank 0's CPU (a collective: every rank calls it).
+    Only `keys` are kept, e.g. those of `state_dict_for_save()`; other ranks get an empty dict."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: full[k] for k in keys} if is_main() else {}
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """FSDP2: the optimizer state gathered on rank 0, in the plain `optimizer.state_dict()` layout (parameters
+    numbered in group order), so DDP and single-process runs load it as they load their own."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    osd = get_optimizer_state_dict(model, optimizer,
+                                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not is_main():
+        return {}
+    index, groups = {}, []
+    for group in osd["param_groups"]:
+        ids = []
+        for fqn in group["params"]:
+            index[fqn] = len(index)
+            ids.append(index[fqn])
+        groups.append({**group, "params": ids})
+    return {"state": {index[fqn]: s for fqn, s in osd["state"].items()}, "param_groups": groups}
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """FSDP2: load a plain-layout optimizer state (from any world size) into the sharded optimizer."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    names = {id(p): n for n, p in model.named_parameters()}
+    fqns = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    if len(fqns) != sum(len(g["params"]) for g in saved["param_groups"]):
+        raise ValueError("the saved optimizer has a different number of parameters")
+    groups = [{**g, "params": [fqns[i] for i in g["params"]]} for g in saved["param_groups"]]
+    osd = {"state": {fqns[int(i)]: s for i, s in saved["state"].items()}, "param_groups": groups}
+    set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=True))
+
+
+def load_full_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """FSDP2: load full weights (every rank holds them) into the sharded model, each rank keeping its shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
