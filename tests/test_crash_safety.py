@@ -173,10 +173,6 @@ def test_killed_and_resumed_pretrain_and_sft_equal_an_uninterrupted_run(prepared
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="a kill during the FIRST checkpoint write leaves only checkpoints/.tmp-*: "
-                   "a fresh start says 'already holds a run; add --resume' and --resume says 'no checkpoint "
-                   "to resume from' (open_run/finetune_setup count any entry of checkpoints/, not complete "
-                   "checkpoints)")
 def test_kill_during_the_first_checkpoint_write_can_be_restarted(prepared, tmp_path):
     run = tmp_path / "run"
     cmd = nf_cmd("pretrain", "--data", prepared / "pre", "--out", run, *PRETRAIN[:-2], "--max-steps", "2",

@@ -5,6 +5,7 @@ fly into the run), the tokenizer copy, and config.toml.
 """
 from __future__ import annotations
 
+import inspect
 import shutil
 from pathlib import Path
 from typing import Any, Sequence
@@ -14,8 +15,29 @@ import torch
 from nanoforge.config import (ConfigError, ModelConfig, TrainConfig, build_config, config_dicts, config_to_toml,
                               load_toml)
 from nanoforge.errors import NanoforgeError
+from nanoforge.train import checkpoint as ckpt
 from nanoforge.train.loop import Stage, train
 from nanoforge.train.objectives import causal_lm_loss
+
+
+def fresh_run_guard(stage_fn):
+    """Nothing half-written: if a stage fails before training began (bad data, a wrong --init, a config
+    error) in a run directory this call created, remove the directory again."""
+    import functools
+
+    from nanoforge.train.distributed import is_main
+
+    @functools.wraps(stage_fn)
+    def guarded(*args, **kwargs):
+        out = Path(kwargs["out"] if "out" in kwargs else args[list(inspect.signature(stage_fn).parameters).index("out")])
+        existed = out.exists() and any(out.iterdir())
+        try:
+            return stage_fn(*args, **kwargs)
+        except BaseException:
+            if is_main() and not existed and out.is_dir() and not (out / "metrics.jsonl").exists():
+                shutil.rmtree(out, ignore_errors=True)
+            raise
+    return guarded
 
 
 def open_run(out: str | Path, resume: bool, preset: str | None, config_file: str | None,
@@ -32,7 +54,7 @@ def open_run(out: str | Path, resume: bool, preset: str | None, config_file: str
         if changed or preset:
             raise NanoforgeError(f"--resume: the model shape of {run_dir} is fixed; drop "
                                  + ", ".join(f"--{k.replace('_', '-')}" for k in changed or ["preset"]))
-    elif (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+    elif ckpt.list_checkpoints(run_dir):  # (a kill during the first save leaves only .tmp-*: a fresh start)
         raise NanoforgeError(f"{run_dir} already holds a run; add --resume to continue it, or choose another --out")
     mcfg, tcfg = build_config(preset, config_file, overrides, base=saved)
     explicit = set(overrides) | set((saved or {}).get("model", {}))
@@ -110,6 +132,7 @@ def copy_tokenizer(src: Path, run_dir: Path) -> None:
     shutil.copytree(src, dst)
 
 
+@fresh_run_guard
 def pretrain(data: Sequence[str], out: str | Path, preset: str | None = None, config_file: str | None = None,
              overrides: dict[str, Any] | None = None, resume: bool = False, tokenizer: str | None = None,
              quiet: bool = False) -> dict[str, Any]:
@@ -253,7 +276,7 @@ def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str |
         if changed:
             raise NanoforgeError(f"the model shape comes from --init {init}; drop "
                                  + ", ".join(f"--{k.replace('_', '-')}" for k in changed))
-        if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+        if ckpt.list_checkpoints(run_dir):
             raise NanoforgeError(f"{run_dir} already holds a run; add --resume to continue it, or choose another --out")
         mcfg, tcfg = build_config(None, config_file, overrides, base=base)
         tokenizer_dir = init_tokenizer_dir(init_path)
@@ -273,6 +296,7 @@ def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str |
 LORA_DEFAULTS = {**SFT_DEFAULTS, "lr": 1e-4}  # adapters start at zero and tolerate a larger step (MiniMind's too)
 
 
+@fresh_run_guard
 def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str | None = None,
         overrides: dict[str, Any] | None = None, resume: bool = False, quiet: bool = False,
         lora=None) -> dict[str, Any]:
@@ -339,6 +363,7 @@ def lora_merge(run: str | Path, out: str | Path, force: bool = False) -> Path:
 DPO_DEFAULTS = {**SFT_DEFAULTS, "lr": 5e-5, "warmup_steps": 10, "max_steps": 300, "batch_size": 8}
 
 
+@fresh_run_guard
 def dpo(init: str | None, data: Sequence[str], out: str | Path, config_file: str | None = None,
         overrides: dict[str, Any] | None = None, resume: bool = False, beta: float = 0.1,
         quiet: bool = False) -> dict[str, Any]:
@@ -388,6 +413,7 @@ def dpo(init: str | None, data: Sequence[str], out: str | Path, config_file: str
     return train(stage, model, mcfg, tcfg, run_dir, resume=resume, quiet=quiet)
 
 
+@fresh_run_guard
 def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str | Path,
             config_file: str | None = None, overrides: dict[str, Any] | None = None, resume: bool = False,
             temperature: float = 1.5, alpha: float = 0.5, quiet: bool = False) -> dict[str, Any]:
