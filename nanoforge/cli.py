@@ -58,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"nanoforge {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
+    demo = sub.add_parser("demo", help="the whole pipeline on documentation found on this machine (CPU, minutes)",
+                          formatter_class=fmt)
+    demo.add_argument("--out", default="runs/demo", metavar="DIR", help="work directory (a previous demo's is replaced)")
+    demo.add_argument("--minutes", type=float, default=5.0, help="time budget; training steps are sized to fit it")
+
+    rep = sub.add_parser("report", help="markdown report with loss plots comparing runs", formatter_class=fmt)
+    rep.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
+    rep.add_argument("--out", required=True, metavar="FILE.md", help="report path (PNG plots are written beside it)")
+
     tok = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer", formatter_class=fmt)
     tok_sub = tok.add_subparsers(dest="tokenizer_command", metavar="ACTION", required=True)
     tt = tok_sub.add_parser("train", help="train on JSONL (text or conversations) or .txt files", formatter_class=fmt)
@@ -193,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default=chat_defaults.DEFAULT_DEVICE, help="auto, cpu, cuda, cuda:N, mps")
     serve.add_argument("--precision", default=chat_defaults.DEFAULT_PRECISION,
                        choices=chat_defaults.PRECISION_CHOICES, help="inference precision")
+    serve.add_argument("--request-timeout", type=float, default=300.0,
+                       help="seconds a request may take, queueing included; the reply then ends with "
+                            "finish_reason length (0: no limit)")
+    serve.add_argument("--max-pending", type=int, default=64, help="requests waiting beyond this get 503 server_busy")
     chat.add_argument("--system", help="system prompt")
     chat.add_argument("--device", default=chat_defaults.DEFAULT_DEVICE, help="auto, cpu, cuda, cuda:N, mps")
     chat.add_argument("--precision", default=chat_defaults.DEFAULT_PRECISION,
@@ -227,7 +240,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.command == "tokenizer":
+    if args.command == "demo":
+        from nanoforge.demo import run_demo
+        run_demo(args.out, minutes=args.minutes)
+    elif args.command == "report":
+        from nanoforge.report import write_report
+        print(f"report written to {write_report(args.runs, args.out)}")
+    elif args.command == "tokenizer":
         from nanoforge.tokenizer import train_tokenizer
         tok = train_tokenizer(args.data, vocab_size=args.vocab_size, out_dir=args.out,
                               min_frequency=args.min_frequency)
@@ -294,7 +313,8 @@ def run(args: argparse.Namespace) -> int:
         from nanoforge.infer.server import run_server
         run_server(args.run, host=args.host, port=args.port,
                    api_key=args.api_key or os.environ.get("NANOFORGE_API_KEY") or None,
-                   device=args.device, precision=args.precision)
+                   device=args.device, precision=args.precision, request_timeout=args.request_timeout or None,
+                   max_pending=args.max_pending)
     elif args.command == "chat":
         from nanoforge.infer.chat import run_chat
         run_chat(args.run, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

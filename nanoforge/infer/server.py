@@ -37,13 +37,13 @@ from typing import Any, Callable, Iterator
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.infer import chat as chat_defaults
-from nanoforge.infer.generate import (Completion, SamplingConfig, _safe_prefix_length, _stop_index, _token_steps,
-                                      complete)
+from nanoforge.infer.generate import Completion, SamplingConfig, _safe_prefix_length, _stop_index, _token_steps
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MAX_BODY_BYTES = 1_000_000
 DEFAULT_MAX_PENDING = 64  # requests waiting for the worker; more get a 503 rather than an ever-growing queue
+DEFAULT_REQUEST_TIMEOUT = 300.0  # seconds from a request's arrival after which its generation is cut short
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 ROLES = ("system", "user", "assistant")
 PAGE = Path(__file__).with_name("static") / "chat.html"
@@ -161,7 +161,22 @@ def _sampling(body: dict, limits: _Limits) -> tuple[SamplingConfig, bool, bool]:
     return cfg, stream, include_usage
 
 
+def _unicode(text: str, param: str) -> str:
+    """JSON's \\ud800 escapes give lone surrogates, which are not Unicode text and which the tokenizer
+    cannot encode (a TypeError deep inside it, which would be a 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _bad(f"{param} contains a lone surrogate (\\ud800-\\udfff), which is not valid Unicode",
+                   param=param) from None
+    return text
+
+
 def _message_content(message: dict, i: int) -> str:
+    return _unicode(_message_text(message, i), f"messages[{i}].content")
+
+
+def _message_text(message: dict, i: int) -> str:
     content = message.get("content")
     if isinstance(content, list):  # OpenAI's content parts; text is all a language model can read
         if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
@@ -228,6 +243,7 @@ def parse_completion_request(body: Any, tokenizer, limits: _Limits) -> _Request:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise _bad("prompt is required and must be a string (or a list of one string)", param="prompt")
+    _unicode(prompt, "prompt")
     if body.get("echo") or body.get("suffix"):
         raise _bad("echo and suffix are not supported by this server", param="echo" if body.get("echo") else "suffix")
     cfg, stream, include_usage = _sampling(body, limits)
@@ -246,10 +262,12 @@ class _Cancelled(Exception):
 
 
 def stream_reply(model, tokenizer, prompt_ids: list[int], cfg: SamplingConfig, stop_ids: list[int], precision: str,
-                 cancelled: threading.Event | None = None) -> Iterator[str | Completion]:
+                 cancelled: threading.Event | None = None,
+                 deadline: float | None = None) -> Iterator[str | Completion]:
     """Yield text pieces as `generate.stream` does, then one `Completion` (the whole text, the new token ids
     and the finish reason) that a server needs for `usage` and `finish_reason` and `stream` does not give.
-    Stops early (raising _Cancelled) once `cancelled` is set."""
+    Stops early (raising _Cancelled) once `cancelled` is set. Past `deadline` (a time.monotonic() value) the
+    reply ends after the token in hand, with finish_reason "length", as if max_tokens had been reached."""
     stops = cfg.stop_strings
     stop_set = set(stop_ids)
     emitted, ids, reason = "", [], "length"
@@ -272,6 +290,8 @@ def stream_reply(model, tokenizer, prompt_ids: list[int], cfg: SamplingConfig, s
         if safe > len(emitted) and text.startswith(emitted):
             yield text[len(emitted):safe]
             emitted = text[:safe]
+        if deadline is not None and time.monotonic() >= deadline:
+            break  # the request timeout: at least one token, then "length"
     text = tokenizer.decode(ids)
     if len(text) > len(emitted) and text.startswith(emitted):
         yield text[len(emitted):]  # a held-back tail that was not a stop string after all
@@ -281,9 +301,11 @@ def stream_reply(model, tokenizer, prompt_ids: list[int], cfg: SamplingConfig, s
 class _Worker:
     """The single generation thread and its queue: a one-worker executor runs jobs in arrival order."""
 
-    def __init__(self, model, tokenizer, precision: str, max_pending: int):
+    def __init__(self, model, tokenizer, precision: str, max_pending: int,
+                 request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT):
         self.model, self.tokenizer, self.precision = model, tokenizer, precision
         self.max_pending = max_pending
+        self.request_timeout = request_timeout
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoforge-generate")
         self.live: set[threading.Event] = set()
         self._lock = threading.Lock()
@@ -311,10 +333,20 @@ class _Worker:
             self._pending += 1
         return asyncio.get_running_loop().run_in_executor(self.executor, job)
 
+    def deadline(self) -> float | None:
+        """When a request arriving now must stop generating: the timeout counts its wait in the queue too."""
+        return time.monotonic() + self.request_timeout if self.request_timeout else None
+
     async def complete(self, req: _Request, stop_ids: list[int]) -> Completion:
         self.check_room()
-        return await self._submit(lambda: complete(self.model, self.tokenizer, [req.prompt_ids], req.cfg,
-                                                   stop_ids, self.precision)[0])
+        deadline = self.deadline()
+
+        def job() -> Completion:  # stream_reply's last item is the Completion that complete() would give
+            *_, done = stream_reply(self.model, self.tokenizer, req.prompt_ids, req.cfg, stop_ids, self.precision,
+                                    deadline=deadline)
+            return done
+
+        return await self._submit(job)
 
     async def stream(self, req: _Request, stop_ids: list[int]):
         """Async iterator over the reply's text pieces, then its Completion. The worker thread hands each
@@ -322,6 +354,7 @@ class _Worker:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancelled = threading.Event()
+        deadline = self.deadline()
 
         def put(item) -> None:
             try:
@@ -334,7 +367,7 @@ class _Worker:
                 return  # the client left while the request waited its turn
             try:
                 for item in stream_reply(self.model, self.tokenizer, req.prompt_ids, req.cfg, stop_ids,
-                                         self.precision, cancelled):
+                                         self.precision, cancelled, deadline):
                     put(item)
             except _Cancelled:
                 pass
@@ -378,7 +411,7 @@ def _sse(data: dict | str) -> bytes:
 def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_tokens_cap: int | None = None,
                max_pending: int = DEFAULT_MAX_PENDING, precision: str = "fp32",
-               defaults: SamplingConfig | None = None):
+               defaults: SamplingConfig | None = None, request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT):
     """The FastAPI app serving `model` under the name `model_name`.
 
     api_key         when set, every /v1 request needs `Authorization: Bearer <api_key>` (else 401)
@@ -386,6 +419,9 @@ def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
     max_tokens_cap  the largest max_tokens accepted (default and upper bound: the model's context)
     max_pending     requests allowed to wait for the generation worker; more get 503
     defaults        sampling used for fields a request leaves out (default: `nanoforge chat`'s)
+    request_timeout seconds from a request's arrival (queue wait included) after which its generation stops
+                    at the next token with finish_reason "length", streaming or not (a 200 with the text so
+                    far, never a 504: a stream's 200 is sent before generation starts); None or 0: no limit
     """
     from fastapi import FastAPI, Request
     from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
@@ -397,7 +433,7 @@ def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
                                   repetition_penalty=chat_defaults.DEFAULT_REPETITION_PENALTY,
                                   max_new_tokens=chat_defaults.DEFAULT_MAX_NEW_TOKENS)
     limits = _Limits(model.model.rotary_emb.n_positions, max_tokens_cap, defaults)
-    worker = _Worker(model, tokenizer, precision, max_pending)
+    worker = _Worker(model, tokenizer, precision, max_pending, request_timeout)
     # <|im_start|> too: a model that opens a new turn has finished its own (as in `nanoforge chat`).
     chat_stop_ids = [t for t in (tokenizer.eos_id, tokenizer.im_end_id, tokenizer.im_start_id) if t is not None]
     text_stop_ids = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
@@ -558,7 +594,8 @@ def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
 def run_server(run_dir, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
                device: str = "auto", precision: str = "auto", model_name: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_tokens_cap: int | None = None,
-               log_level: str = "info") -> None:
+               log_level: str = "info", request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT,
+               max_pending: int = DEFAULT_MAX_PENDING) -> None:
     """`nanoforge serve RUN`: load the run's latest checkpoint and serve it with uvicorn until Ctrl-C.
 
     The model is named after the run directory unless `model_name` is given."""
@@ -575,7 +612,8 @@ def run_server(run_dir, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_
     model, tokenizer, checkpoint = load_model(run_dir, device=target)
     name = model_name or Path(run_dir).resolve().name
     app = create_app(model, tokenizer, name, api_key=api_key, max_body_bytes=max_body_bytes,
-                     max_tokens_cap=max_tokens_cap, precision=precision)
+                     max_tokens_cap=max_tokens_cap, precision=precision, request_timeout=request_timeout,
+                     max_pending=max_pending)
     shown = f"[{host}]" if ":" in host else host
     print(f"loaded {checkpoint} ({model.num_params() / 1e6:.1f}M parameters) on {target}, {precision}",
           file=sys.stderr)
@@ -604,11 +642,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-name")
     parser.add_argument("--max-tokens-cap", type=int)
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT,
+                        help="seconds after which a reply is cut short with finish_reason 'length' (0: no limit)")
+    parser.add_argument("--max-pending", type=int, default=DEFAULT_MAX_PENDING,
+                        help="requests allowed to wait for the model; more are answered 503 server_busy")
     args = parser.parse_args(argv)
     try:
         run_server(args.run, host=args.host, port=args.port, api_key=args.api_key, device=args.device,
                    precision=args.precision, model_name=args.model_name, max_tokens_cap=args.max_tokens_cap,
-                   log_level=args.log_level)
+                   log_level=args.log_level, request_timeout=args.request_timeout, max_pending=args.max_pending)
     except NanoforgeError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
