@@ -152,12 +152,15 @@ def test_killed_and_resumed_pretrain_and_sft_equal_an_uninterrupted_run(prepared
     run_to_end(nf_cmd("sft", "--init", ref_pre, "--data", prepared / "sft", "--out", ref_sft, *SFT))
 
     pre, sft = tmp_path / "pre", tmp_path / "sft"
-    first = nf_cmd("pretrain", "--data", prepared / "pre", "--out", pre, *PRETRAIN)
+    # Interrupted runs use the slow disk: on a fast machine a 16-step run can finish before the test has read
+    # its progress line from the pipe and sent the signal (seen in CI: SIGINT arrived after the last step).
+    first = nf_cmd("pretrain", "--data", prepared / "pre", "--out", pre, *PRETRAIN, slow_disk=True)
     resume = nf_cmd("pretrain", "--out", pre, "--resume")
+    slow_resume = nf_cmd("pretrain", "--out", pre, "--resume", slow_disk=True)
     stops = [interrupt(first, pre, "kill", rng, PRETRAIN_STEPS)]
     stops.append(interrupt(nf_cmd("pretrain", "--out", pre, "--resume", slow_disk=True), pre, "kill-write", rng,
                            PRETRAIN_STEPS))
-    stops.append(interrupt(resume, pre, "int", rng, PRETRAIN_STEPS))
+    stops.append(interrupt(slow_resume, pre, "int", rng, PRETRAIN_STEPS))
     run_to_end(resume)
     assert all(2 <= s < PRETRAIN_STEPS for s in stops), stops
     assert_same_run(ref_pre, pre, PRETRAIN_STEPS)
@@ -166,7 +169,7 @@ def test_killed_and_resumed_pretrain_and_sft_equal_an_uninterrupted_run(prepared
     # the first SFT run is killed mid-write of a checkpoint (step 4 or later: one complete one exists)
     stops = [interrupt(nf_cmd("sft", "--init", pre, "--data", prepared / "sft", "--out", sft, *SFT,
                               slow_disk=True), sft, "kill-write", rng, SFT_STEPS)]
-    stops.append(interrupt(resume, sft, "term", rng, SFT_STEPS))
+    stops.append(interrupt(nf_cmd("sft", "--out", sft, "--resume", slow_disk=True), sft, "term", rng, SFT_STEPS))
     run_to_end(resume)
     assert all(2 <= s < SFT_STEPS for s in stops), stops
     assert_same_run(ref_sft, sft, SFT_STEPS)
