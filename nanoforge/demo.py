@@ -537,7 +537,8 @@ def run_demo(work_dir: str | os.PathLike = "runs/demo", minutes: float = 5.0, qu
     tokenizer = train_tokenizer([pretrain_jsonl], vocab_size=s["vocab_size"], out_dir=work_dir / "tokenizer")
     clock.done()
 
-    clock.stage("prepare", "tokenizing both sets into shards (2% of each held out for validation)")
+    clock.stage("prepare", "tokenizing both sets into shards (2% of each held out for validation), then timing "
+                           "a few training steps to size the run")
     pre_data, sft_data = work_dir / "data" / "pretrain", work_dir / "data" / "sft"
     prepare_dataset("pretrain", [pretrain_jsonl], tokenizer, pre_data, val_fraction=VAL_FRACTION, log=log)
     prepare_dataset("sft", [sft_jsonl], tokenizer, sft_data, val_fraction=VAL_FRACTION, log=log)
