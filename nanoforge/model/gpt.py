@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from nanoforge.config import ModelConfig
 from nanoforge.errors import NanoforgeError
-from nanoforge.model.moe import MoE
+from nanoforge.model.moe import MLP, MoE
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -234,19 +234,6 @@ class Attention(nn.Module):
 
 # ----------------------------------------------------------------------------------------------------------
 # Feed-forward
-
-
-class MLP(nn.Module):
-    """SwiGLU feed-forward (arXiv 2002.05202): down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
-        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, C)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from nanoforge.config import ModelConfig
 
 
-class Expert(nn.Module):
-    """One SwiGLU feed-forward, the same shape as the dense model's MLP."""
+class MLP(nn.Module):
+    """SwiGLU feed-forward (arXiv 2002.05202): down(silu(gate(x)) * up(x)). The dense model's MLP and each
+    expert of the MoE are this module."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -23,7 +24,7 @@ class Expert(nn.Module):
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, C)
 
 
 def load_balancing_loss(probs: torch.Tensor, topk_idx: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -45,7 +46,7 @@ class MoE(nn.Module):
         super().__init__()
         self.n_experts, self.k = cfg.n_experts, cfg.experts_per_token
         self.gate = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)  # the router
-        self.experts = nn.ModuleList(Expert(cfg) for _ in range(cfg.n_experts))
+        self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.n_experts))
         self.aux_loss = torch.zeros(())
 
     @property
