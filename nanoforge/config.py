@@ -106,6 +106,8 @@ class TrainConfig:
     eval_batches: int = 20
     early_stop_patience: int = 0  # evaluations without improvement before stopping; 0 disables
     log_every: int = 10
+    sample_every: int = 0  # generate the sample prompts every N steps (logged to samples.jsonl and TensorBoard); 0 disables
+    sample_prompts: str = ""  # file of prompts for samples (JSONL with "prompt" or one per line); empty: built-in set
     save_every: int = 500  # 0 saves only at the end and on interruption
     keep_last: int = 3
     tensorboard: bool = True
@@ -134,7 +136,7 @@ class TrainConfig:
             raise ConfigError(f"rollback_lr_factor={self.rollback_lr_factor} must be in (0, 1]")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ConfigError(f"val_fraction={self.val_fraction} must be in [0, 1)")
-        for name in ("warmup_steps", "eval_every", "save_every", "early_stop_patience", "workers",
+        for name in ("warmup_steps", "eval_every", "save_every", "early_stop_patience", "workers", "sample_every",
                      "weight_decay", "grad_clip"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")

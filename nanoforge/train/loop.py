@@ -58,6 +58,9 @@ class Stage:
     run_info: dict[str, Any] = field(default_factory=dict)
     # what the step's loss is normalised by: supervised tokens for LM losses, pairs for DPO
     count_fn: Callable[[Batch], torch.Tensor] = None  # type: ignore[assignment]
+    # called as sampler(model, step, log) every tcfg.sample_every steps on rank 0 with the plain (unwrapped,
+    # uncompiled) model in eval mode: generates and logs text samples
+    sampler: Callable[[nn.Module, int, Any], None] | None = None
 
     def __post_init__(self):
         if self.count_fn is None:
@@ -391,6 +394,14 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
                         st["best_val_loss"], st["evals_since_best"] = val_loss, 0
                     else:
                         st["evals_since_best"] += 1
+
+                if (stage.sampler and tcfg.sample_every and world.is_main and not fsdp
+                        and (step % tcfg.sample_every == 0 or step == tcfg.max_steps)):
+                    raw.eval()
+                    try:
+                        stage.sampler(raw, step, log)
+                    finally:
+                        raw.train()
 
                 if tcfg.save_every and step % tcfg.save_every == 0:
                     last_saved = save(step)
