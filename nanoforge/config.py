@@ -85,6 +85,10 @@ class TrainConfig:
     max_steps: int = 1000
     batch_size: int = 4  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
+    # "" trains batch_size x grad_accum as given; "auto" finds the largest micro-batch that fits (a probe, see
+    # plan.py) and N uses micro-batch N; both then set grad_accum so the global batch batch_size x grad_accum stays
+    micro_batch: str = ""
+    memory_budget_gb: float = 0.0  # memory --micro-batch auto may fill; 0: the device's (CPU: 80% of MemAvailable)
     seq_len: int = 512
     # optimizer
     lr: float = 5e-4
@@ -99,6 +103,10 @@ class TrainConfig:
     # numerics and device
     precision: str = "bf16"  # fp32 | bf16 | fp16
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
+    compile: bool = False  # torch.compile the model for training (evaluation and sampling use it uncompiled)
+    activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1/3 more compute
+    tf32: bool = True  # CUDA: fp32 matmuls on tensor cores (TF32)
+    sync_timing: bool = False  # CUDA: synchronise at phase boundaries so data/fwd_bwd/optim times are exact (slower)
     fsdp: bool = False  # under torchrun: shard parameters, gradients and optimizer state (FSDP2) instead of DDP
     seed: int = 0
     # evaluation, logging, checkpoints
@@ -140,6 +148,10 @@ class TrainConfig:
                      "weight_decay", "grad_clip"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.micro_batch not in ("", "auto") and not (self.micro_batch.isdigit() and int(self.micro_batch) > 0):
+            raise ConfigError(f"micro_batch={self.micro_batch!r} must be empty, 'auto' or a positive integer")
+        if self.memory_budget_gb < 0:
+            raise ConfigError(f"memory_budget_gb={self.memory_budget_gb} must be >= 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ConfigError("beta1 and beta2 must be in [0, 1)")
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.utils.checkpoint
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -278,6 +279,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.model = Decoder(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.activation_checkpointing = False  # set by the training loop (--activation-checkpointing)
         self.init_weights()
 
     @torch.no_grad()
@@ -341,8 +343,13 @@ class GPT(nn.Module):
             cos, sin, mask, is_causal = self._positions_and_mask(B, T, start, attention_mask, input_ids.device)
 
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled() and cache is None
         for i, block in enumerate(self.model.layers):
-            x = block(x, cos, sin, mask, is_causal, cache, i)
+            if recompute:  # keep only each block's input; its insides are recomputed during backward
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, is_causal, None, i,
+                                                      use_reentrant=False)
+            else:
+                x = block(x, cos, sin, mask, is_causal, cache, i)
         x = self.model.norm(x)
         if cache is not None:
             cache.advance(T)

@@ -194,8 +194,16 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
     raw = model
     raw.to(device)
     raw.train()
+    if device.type == "cuda" and tcfg.tf32:  # fp32 matmuls (the fp32 parts of autocast too) on tensor cores
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if hasattr(raw, "activation_checkpointing"):
+        raw.activation_checkpointing = tcfg.activation_checkpointing
     model = distributed.wrap(raw, device, fsdp=tcfg.fsdp)
     fsdp = distributed.is_fsdp(model)
+    # What forward/backward run through. Compiled when asked; evaluation and sampling use the plain model,
+    # which shares the parameters, so they never trigger a recompile for their shapes.
+    forward_model = torch.compile(model) if tcfg.compile else model
     optimizer = build_optimizer(raw, tcfg, device)  # after wrapping: FSDP2 replaces parameters by shards
     params = [p for p in raw.parameters() if p.requires_grad]
     injections = parse_injections(tcfg.inject_nonfinite)
@@ -268,9 +276,15 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
         log.log(st["step"], {"event": "rollback", "to_step": saved["run_state"]["step"],
                              "lr_scale": st["lr_scale"], "precision": st["precision"]})
 
+    # Bookkeeping of non-finite steps without reading the device every step: where the optimizer can skip an
+    # update on a device flag (fused AdamW's found_inf), the flags accumulate on the device and are read only
+    # at steps that log, evaluate, sample or save. Elsewhere (fp16's scaler, distributed runs, optimizers
+    # without the flag) each step reads them, as it must to decide.
+    dev = _NonfiniteCounters(device)
     step_times: list[float] = []
     consecutive_bad = 0
-    window = {"loss": torch.zeros((), device=device), "steps": 0, "tokens": 0, "supervised": 0, "time": 0.0}
+    window = _new_window(device)
+    timing = tcfg.sync_timing and device.type == "cuda"
     last_saved: Path | None = None
     summary: dict[str, Any] = {}
     stop_reason = "max_steps"
@@ -279,8 +293,8 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
             while st["step"] < tcfg.max_steps:
                 step = st["step"]
                 t0 = time.perf_counter()
-                micro = [stage.train_batches.next_batch() for _ in range(tcfg.grad_accum)]
-                micro = [{k: v.to(device, non_blocking=True) for k, v in b.items()} for b in micro]
+                micro = [_to_device(stage.train_batches.next_batch(), device) for _ in range(tcfg.grad_accum)]
+                t_data = _clock(timing)
                 # The whole step's supervised tokens on ALL ranks. DDP/FSDP average gradients over ranks, so each
                 # rank's loss is its token-loss sum / global count x world size: the mean of the ranks'
                 # gradients is then exactly the gradient of one process's loss on the global batch.
@@ -292,7 +306,7 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
                     # no gradient all-reduce until the last micro-batch
                     with distributed.gradient_sync(model, i == len(micro) - 1):
                         with autocast_context(device, st["precision"]):
-                            loss_sum, _, extra = stage.loss_fn(model, batch)
+                            loss_sum, _, extra = stage.loss_fn(forward_model, batch)
                         loss = loss_sum.float() / n_supervised * world.world_size
                         if step in injections["loss"]:
                             loss = loss * float("inf")
@@ -307,64 +321,90 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
                     extras = {k: reduced[j + 1] / world.world_size for j, k in enumerate(keys)}
                 if step in injections["grad"]:
                     next(iter(params)).grad.view(-1)[0] = float("nan")
+                t_fwd_bwd = _clock(timing)
                 scaler.unscale_(optimizer)
                 max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else math.inf
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
                 if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
                     grad_norm = grad_norm.full_tensor()
-                loss_ok = bool(torch.isfinite(step_loss))
-                grads_ok = bool(torch.isfinite(grad_norm))
-                signum = flag.signum
-                if world.distributed:
-                    # Every rank must take the same branch (skip, roll back, stop), so the flags are agreed on.
-                    flags = distributed.all_reduce_sum(torch.tensor(
-                        [not loss_ok, not grads_ok, flag.signum is not None], dtype=torch.float32, device=device))
-                    loss_ok, grads_ok = bool(flags[0] == 0), bool(flags[1] == 0)
-                    signum = (flag.signum or signal.SIGTERM) if flags[2] > 0 else None
                 lr = lr_at(step, tcfg) * st["lr_scale"]
-                if loss_ok and grads_ok:
-                    set_lr(optimizer, lr)
-                    scaler.step(optimizer)
-                    scaler.update()
-                    consecutive_bad = 0
-                else:
-                    st["skipped_steps"] += 1
-                    # Under fp16 an overflowing gradient is routine while the scaler finds its level (it halves
-                    # the scale and we skip); it only counts towards a rollback once the scale is down to 1,
-                    # where scaling can no longer be the cause.
-                    scaler_routine = scaler.is_enabled() and loss_ok and scaler.get_scale() > 1.0
-                    if scaler.is_enabled():
-                        scaler.update()  # sees the inf recorded by unscale_ and backs off
-                    if not scaler_routine:
-                        consecutive_bad += 1
-                        log.print(f"step {step}: non-finite {'loss' if not loss_ok else 'gradients'}, "
-                                  f"update skipped")
-                optimizer.zero_grad(set_to_none=True)
-                st["step"] = step = step + 1
                 n_tokens = sum(b["input_ids"].numel() for b in micro) * world.world_size  # ranks' batches: same shape
+                if not world.distributed and not scaler.is_enabled() and _skips_on_flag(optimizer):
+                    # Decided on the device: the fused optimizer skips the update when found_inf is set, and the
+                    # count is read at the next step that logs, evaluates, samples or saves.
+                    bad = ~(torch.isfinite(step_loss) & torch.isfinite(grad_norm))
+                    set_lr(optimizer, lr)
+                    optimizer.found_inf = bad.float()
+                    optimizer.step()
+                    dev.add(bad)
+                    window["loss"] += torch.where(bad, 0.0, step_loss)
+                    window["steps"] += (~bad).int()
+                    signum = flag.signum
+                else:
+                    loss_ok, grads_ok = bool(torch.isfinite(step_loss)), bool(torch.isfinite(grad_norm))
+                    signum = flag.signum
+                    if world.distributed:
+                        # Every rank must take the same branch (skip, roll back, stop), so the flags are agreed on.
+                        flags = distributed.all_reduce_sum(torch.tensor(
+                            [not loss_ok, not grads_ok, flag.signum is not None], dtype=torch.float32, device=device))
+                        loss_ok, grads_ok = bool(flags[0] == 0), bool(flags[1] == 0)
+                        signum = (flag.signum or signal.SIGTERM) if flags[2] > 0 else None
+                    if loss_ok and grads_ok:
+                        set_lr(optimizer, lr)
+                        scaler.step(optimizer)
+                        scaler.update()
+                        consecutive_bad = 0
+                        window["loss"] += step_loss
+                        window["steps"] += 1
+                    else:
+                        st["skipped_steps"] += 1
+                        # Under fp16 an overflowing gradient is routine while the scaler finds its level (it halves
+                        # the scale and we skip); it only counts towards a rollback once the scale is down to 1,
+                        # where scaling can no longer be the cause.
+                        scaler_routine = scaler.is_enabled() and loss_ok and scaler.get_scale() > 1.0
+                        if scaler.is_enabled():
+                            scaler.update()  # sees the inf recorded by unscale_ and backs off
+                        if not scaler_routine:
+                            consecutive_bad += 1
+                            log.print(f"step {step}: non-finite {'loss' if not loss_ok else 'gradients'}, "
+                                      f"update skipped")
+                optimizer.zero_grad(set_to_none=True)
+                t_optim = _clock(timing)
+                st["step"] = step = step + 1
                 st["tokens_seen"] += n_tokens
+                if dev.pending and _sync_due(step, tcfg, stage, signum):
+                    bad_steps, longest = dev.read_and_reset()
+                    st["skipped_steps"] += bad_steps
+                    if bad_steps:
+                        log.print(f"step {step}: {bad_steps} update(s) skipped since the last report "
+                                  f"(non-finite loss or gradients)")
+                    consecutive_bad = longest
                 if consecutive_bad >= tcfg.nonfinite_patience:
                     rollback("non-finite loss or gradients")
                     consecutive_bad = 0
+                    dev.reset()
                     scaler = torch.amp.GradScaler(device.type, enabled=st["precision"] == "fp16")
 
                 dt = time.perf_counter() - t0
                 step_times.append(dt)
-                if loss_ok:
-                    window["loss"] += step_loss
-                    window["steps"] += 1
                 window["tokens"] += n_tokens
                 window["supervised"] += n_supervised
                 window["time"] += dt
+                window["data"] += t_data - t0
+                window["fwd_bwd"] += t_fwd_bwd - t_data
+                window["optim"] += t_optim - t_fwd_bwd
+                window["n"] += 1
 
                 if step % tcfg.log_every == 0 or step == tcfg.max_steps:
                     tokens_per_s = window["tokens"] / max(window["time"], 1e-9)
                     values: dict[str, Any] = {
-                        "loss": (window["loss"] / max(window["steps"], 1)).item(),
+                        "loss": (window["loss"] / max(int(window["steps"]), 1)).item(),
                         "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s,
                         "supervised_tokens_per_s": int(window["supervised"]) / max(window["time"], 1e-9),
                         "mfu": flops_per_token * tokens_per_s / peak if peak else 0.0,
                         "peak_mem_gb": peak_memory_bytes(device) / 1e9, "skipped_steps": st["skipped_steps"],
+                        # where a step's time goes, ms per step (exact on CUDA only with --sync-timing)
+                        **{f"{k}_ms": 1e3 * window[k] / window["n"] for k in ("data", "fwd_bwd", "optim")},
                     }
                     values.update({k: float(v) for k, v in extras.items()})
                     if scaler.is_enabled():
@@ -372,8 +412,7 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
                     recent = sorted(step_times[-50:])[len(step_times[-50:]) // 2]
                     log.log(step, values)
                     log.print(progress_line(step, tcfg.max_steps, values, recent * (tcfg.max_steps - step)))
-                    window = {"loss": torch.zeros((), device=device), "steps": 0, "tokens": 0, "supervised": 0,
-                              "time": 0.0}
+                    window = _new_window(device)
 
                 evaluated = False
                 if stage.val_batches and tcfg.eval_every and (step % tcfg.eval_every == 0 or step == tcfg.max_steps):
@@ -413,6 +452,8 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
                               f"evaluations (best {st['best_val_loss']:.4f}); stopping early")
                     stop_reason = "early_stop"
                     break
+            if dev.pending:  # a run stopped between reports (early stop, signal) still counts its skips
+                st["skipped_steps"] += dev.read_and_reset()[0]
             if last_saved is None or last_saved.name != ckpt.step_dir_name(st["step"]):
                 last_saved = save(st["step"])
     finally:
@@ -420,6 +461,71 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
     summary.update(step=st["step"], checkpoint=str(last_saved), stop_reason=stop_reason,
                    skipped_steps=st["skipped_steps"], rollbacks=st["rollbacks"])
     return summary
+
+
+class _NonfiniteCounters:
+    """Skipped steps and the longest run of consecutive ones, kept on the device between reads."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.skipped = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.run = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.longest = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.pending = False
+
+    def add(self, bad: torch.Tensor) -> None:
+        bad = bad.long()
+        self.skipped += bad
+        self.run = (self.run + 1) * bad
+        self.longest = torch.maximum(self.longest, self.run)
+        self.pending = True
+
+    def read_and_reset(self) -> tuple[int, int]:
+        """(skipped steps, longest run of bad steps) since the last read; the current run carries over."""
+        skipped, longest = int(self.skipped), int(self.longest)
+        self.skipped.zero_()
+        self.longest.copy_(self.run)
+        self.pending = False
+        return skipped, longest
+
+
+def _skips_on_flag(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether optimizer.step() honours a `found_inf` tensor (skips the update on the device when it is 1)."""
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return bool(optimizer.defaults.get("fused"))
+    return bool(getattr(optimizer, "supports_found_inf", False))
+
+
+def _sync_due(step: int, tcfg: TrainConfig, stage: Stage, signum: int | None) -> bool:
+    """Steps at which the host looks at the device's counters: before anything is logged, evaluated, sampled
+    or saved, so that a checkpoint never holds a run of bad steps that should have been rolled back."""
+    due = lambda every: bool(every) and step % every == 0  # noqa: E731
+    return (step == tcfg.max_steps or signum is not None or due(tcfg.log_every) or due(tcfg.save_every)
+            or (stage.val_batches is not None and due(tcfg.eval_every))
+            or (stage.sampler is not None and due(tcfg.sample_every)))
+
+
+def _new_window(device: torch.device) -> dict[str, Any]:
+    """What the progress line averages over the steps since it was last printed."""
+    return {"loss": torch.zeros((), device=device), "steps": 0, "tokens": 0, "supervised": 0, "time": 0.0,
+            "data": 0.0, "fwd_bwd": 0.0, "optim": 0.0, "n": 0}
+
+
+def _to_device(batch: Batch, device: torch.device) -> Batch:
+    """Host batch -> device. On CUDA through pinned memory, so the copy is asynchronous and overlaps the
+    work already queued."""
+    if device.type == "cuda":
+        return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def _clock(sync_cuda: bool) -> float:
+    if sync_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def _restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, stage: Stage) -> dict[str, Any]:
