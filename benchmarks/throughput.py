@@ -16,31 +16,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-
-class RandomTokens:
-    """Synthetic batches: the benchmark measures the model and the loop, not the disk."""
-
-    def __init__(self, vocab: int, batch: int, seq: int, seed: int = 0):
-        import torch
-        self.g = torch.Generator().manual_seed(seed)
-        self.vocab, self.batch, self.seq, self.i = vocab, batch, seq, 0
-
-    def next_batch(self):
-        import torch
-        self.i += 1
-        x = torch.randint(0, self.vocab, (self.batch, self.seq + 1), generator=self.g)
-        return {"input_ids": x[:, :-1], "labels": x[:, 1:]}
-
-    def state_dict(self):
-        return {"i": self.i}
-
-    def load_state_dict(self, s):
-        self.i = s["i"]
+from nanoforge.bench import RandomTokens, naive_loop  # noqa: E402  (one naive loop, shared with `nanoforge bench`)
 
 
 class RandomPairs(RandomTokens):
@@ -92,28 +73,16 @@ def run_ours(preset: str, precision: str, batch: int, seq: int, steps: int, warm
 
 
 def run_naive(preset: str, batch: int, seq: int, steps: int, warmup: int) -> dict:
-    """What a first training script looks like: fp32, mean loss, default AdamW, no accumulation."""
+    """What a first training script looks like (nanoforge.bench.naive_loop): fp32, mean loss, default AdamW."""
     import torch
-    import torch.nn.functional as F
     from nanoforge.config import build_config
     from nanoforge.model.gpt import GPT
 
     mcfg, _ = build_config(preset)
     torch.manual_seed(0)
-    model = GPT(mcfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=5e-4, weight_decay=0.1)
-    data = RandomTokens(mcfg.vocab_size, batch, seq)
     times = []
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        b = data.next_batch()
-        logits = model(b["input_ids"])
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), b["labels"].reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - t0)
+    naive_loop(GPT(mcfg), RandomTokens(mcfg.vocab_size, batch, seq), warmup + steps, torch.device("cpu"),
+               on_step=lambda *t: times.append(sum(t)))
     return {"tokens_per_s": batch * seq / statistics.median(times[warmup:])}
 
 

@@ -158,6 +158,18 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tokens-per-s", type=float, help="measured throughput to project with instead")
     add_config_flags(plan, exclude=("device",))
 
+    bench = sub.add_parser("bench", help="tokens/s, MFU, peak memory and time split of the training loop",
+                           formatter_class=fmt)
+    bench.add_argument("--steps", type=int, default=10, help="timed steps (medians are taken over them)")
+    bench.add_argument("--warmup", type=int, default=2, help="untimed steps first (allocator, compilation)")
+    bench.add_argument("--data", metavar="DIR", help="a prepared directory to read batches from (default: random "
+                       "tokens from a fixed seed)")
+    bench.add_argument("--compare-naive", action="store_true", help="also run a naive fp32 hand-written loop and "
+                       "show both side by side")
+    bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    bench.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_config_flags(bench)
+
     ev = sub.add_parser("eval", help="loss / bits per byte on data, multiple-choice benchmarks, samples",
                         formatter_class=fmt)
     ev.add_argument("run", metavar="RUN", help="run directory, checkpoint or HF model directory")
@@ -297,6 +309,15 @@ def run(args: argparse.Namespace) -> int:
         mcfg, tcfg = build_config(preset, args.config, config_overrides(args))
         p = make_plan(mcfg, tcfg, args.device, args.global_batch, args.tokens, args.mfu, args.tokens_per_s)
         print(format_plan(p, mcfg, tcfg, args.tokens))
+    elif args.command == "bench":
+        from nanoforge.bench import format_bench, run_bench, write_json
+        preset = args.preset or (None if args.config else "mini")
+        res = run_bench(preset, args.config, config_overrides(args), steps=args.steps, warmup=args.warmup,
+                        data=args.data, compare_naive=args.compare_naive,
+                        log=(lambda *a: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True)))
+        print(format_bench(res))
+        if args.json:
+            write_json(res, args.json)
     elif args.command == "eval":
         from nanoforge.evaluate import run_eval
         run_eval(args.run, data=args.data, bench=args.bench, fmt=args.format, shots=args.shots, dev=args.dev,

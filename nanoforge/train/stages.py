@@ -15,6 +15,7 @@ import torch
 from nanoforge.config import (ConfigError, ModelConfig, TrainConfig, build_config, config_dicts, config_to_toml,
                               load_toml)
 from nanoforge.errors import NanoforgeError
+from nanoforge.plan import fit_micro_batch
 from nanoforge.train import checkpoint as ckpt
 from nanoforge.train.loop import Stage, train
 from nanoforge.train.objectives import causal_lm_loss
@@ -145,6 +146,7 @@ def pretrain(data: Sequence[str], out: str | Path, preset: str | None = None, co
         resolve_data("pretrain", data, run_dir, tokenizer, mcfg, tcfg, quiet)
     tok = load_tokenizer(data_dir / "tokenizer")
     fit_vocab(mcfg, tok, explicit)
+    fit_micro_batch(mcfg, tcfg)  # --micro-batch auto|N: before any batch source is sized
     batches, val_batches, val_bpt = lm_batches(data_dir, tcfg, tok, quiet)
     if batches.shards.kind != "pretrain":
         raise NanoforgeError(f"{data_dir}: prepared as {batches.shards.kind!r} data, "
@@ -287,6 +289,7 @@ def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str |
     else:
         data_dir = resolve_data(data_kind(data), data, run_dir, str(tokenizer_dir), mcfg, tcfg, quiet)
     check_tokenizer(data_dir, tok)
+    fit_micro_batch(mcfg, tcfg)  # --micro-batch auto|N: before any batch source is sized
     run_info["data"] = str(data_dir.resolve())
     copy_tokenizer(tokenizer_dir, run_dir)
     write_run_config(run_dir, mcfg, tcfg, run_info)
@@ -440,6 +443,7 @@ def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str
         # a fresh student of a preset's shape, speaking the teacher's tokenizer
         run_dir, mcfg, tcfg, _, explicit = open_run(out, False, init, config_file, overrides)
         fit_vocab(mcfg, teacher_tok, explicit)
+        fit_micro_batch(mcfg, tcfg)  # --micro-batch auto|N: before any batch source is sized
         data_dir = resolve_data(data_kind(data), data, run_dir, str(init_tokenizer_dir(teacher_path)),
                                 mcfg, tcfg, quiet)
         from nanoforge.data.shards import check_tokenizer
