@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import numbers
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -119,16 +119,30 @@ def stream(model, tokenizer, prompt_ids: Sequence[int], cfg: SamplingConfig,
     Joined, the pieces equal `complete(...)[0].text` for the same arguments. A piece is held back while the
     text ends in an incomplete UTF-8 character (a byte-level token can carry part of one, e.g. a third of a
     Chinese character, which decodes to U+FFFD) or in something that could be the start of a stop string.
+    """
+    for piece in stream_completion(model, tokenizer, prompt_ids, cfg, stop_ids, precision):
+        if isinstance(piece, str):
+            yield piece
+
+
+def stream_completion(model, tokenizer, prompt_ids: Sequence[int], cfg: SamplingConfig,
+                      stop_ids: Sequence[int] | None = None, precision: str = "fp32",
+                      keep_going: Callable[[], bool] | None = None) -> Iterator[str | Completion]:
+    """`stream`'s pieces, then one `Completion` (the whole text, the new token ids, the finish reason), which
+    a server needs for `usage` and `finish_reason`.
+
+    `keep_going()` is asked after each token: False ends the reply there with finish reason "length" (a
+    request deadline); it may also raise to abandon the reply (a client that went away).
 
     The text is re-decoded from all new tokens each step (as HF's TextStreamer does) rather than token by
     token, because only whole byte sequences decode correctly; replies are short enough for that to be cheap.
     """
     stops = list(cfg.stop_strings)
-    emitted = ""
-    ids: list[int] = []
     stop_set = set(stop_ids or ())
+    emitted, ids, reason = "", [], "length"
     for (token,) in _token_steps(model, [prompt_ids], cfg, True, precision):
         if token in stop_set:
+            reason = "stop"
             break
         ids.append(token)
         text = tokenizer.decode(ids)
@@ -136,15 +150,19 @@ def stream(model, tokenizer, prompt_ids: Sequence[int], cfg: SamplingConfig,
         if cut is not None:
             if cut > len(emitted) and text.startswith(emitted):
                 yield text[len(emitted):cut]
+            yield Completion(text[:cut], ids, "stop")
             return
         safe = _safe_prefix_length(text, stops)
         # Only ever extend what was shown: a decoder that rewrote earlier text would otherwise duplicate it.
         if safe > len(emitted) and text.startswith(emitted):
             yield text[len(emitted):safe]
             emitted = text[:safe]
+        if keep_going is not None and not keep_going():
+            break
     text = tokenizer.decode(ids)
     if len(text) > len(emitted) and text.startswith(emitted):
         yield text[len(emitted):]  # the held-back tail: it was not a stop string after all
+    yield Completion(text, ids, reason)
 
 
 def cut_at_stop(text: str, stop_strings: Sequence[str]) -> str:

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.infer import chat as chat_defaults
-from nanoforge.infer.generate import Completion, SamplingConfig, _safe_prefix_length, _stop_index, _token_steps
+from nanoforge.infer.generate import Completion, SamplingConfig, stream_completion
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -264,38 +264,15 @@ class _Cancelled(Exception):
 def stream_reply(model, tokenizer, prompt_ids: list[int], cfg: SamplingConfig, stop_ids: list[int], precision: str,
                  cancelled: threading.Event | None = None,
                  deadline: float | None = None) -> Iterator[str | Completion]:
-    """Yield text pieces as `generate.stream` does, then one `Completion` (the whole text, the new token ids
-    and the finish reason) that a server needs for `usage` and `finish_reason` and `stream` does not give.
-    Stops early (raising _Cancelled) once `cancelled` is set. Past `deadline` (a time.monotonic() value) the
-    reply ends after the token in hand, with finish_reason "length", as if max_tokens had been reached."""
-    stops = cfg.stop_strings
-    stop_set = set(stop_ids)
-    emitted, ids, reason = "", [], "length"
-    for (token,) in _token_steps(model, [prompt_ids], cfg, True, precision):
+    """`generate.stream_completion`: text pieces, then one `Completion`. Abandoned (raising _Cancelled) once
+    `cancelled` is set. Past `deadline` (a time.monotonic() value) the reply ends after the token in hand, with
+    finish_reason "length", as if max_tokens had been reached."""
+    def keep_going() -> bool:
         if cancelled is not None and cancelled.is_set():
             raise _Cancelled()
-        if token in stop_set:
-            reason = "stop"
-            break
-        ids.append(token)
-        text = tokenizer.decode(ids)
-        cut = _stop_index(text, stops)
-        if cut is not None:
-            reason = "stop"
-            if cut > len(emitted) and text.startswith(emitted):
-                yield text[len(emitted):cut]
-            yield Completion(text[:cut], ids, reason)
-            return
-        safe = _safe_prefix_length(text, stops)
-        if safe > len(emitted) and text.startswith(emitted):
-            yield text[len(emitted):safe]
-            emitted = text[:safe]
-        if deadline is not None and time.monotonic() >= deadline:
-            break  # the request timeout: at least one token, then "length"
-    text = tokenizer.decode(ids)
-    if len(text) > len(emitted) and text.startswith(emitted):
-        yield text[len(emitted):]  # a held-back tail that was not a stop string after all
-    yield Completion(text, ids, reason)
+        return deadline is None or time.monotonic() < deadline
+
+    return stream_completion(model, tokenizer, prompt_ids, cfg, stop_ids, precision, keep_going)
 
 
 class _Worker:
