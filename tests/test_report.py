@@ -1,6 +1,7 @@
 """Run reports: the numbers come from metrics.jsonl, the plots are real PNGs, and nothing crashes without
 validation records or without matplotlib."""
 import json
+import re
 import shutil
 import struct
 import sys
@@ -10,8 +11,9 @@ import pytest
 
 from nanoforge.data.shards import prepare_dataset
 from nanoforge.errors import NanoforgeError
-from nanoforge.report import NO_MATPLOTLIB, write_report
-from nanoforge.train.stages import pretrain
+from nanoforge.evaluate import DEFAULT_PROMPTS
+from nanoforge.report import NO_MATPLOTLIB, count_params, read_run, write_report
+from nanoforge.train.stages import SAMPLE_MAX_TOKENS, pretrain, sft
 
 FAST = {"tensorboard": False, "precision": "fp32", "device": "cpu", "max_steps": 12, "log_every": 2,
         "warmup_steps": 2, "save_every": 0}
@@ -31,10 +33,24 @@ def prepared(tmp_path_factory, tiny_tokenizer):
     return out
 
 
+# dropout on, so that anything drawing from the global RNG during sampling would change the losses
+WITH_VAL = {**FAST, "eval_every": 4, "eval_batches": 2, "dropout": 0.1}
+
+
 @pytest.fixture(scope="module")
 def run_with_val(prepared, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "with_val"
-    pretrain([str(prepared)], out, preset="tiny", overrides={**FAST, "eval_every": 4, "eval_batches": 2}, quiet=True)
+    pretrain([str(prepared)], out, preset="tiny", overrides=WITH_VAL, quiet=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_with_samples(prepared, tmp_path_factory):
+    """The same run as run_with_val, with samples every 5 steps (and at the last), TensorBoard on, and a
+    checkpoint at step 6 to resume from."""
+    out = tmp_path_factory.mktemp("runs") / "sampled"
+    pretrain([str(prepared)], out, preset="tiny", overrides={**WITH_VAL, "sample_every": 5, "tensorboard": True,
+                                                             "save_every": 6, "keep_last": 5}, quiet=True)
     return out
 
 
@@ -126,8 +142,9 @@ def test_two_runs_samples_and_odd_lines(run_with_val, run_without_val, tmp_path)
     assert "events: rollback" in text
     assert text.count("## with_val") == 2
     assert "| What does a\\|b do? | It ors. Twice. | stop | Bitwise or. | yes |" in text
-    if has_matplotlib():
-        assert len(list(tmp_path.glob("both_*.png"))) == 2
+    if has_matplotlib():  # one per run, and the comparison
+        assert sorted(p.name for p in tmp_path.glob("both_*.png")) == [
+            "both_comparison.png", "both_with_val-1.png", "both_with_val.png"]
 
 
 def test_a_directory_without_metrics_is_an_error_naming_it(tmp_path):
@@ -135,3 +152,145 @@ def test_a_directory_without_metrics_is_an_error_naming_it(tmp_path):
         write_report([tmp_path], tmp_path / "report.md")
     with pytest.raises(NanoforgeError, match="no run directories"):
         write_report([], tmp_path / "report.md")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the report every training command writes, and samples during training
+
+
+def losses(run_dir):
+    return [(r["step"], r["loss"]) for r in records(run_dir) if "loss" in r]
+
+
+def samples(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "samples.jsonl").read_text().splitlines()]
+
+
+def table(text: str, heading: str) -> list[list[str]]:
+    """The body rows of the markdown table under `heading`, as lists of cells."""
+    lines = text.split(heading + "\n", 1)[1].lstrip("\n").splitlines()
+    rows = []
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split(" | ")])
+    return rows
+
+
+def referenced_pngs(report: Path) -> list[Path]:
+    return [report.parent / name for name in re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", report.read_text())]
+
+
+def test_training_writes_a_report_whose_numbers_match_metrics(run_with_samples):
+    report = run_with_samples / "report.md"
+    text = report.read_text()
+    assert text.startswith("# nanoforge pretrain report: sampled")
+    if has_matplotlib():
+        pngs = referenced_pngs(report)
+        assert [p.name for p in pngs] == ["report_sampled.png"]
+        for png in pngs:
+            width, height = png_size(png)
+            assert width >= 800 and height >= 400  # the 2 x 3 grid
+    else:
+        assert NO_MATPLOTLIB in text
+    final = {row[0]: (float(row[1]), int(row[2])) for row in table(text, "### Final metrics")}
+    last_train = [r for r in records(run_with_samples) if "loss" in r][-1]
+    last_val = [r for r in records(run_with_samples) if "val_loss" in r][-1]
+    for record, keys in ((last_train, ["loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_gb"]),
+                         (last_val, ["val_loss", "val_ppl", "val_bpb"])):
+        for key in keys:
+            value, step = final[key]
+            assert step == record["step"] == 12
+            assert value == pytest.approx(record[key], rel=1e-5), key
+    times = dict(row[:2] for row in table(text, "### Time"))
+    assert times["tokens seen"].startswith("3,072 (12 steps)")  # 12 steps x 4 x 64 tokens
+    assert "wall time" in times and "time in training steps" in times
+    params = dict(row[:2] for row in table(text, "### Parameters"))
+    assert params["total"] == f"{count_params(read_run(run_with_samples).config['model']):,}"
+    data = dict(row[:2] for row in table(text, "### Data"))
+    assert data["kind"] == "pretrain" and data["train"].endswith("documents, " + data["train"].split(", ")[-1])
+    assert "[train]" in text and "sample_every = 5" in text  # the config as used
+
+
+def test_samples_during_training_land_at_their_steps_and_in_the_report(run_with_samples, run_with_val):
+    got = samples(run_with_samples)
+    prompts = DEFAULT_PROMPTS
+    assert [s["step"] for s in got] == [5] * len(prompts) + [10] * len(prompts) + [12] * len(prompts)
+    assert [s["prompt"] for s in got[:len(prompts)]] == prompts
+    assert all(0 < s["new_tokens"] <= SAMPLE_MAX_TOKENS for s in got)
+    # sampling must not touch the training RNG stream: with dropout on, the losses equal a run without samples
+    assert losses(run_with_samples) == losses(run_with_val)
+    rows = table((run_with_samples / "report.md").read_text(), "### Samples (step 12)")
+    assert [r[0] for r in rows] == prompts
+    assert [r[1] for r in rows] == [" ".join(s["text"].split()).replace("|", "\\|") or "" for s in got[-len(prompts):]]
+    # and in TensorBoard, as text
+    events = b"".join(p.read_bytes() for p in (run_with_samples / "tb").glob("events.*"))
+    assert b"samples/0" in events and b"samples/5" in events
+
+
+def test_resumed_run_keeps_samples_and_losses_of_an_uninterrupted_one(run_with_samples, tmp_path):
+    split = tmp_path / "split"
+    shutil.copytree(run_with_samples, split)
+    shutil.rmtree(split / "checkpoints" / "step_000012")  # as if killed after step 6's save, at step 12
+    pretrain([], split, resume=True, quiet=True)
+    assert losses(split) == losses(run_with_samples)
+    assert samples(split) == samples(run_with_samples)  # step 10 and 12 samples dropped, then made again
+    assert (split / "report.md").is_file()
+
+
+def test_sample_prompts_from_a_file_and_a_bad_file_stops_before_training(prepared, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Once upon"}\n{"prompt": "春天"}\n', encoding="utf-8")
+    run = tmp_path / "custom"
+    pretrain([str(prepared)], run, preset="tiny", quiet=True,
+             overrides={**FAST, "max_steps": 2, "sample_every": 2, "sample_prompts": str(prompts)})
+    assert [(s["step"], s["prompt"]) for s in samples(run)] == [(2, "Once upon"), (2, "春天")]
+    prompts.write_text('{"prompt": "fine"}\n{"text": "no prompt key"}\n', encoding="utf-8")
+    with pytest.raises(NanoforgeError, match=r"prompts\.jsonl:2"):
+        pretrain([str(prepared)], tmp_path / "bad", preset="tiny", quiet=True,
+                 overrides={**FAST, "sample_every": 2, "sample_prompts": str(prompts)})
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(NanoforgeError, match="missing.txt"):
+        pretrain([str(prepared)], tmp_path / "bad", preset="tiny", quiet=True,
+                 overrides={**FAST, "sample_every": 2, "sample_prompts": str(tmp_path / "missing.txt")})
+
+
+def test_a_failing_report_never_fails_the_run(prepared, tmp_path, monkeypatch, capsys):
+    import nanoforge.report
+
+    def broken(*args, **kwargs):
+        raise OSError("No space left on device")
+    monkeypatch.setattr(nanoforge.report, "write_report", broken)
+    summary = pretrain([str(prepared)], tmp_path / "r", preset="tiny", overrides={**FAST, "max_steps": 2}, quiet=True)
+    assert summary["step"] == 2 and "report" not in summary
+    assert (tmp_path / "r" / "checkpoints" / "step_000002" / "model.safetensors").is_file()
+    assert "report could not be written: OSError: No space left on device" in capsys.readouterr().err
+
+
+def test_comparing_runs_lists_each_side_by_side(run_with_val, run_without_val, tmp_path):
+    out = write_report([run_with_val, run_without_val], tmp_path / "cmp.md")
+    text = out.read_text()
+    header = text.split("## Comparison\n\n", 1)[1].splitlines()[0]
+    assert header == "| | with_val | no_val |"
+    rows = {row[0]: row[1:] for row in table(text, "## Comparison")}
+    last_loss = [r for r in records(run_with_val) if "loss" in r][-1]["loss"]
+    assert float(rows["final training loss"][0]) == pytest.approx(last_loss, rel=1e-5)
+    assert rows["final validation loss"][1] == "-"  # no_val has none
+    assert "## with_val" in text and "## no_val" in text
+    if has_matplotlib():
+        assert {p.name for p in referenced_pngs(out)} == {"cmp_comparison.png", "cmp_with_val.png", "cmp_no_val.png"}
+        for png in referenced_pngs(out):
+            png_size(png)
+
+
+def test_sft_stage_samples_through_the_chat_template_and_reports(run_with_val, tmp_path, shared_data):
+    """SFT samples go through the chat template; the run ends with its report."""
+    out = tmp_path / "sft"
+    sft(str(run_with_val), [str(shared_data / "tiny" / "sft_tiny.jsonl")], out,
+        overrides={**FAST, "max_steps": 2, "sample_every": 2, "eval_every": 0, "val_fraction": 0.0}, quiet=True)
+    got = samples(out)
+    assert [s["step"] for s in got] == [2] * len(DEFAULT_PROMPTS)
+    # a chat sample stops at <|im_end|> or runs out of tokens; never continues into another turn's markup
+    assert all("<|im_start|>" not in s["text"] for s in got if s["finish_reason"] == "stop")
+    text = (out / "report.md").read_text()
+    assert "| stage | sft |" in text and "### Samples (step 2)" in text

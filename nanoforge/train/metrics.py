@@ -47,7 +47,10 @@ def peak_flops(device: torch.device, precision: str) -> float:
 def measure_cpu_matmul_flops(precision: str, n: int = 1024, repeats: int = 5) -> float:
     """Best of a few n x n matmuls: the practical peak this CPU reaches in this precision."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16 if precision == "fp16" else torch.float32
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    # a private generator: drawing from the global RNG here would shift the training stream (dropout) of the
+    # first run in a process, and of a resumed run after its RNG state was restored
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, dtype=dtype, generator=gen), torch.randn(n, n, dtype=dtype, generator=gen)
     a @ b
     best = math.inf
     for _ in range(repeats):
@@ -80,6 +83,8 @@ class MetricsLog:
         self.path = self.run_dir / "metrics.jsonl"
         self.quiet = quiet
         truncate_metrics(self.path, resume_step if resume_step is not None else 0)
+        # samples written during training (see train/stages.py) are cut back to the same step
+        truncate_metrics(self.run_dir / "samples.jsonl", resume_step if resume_step is not None else 0)
         self.file = open(self.path, "a", encoding="utf-8")
         self.tb = None
         if tensorboard:
@@ -95,7 +100,8 @@ class MetricsLog:
                                     name=self.run_dir.name, resume="allow")
 
     def log(self, step: int, values: dict[str, Any]) -> None:
-        record = {"step": step, **values}
+        # "time" (Unix seconds) lets the run report give the wall time; it is not a metric to plot
+        record = {"step": step, **values, "time": round(time.time(), 3)}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         numbers = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -104,6 +110,11 @@ class MetricsLog:
                 self.tb.add_scalar(key, value, step)
         if self.wandb is not None:
             self.wandb.log(numbers, step=step)
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        """A piece of text (a generated sample) under `tag` in TensorBoard; nothing when TensorBoard is off."""
+        if self.tb is not None:
+            self.tb.add_text(tag, text, step)
 
     def print(self, text: str) -> None:
         if not self.quiet:

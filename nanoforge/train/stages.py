@@ -133,6 +133,56 @@ def copy_tokenizer(src: Path, run_dir: Path) -> None:
     shutil.copytree(src, dst)
 
 
+# Samples during training (--sample-every N): the same prompts at every N steps show what the model has learnt
+# so far. Fixed-seed sampling (as `nanoforge eval --samples`), so successive samples differ only by the weights.
+SAMPLE_MAX_TOKENS = 48
+
+
+def sample_prompts(tcfg: TrainConfig) -> list[str] | None:
+    """The prompts of --sample-prompts, read and checked now, so a missing or malformed file stops the run
+    before any work (the error names the file and line); None means the built-in set."""
+    if not tcfg.sample_prompts:
+        return None
+    from nanoforge.evaluate import load_prompts
+    return load_prompts(tcfg.sample_prompts)
+
+
+def make_sampler(run_dir: Path, tcfg: TrainConfig, tokenizer, prompts: list[str] | None, chat: bool):
+    """Stage.sampler for the loop, or None when --sample-every is 0. Each call appends to RUN/samples.jsonl
+    (with the step) and to TensorBoard as text. chat=True sends each prompt as a user turn through the chat
+    template (SFT-style stages); False continues it as plain text (pretraining)."""
+    if not tcfg.sample_every:
+        return None
+    from nanoforge.evaluate import generate_samples, write_samples
+    from nanoforge.infer.generate import SamplingConfig
+
+    sampling = SamplingConfig(temperature=0.8, top_p=0.95, max_new_tokens=SAMPLE_MAX_TOKENS, seed=0)
+
+    def sampler(model, step: int, log) -> None:
+        # Generation draws from its own seeded generator; saving and restoring the global RNG as well keeps the
+        # training stream (dropout, data order) identical with and without samples, so resume stays exact.
+        rng = ckpt.rng_states()
+        try:
+            got = generate_samples(model, tokenizer, prompts, sampling, chat=chat, precision=tcfg.precision)
+        finally:
+            ckpt.set_rng_states(rng)
+        write_samples(run_dir, got, step)
+        for i, sample in enumerate(got):
+            log.text(step, f"samples/{i}", f"{sample['prompt']} → {sample['text']}")
+    return sampler
+
+
+def train_and_report(stage: Stage, model, mcfg: ModelConfig, tcfg: TrainConfig, run_dir: Path, resume: bool,
+                     quiet: bool) -> dict[str, Any]:
+    """The loop, then RUN/report.md (rank 0; a report failure is a warning, never a failed run)."""
+    from nanoforge.report import write_run_report
+    summary = train(stage, model, mcfg, tcfg, run_dir, resume=resume, quiet=quiet)
+    report = write_run_report(run_dir, quiet=quiet)
+    if report is not None:
+        summary["report"] = str(report)
+    return summary
+
+
 @fresh_run_guard
 def pretrain(data: Sequence[str], out: str | Path, preset: str | None = None, config_file: str | None = None,
              overrides: dict[str, Any] | None = None, resume: bool = False, tokenizer: str | None = None,
@@ -142,6 +192,7 @@ def pretrain(data: Sequence[str], out: str | Path, preset: str | None = None, co
     from nanoforge.tokenizer import load_tokenizer
 
     run_dir, mcfg, tcfg, saved_run, explicit = open_run(out, resume, preset, config_file, overrides or {})
+    prompts = sample_prompts(tcfg)
     data_dir = Path(saved_run["data"]) if resume and saved_run.get("data") and not data else \
         resolve_data("pretrain", data, run_dir, tokenizer, mcfg, tcfg, quiet)
     tok = load_tokenizer(data_dir / "tokenizer")
@@ -157,8 +208,9 @@ def pretrain(data: Sequence[str], out: str | Path, preset: str | None = None, co
     write_run_config(run_dir, mcfg, tcfg, run_info)
     torch.manual_seed(tcfg.seed)  # the initial weights are part of what the seed fixes
     model = GPT(mcfg)
-    stage = Stage("pretrain", batches, causal_lm_loss, val_batches, val_bpt, run_info)
-    return train(stage, model, mcfg, tcfg, run_dir, resume=resume, quiet=quiet)
+    stage = Stage("pretrain", batches, causal_lm_loss, val_batches, val_bpt, run_info,
+                  sampler=make_sampler(run_dir, tcfg, tok, prompts, chat=False))
+    return train_and_report(stage, model, mcfg, tcfg, run_dir, resume, quiet)
 
 
 # Training defaults of a fine-tuning stage, under the preset/--config/--field layers. A pretrained model has
@@ -318,6 +370,7 @@ def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str
     run_dir, mcfg, tcfg, run_info, init_path, tok, data_dir = finetune_setup(
         name, init, data, out, config_file, dict(overrides or {}), resume, quiet,
         LORA_DEFAULTS if lora else SFT_DEFAULTS, lora.to_dict() if lora else None)
+    prompts = sample_prompts(tcfg)
     batches, val_batches, _ = lm_batches(data_dir, tcfg, tok, quiet)
     if batches.shards.kind != "sft":
         raise NanoforgeError(f"{data_dir}: prepared as {batches.shards.kind!r} data; {name} needs conversations "
@@ -334,8 +387,9 @@ def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str
         model = LoraModel(model, lora)
     elif not resume:
         model.load_weights(init_weights(init_path))
-    stage = Stage(name, batches, causal_lm_loss, val_batches, None, run_info)
-    return train(stage, model, mcfg, tcfg, run_dir, resume=resume, quiet=quiet)
+    stage = Stage(name, batches, causal_lm_loss, val_batches, None, run_info,
+                  sampler=make_sampler(run_dir, tcfg, tok, prompts, chat=True))
+    return train_and_report(stage, model, mcfg, tcfg, run_dir, resume, quiet)
 
 
 def lora_merge(run: str | Path, out: str | Path, force: bool = False) -> Path:
@@ -385,6 +439,7 @@ def dpo(init: str | None, data: Sequence[str], out: str | Path, config_file: str
         raise NanoforgeError(f"--beta {beta} must be > 0")
     run_dir, mcfg, tcfg, run_info, init_path, tok, data_dir = finetune_setup(
         "dpo", init, data, out, config_file, dict(overrides or {}), resume, quiet, DPO_DEFAULTS, {"beta": beta})
+    prompts = sample_prompts(tcfg)
     train_shards, val_shards = TokenShards(data_dir, "train"), TokenShards(data_dir, "val")
     if train_shards.kind != "dpo":
         raise NanoforgeError(f"{data_dir}: prepared as {train_shards.kind!r} data; dpo needs chosen/rejected "
@@ -412,8 +467,8 @@ def dpo(init: str | None, data: Sequence[str], out: str | Path, config_file: str
         val = DPOBatches(val_shards, ref["val"], tcfg.batch_size, tcfg.seq_len, shuffle=False, pad_id=tok.pad_id)
         val_batches = lambda: val.eval_batches(tcfg.eval_batches)  # noqa: E731
     stage = Stage("dpo", batches, functools.partial(dpo_loss, beta=beta), val_batches, None, run_info,
-                  count_fn=count_pairs)
-    return train(stage, model, mcfg, tcfg, run_dir, resume=resume, quiet=quiet)
+                  count_fn=count_pairs, sampler=make_sampler(run_dir, tcfg, tok, prompts, chat=True))
+    return train_and_report(stage, model, mcfg, tcfg, run_dir, resume, quiet)
 
 
 @fresh_run_guard
@@ -465,6 +520,7 @@ def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str
     if mcfg.vocab_size != teacher_model.cfg.vocab_size:
         raise NanoforgeError(f"student vocab_size {mcfg.vocab_size} differs from the teacher's "
                              f"{teacher_model.cfg.vocab_size}")
+    prompts = sample_prompts(tcfg)
     batches, val_batches, val_bpt = lm_batches(data_dir, tcfg, tok, quiet)
     torch.manual_seed(tcfg.seed)
     model = GPT(mcfg)
@@ -473,5 +529,7 @@ def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str
     from nanoforge.train.loop import resolve_device
     teacher_model.to(resolve_device(tcfg.device)).eval().requires_grad_(False)
     loss = make_distill_loss(teacher_model, temperature, alpha)
-    stage = Stage("distill", batches, loss, val_batches, None, run_info)
-    return train(stage, model, mcfg, tcfg, run_dir, resume=resume, quiet=quiet)
+    # samples speak the way the data does: chat turns for conversation data, plain text for pretraining text
+    stage = Stage("distill", batches, loss, val_batches, None, run_info,
+                  sampler=make_sampler(run_dir, tcfg, tok, prompts, chat=batches.shards.kind == "sft"))
+    return train_and_report(stage, model, mcfg, tcfg, run_dir, resume, quiet)
