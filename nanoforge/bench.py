@@ -182,10 +182,14 @@ def _figures(model, device: torch.device, precision: str, seq_len: int, tokens_p
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
     """One measurement, in this (fresh) process."""
     from nanoforge.config import build_config
+    from nanoforge.plan import fit_micro_batch
     mcfg, tcfg = build_config(spec["preset"], spec["config"], spec["overrides"])
+    fit_micro_batch(mcfg, tcfg, log=lambda m: print(m, file=sys.stderr))  # --micro-batch auto|N
     if spec["kind"] == "naive":
-        return bench_naive(mcfg, tcfg, spec["steps"], spec["warmup"])
-    return bench_ours(mcfg, tcfg, spec["steps"], spec["warmup"], spec.get("data"))
+        out = bench_naive(mcfg, tcfg, spec["steps"], spec["warmup"])
+    else:
+        out = bench_ours(mcfg, tcfg, spec["steps"], spec["warmup"], spec.get("data"))
+    return {**out, "batch_size": tcfg.batch_size, "grad_accum": tcfg.grad_accum}
 
 
 def run_bench(preset: str | None = None, config_file: str | None = None, overrides: dict[str, Any] | None = None,
@@ -237,7 +241,8 @@ def format_bench(res: dict[str, Any]) -> str:
 
     flags = [f for f in ("compile", "activation_checkpointing") if t.get(f)]
     head = (f"# {ours['params'] / 1e6:.1f}M parameters ({m['n_layers']} layers, d_model {m['d_model']}), "
-            f"micro-batch {t['batch_size']} x {t['seq_len']} x grad-accum {t['grad_accum']}, "
+            f"micro-batch {ours.get('batch_size', t['batch_size'])} x {t['seq_len']} x grad-accum "
+            f"{ours.get('grad_accum', t['grad_accum'])}, "
             f"{t['precision']}{', ' + ', '.join(flags) if flags else ''} on {ours['device']}; "
             f"{res['data']}; median of {res['steps']} steps after {res['warmup']} warm-up; torch {res['torch']}, "
             f"{res['threads']} threads")

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def bench_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     r = subprocess.run([sys.executable, "-m", "nanoforge", "bench", "--preset", "tiny", "--device", "cpu",
-                        "--precision", "bf16", "--batch-size", "2", "--seq-len", "32", "--steps", "3", "--warmup",
+                        "--precision", "bf16", "--batch-size", "2", "--micro-batch", "1", "--seq-len", "32", "--steps", "3", "--warmup",
                         "1", "--compare-naive", "--json", str(out)], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     return r.stdout, json.loads(out.read_text())
@@ -28,12 +28,15 @@ def test_bench_table_has_every_field(bench_run):
     for field in ("tokens/s", "MFU", "peak memory", "step time", "data", "forward+backward", "optimizer",
                   "nanoforge", "naive fp32", "ours / naive", "6N + 12 L h s", "measured CPU matmul peak"):
         assert field in text, field
+    assert "micro-batch 1 x 32 x grad-accum 2" in text  # --micro-batch splits the global batch of 2
     assert re.search(r"\| tokens/s \| [\d,]+ \| [\d,]+ \| [\d.]+x \|", text), text
 
 
 def test_bench_json_numbers_are_positive_and_the_split_adds_up(bench_run):
     _, res = bench_run
     assert res["config"]["train"]["batch_size"] == 2 and res["steps"] == 3
+    assert (res["ours"]["batch_size"], res["ours"]["grad_accum"]) == (1, 2)
+    assert res["ours"]["tokens_per_step"] == 2 * 32 and res["naive"]["tokens_per_step"] == 32  # naive: no accumulation
     for kind in ("ours", "naive"):
         r = res[kind]
         for key in ("tokens_per_s", "mfu", "peak_flops", "peak_memory_gb", "step_ms", "flops_per_token"):
