@@ -1,5 +1,6 @@
 """`nanoforge plan`: what a run will need before it runs. Parameters, memory per micro-batch, the largest
 micro-batch that fits a device, gradient accumulation for a target global batch, and projected wall time.
+At the end, `--micro-batch auto` for training: the same question answered by running real steps (fit_micro_batch).
 
 Every number is an estimate with its assumptions printed beside it:
 - weights, gradients and AdamW state are exact byte counts (fp32 master weights, two fp32 moments);
@@ -10,7 +11,7 @@ Every number is an estimate with its assumptions printed beside it:
   upcast for the loss, and its gradient;
 - time uses the model's FLOPs per token (6N + 12 L h s) divided by the device's dense bf16 peak times an
   assumed model-FLOPs utilisation (--mfu, 0.40 by default for GPUs, a level small dense models reach with
-  bf16 and fused attention) or by a measured tokens/s (--tokens-per-s, e.g. from benchmarks/throughput.py).
+  bf16 and fused attention) or by a measured tokens/s (--tokens-per-s, e.g. from `nanoforge bench`).
 """
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ def make_plan(mcfg: ModelConfig, tcfg: TrainConfig, device: str = "rtx3090", glo
     elif peak:
         speed, source = peak * mfu / flops, f"{device} bf16 peak {peak / 1e12:.0f} TFLOP/s x MFU {mfu:.2f}"
     else:
-        speed, source = 0.0, "unknown on cpu: pass --tokens-per-s from benchmarks/throughput.py"
+        speed, source = 0.0, "unknown on cpu: pass --tokens-per-s from `nanoforge bench`"
     seconds = tokens / speed if tokens and speed else None
     return Plan(n, flops, weights, grads, optimizer, per_sample, device, memory, max_mb, micro, accum,
                 micro * accum, speed, source, seconds)
