@@ -131,6 +131,59 @@ def test_parallel_output_is_byte_identical(tmp_path, shared_data, tiny_tokenizer
     assert manifest_a == manifest_b
 
 
+def shakespeare_txt(shared_data, tmp_path, nbytes=120_000):
+    """A real plain-text file: the start of TinyShakespeare, cut at a line end, with a few lines made
+    awkward for chunk joins (trailing spaces, blank-line runs, a CRLF line, non-ASCII text)."""
+    raw = (shared_data / "text" / "tinyshakespeare.txt").read_bytes()[:nbytes]
+    text = raw[:raw.rfind(b"\n") + 1].decode("utf-8")
+    text += "Trailing spaces   \n\n\n  indented\r\nCRLF line\nnaïve café — 日本語 \u00a0\nlast line, no newline"
+    path = tmp_path / "shakespeare.txt"
+    path.write_bytes(text.encode("utf-8"))
+    return path, text
+
+
+def test_plain_text_is_one_document_that_decodes_back_exactly(tmp_path, shared_data, tiny_tokenizer):
+    path, text = shakespeare_txt(shared_data, tmp_path)
+    whole = tiny_tokenizer.encode(text) + [tiny_tokenizer.eos_id]  # the file tokenized in one piece
+    for workers, chunk_bytes in ((1, 1 << 20), (1, 4096), (2, 8192)):  # small chunks: many joins
+        out = tmp_path / f"w{workers}_{chunk_bytes}"
+        manifest = prepare_dataset("pretrain", [path], tiny_tokenizer, out, val_fraction=0.0, workers=workers,
+                                   chunk_bytes=chunk_bytes, **QUIET)
+        train = manifest["splits"]["train"]
+        assert (train["docs"], train["bytes"]) == (1, len(text.encode("utf-8")))
+        shards = TokenShards(out, "train")
+        ids = shards.read(0, len(shards)).tolist()
+        assert ids == whole  # chunk joins change no token
+        assert tiny_tokenizer.decode(ids[:-1]) == text
+        assert shards.doc_offsets().tolist() == [0, len(ids)]
+
+
+def test_plain_text_and_jsonl_mix_and_shards_never_split_the_text(tmp_path, shared_data, pretrain_file,
+                                                                   tiny_tokenizer):
+    path, text = shakespeare_txt(shared_data, tmp_path, nbytes=30_000)
+    out = tmp_path / "out"
+    manifest = prepare_dataset("pretrain", [pretrain_file, path, pretrain_file], tiny_tokenizer, out,
+                               val_fraction=0.0, workers=1, chunk_bytes=4096, max_shard_tokens=3000, **QUIET)
+    n_jsonl = len(read_texts(pretrain_file))
+    assert manifest["splits"]["train"]["docs"] == 2 * n_jsonl + 1
+    shards = TokenShards(out, "train")
+    ids, _ = shards.doc(n_jsonl)  # the text file is one document, in input order, whole in one shard
+    assert tiny_tokenizer.decode(ids[:-1].tolist()) == text
+
+
+def test_plain_text_with_bad_encoding_names_the_file_and_line(tmp_path, tiny_tokenizer):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("first line\n".encode() * 3000 + "caf\xe9 au lait\n".encode("latin-1") + b"more\n")
+    for workers in (1, 2):
+        out = tmp_path / "out"
+        with pytest.raises(DataError) as caught:
+            prepare_dataset("pretrain", [path], tiny_tokenizer, out, workers=workers, chunk_bytes=4096, **QUIET)
+        assert str(caught.value).startswith(f"{path}:3001: invalid UTF-8")
+        assert not out.exists() and leftovers(tmp_path, "out") == []
+    with pytest.raises(DataError, match="plain text is pretraining data"):
+        prepare_dataset("sft", [path], tiny_tokenizer, tmp_path / "sft", workers=1, **QUIET)
+
+
 def test_bad_line_fails_with_file_and_line_and_leaves_nothing(tmp_path, tiny_tokenizer):
     texts = [f"document number {i} " * 20 for i in range(400)]
     data = write_pretrain(tmp_path / "data.jsonl", texts)

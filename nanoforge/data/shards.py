@@ -16,6 +16,9 @@ pair, so a pair is never cut in two.
 Why flat binary shards read by memmap (as nanoGPT's train.bin): the OS pages data in and out, so training
 memory stays flat however large the corpus, and any window is one slice away.
 
+A plain-text file (.txt, .text, .md) is one pretraining document: its chunks are cut where the
+pre-tokenizer would split anyway (see _text_cut), tokenized like the rest, and joined back into one document.
+
 Preparing is parallel: the parent reads each file in ~2 MB chunks of whole lines and hands them to worker
 processes, which parse, validate and tokenize; results come back and are written in input order, so the
 output is byte-identical for any number of workers. At most 2 chunks per worker are in flight, which bounds
@@ -107,7 +110,7 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
         with closing(_run_chunks(tasks, tokenizer, workers)) as results:  # closing stops the workers
             for result in results:
                 source = sources[result.file_index]
-                source.records += len(result.doc_lens) // _docs_per_record(kind)
+                source.records += (len(result.doc_lens) - result.continues) // _docs_per_record(kind)
                 source.skips.merge(result.skips)
                 docs_seen = _write_result(result, writers, docs_seen, val_fraction, _docs_per_record(kind))
         for source in sources:
@@ -173,13 +176,77 @@ class ChunkTask:
     first_line: int
     data: bytes
     skip_invalid: bool
+    # plain text: the chunk is a piece of the file's one document; `text_end` says it is the last piece
+    plain_text: bool = False
+    text_end: bool = True
 
 
 def _chunk_tasks(kind: str, sources: list[SourceStats], chunk_bytes: int,
                  skip_invalid: bool) -> Iterator[ChunkTask]:
     for index, source in enumerate(sources):
+        if is_plain_text(source.path):
+            if kind != "pretrain":
+                raise DataError(f"plain text is pretraining data; {kind} needs JSONL records", source.path)
+            for first_line, data, last in _text_chunks(source, chunk_bytes):
+                yield ChunkTask(kind, index, str(source.path), first_line, data, skip_invalid, True, last)
+            continue
         for first_line, data in _line_chunks(source, chunk_bytes):
             yield ChunkTask(kind, index, str(source.path), first_line, data, skip_invalid)
+
+
+def is_plain_text(path) -> bool:
+    from nanoforge.tokenizer import PLAIN_TEXT_SUFFIXES
+    return Path(path).suffix.lower() in PLAIN_TEXT_SUFFIXES
+
+
+# ASCII whitespace; the pre-tokenizer's \s also matches a few non-ASCII spaces (U+00A0, U+3000, ...)
+_WHITESPACE = b" \t\n\r\x0b\x0c"
+
+
+def _text_cut(data: bytes) -> int:
+    """Where to cut `data` (bytes of UTF-8 text) so that tokenizing the two parts gives the same tokens as
+    tokenizing the whole: just before the last whitespace run that holds a line break and follows a
+    non-space character; 0 if there is no such place.
+
+    Why there: BPE merges never cross pre-tokens, so equal pre-tokens mean equal tokens. The byte-level
+    pre-tokenizer (GPT-2's regex) ends a word, number or punctuation run at whitespace, and starts a new
+    match at the first whitespace character after one; it looks ahead, never behind. Cut before the whole
+    run, the first part ends with the same pre-token as in the whole text, and the second part is matched
+    from the same position with the same look-ahead. Cutting after the newline instead would change things:
+    "a  \n" at the end of a part makes one pre-token of "  \n", where the whole text has "  " and "\n". A
+    non-ASCII space just before the run (rare) can change how that one run is split, never the text:
+    decoding stays exact. The cut is at an ASCII byte, so never inside a UTF-8 character."""
+    newline = data.rfind(b"\n")
+    while newline > 0:
+        cut = len(data[:newline].rstrip(_WHITESPACE))
+        if cut > 0:
+            return cut
+        newline = -1  # everything before is whitespace
+    return 0
+
+
+def _text_chunks(source: SourceStats, chunk_bytes: int) -> Iterator[tuple[int, bytes, bool]]:
+    """(first line number, bytes, is the last chunk) pieces of a plain-text file, each cut by _text_cut;
+    hashes and sizes the file on the way. Never holds more than a chunk (plus one unbroken stretch)."""
+    from nanoforge.data.jsonl import MAX_RECORD_BYTES
+    line_no, pending = 1, b""
+    with open(source.path, "rb") as f:
+        block = f.read(chunk_bytes)
+        while block:
+            source.hasher.update(block)
+            source.size += len(block)
+            data = pending + block
+            block = f.read(chunk_bytes)
+            cut = _text_cut(data) if block else len(data)
+            if cut == 0:  # no place to cut yet: keep reading, but not without bound
+                if len(data) > MAX_RECORD_BYTES:
+                    raise DataError(f"no line break in {len(data) / 1e6:.0f} MB; plain text is read in pieces "
+                                    "cut at line breaks", source.path, line_no)
+                pending = data
+                continue
+            yield line_no, data[:cut], not block
+            line_no += data.count(b"\n", 0, cut)
+            pending = data[cut:]
 
 
 def _line_chunks(source: SourceStats, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
@@ -219,6 +286,7 @@ class ChunkResult:
     doc_bytes: np.ndarray  # (D,) int64 UTF-8 bytes of each document's source text
     mask: np.ndarray | None  # (N,) uint8 loss mask for sft and dpo
     skips: SkipCounter
+    continues: bool = False  # the last document goes on in the next chunk (a piece of a plain-text file)
 
 
 _worker_tokenizer = None
@@ -240,6 +308,8 @@ def _encode_chunk_in_worker(task: ChunkTask) -> ChunkResult:
 
 def encode_chunk(task: ChunkTask, tokenizer) -> ChunkResult:
     """Parse, validate and tokenize the lines of one chunk. Raises the DataError of its first bad line."""
+    if task.plain_text:
+        return _encode_text(task, tokenizer)
     skips = SkipCounter()
     records = []
     for offset, raw in enumerate(task.data.split(b"\n")):
@@ -284,6 +354,37 @@ def _encode_pretrain(records, tokenizer, dtype, task: ChunkTask, skips: SkipCoun
     if batch:
         flush()
     return (np.array(flat, dtype=dtype), np.array(lens, dtype=np.int64), np.array(nbytes, dtype=np.int64), None)
+
+
+def _encode_text(task: ChunkTask, tokenizer) -> ChunkResult:
+    """A piece of a plain-text file's one document: its tokens, plus eos if the file ends here. The result
+    holds one document, left open (`continues`) unless this is the last piece."""
+    from nanoforge.data.jsonl import UTF8_BOM
+    data = task.data[len(UTF8_BOM):] if task.first_line == 1 and task.data.startswith(UTF8_BOM) else task.data
+    if b"\x00" in data:
+        line = task.first_line + data.count(b"\n", 0, data.index(b"\x00"))
+        raise DataError("contains NUL bytes; is this a binary file?", task.path, line)
+    pieces = []  # sub-pieces cut the same way, so one encode call never holds the whole chunk
+    while len(data) > ENCODE_BATCH_CHARS:
+        cut = _text_cut(data[:ENCODE_BATCH_CHARS]) or len(data)
+        pieces.append(data[:cut])
+        data = data[cut:]
+    pieces.append(data)
+    texts, line = [], task.first_line
+    for piece in pieces:
+        try:
+            texts.append(piece.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise DataError(f"invalid UTF-8 (byte 0x{piece[e.start]:02x}); re-encode the file as UTF-8",
+                            task.path, line + piece.count(b"\n", 0, e.start)) from None
+        line += piece.count(b"\n")
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+    flat = [i for ids in tokenizer.encode_batch(texts) for i in ids]
+    if task.text_end:
+        flat.append(tokenizer.eos_id)
+    nbytes = sum(len(p) for p in pieces)
+    return ChunkResult(task.file_index, np.array(flat, dtype=dtype), np.array([len(flat)], dtype=np.int64),
+                       np.array([nbytes], dtype=np.int64), None, SkipCounter(), continues=not task.text_end)
 
 
 def _encode_sft(records, tokenizer, dtype, task: ChunkTask, skips: SkipCounter):
@@ -371,7 +472,7 @@ def _write_result(result: ChunkResult, writers: dict, docs_seen: int, val_fracti
                   docs_per_record: int = 1) -> int:
     """Send each record of the chunk (1 document, or 2 for a dpo pair) to train or val; return the running
     record count."""
-    n = len(result.doc_lens) // docs_per_record
+    n = len(result.doc_lens) // docs_per_record  # an unfinished document (result.continues) counts here...
     index = np.arange(docs_seen, docs_seen + n, dtype=np.float64)
     is_val = np.repeat(np.floor((index + 1) * val_fraction) > np.floor(index * val_fraction),
                        docs_per_record)  # (D,)
@@ -380,8 +481,9 @@ def _write_result(result: ChunkResult, writers: dict, docs_seen: int, val_fracti
         if doc_sel.any():
             mask = None if result.mask is None else result.mask[tok_sel]
             writers[split].write(result.tokens[tok_sel], result.doc_lens[doc_sel],
-                                 int(result.doc_bytes[doc_sel].sum()), mask)
-    return docs_seen + n
+                                 int(result.doc_bytes[doc_sel].sum()), mask,
+                                 open_last=result.continues and bool(doc_sel[-1]))
+    return docs_seen + n - result.continues  # ...but is counted once, by the chunk that ends it
 
 
 # ---- writing
@@ -396,8 +498,12 @@ class SplitWriter:
         self.shards: list[dict] = []
         self.bytes = 0
         self._files = None  # (bin, idx, mask) of the open shard; opened on the first document
+        self._doc_open = False  # the last document written goes on in the next write (plain text)
 
-    def write(self, tokens: np.ndarray, doc_lens: np.ndarray, nbytes: int, mask: np.ndarray | None) -> None:
+    def write(self, tokens: np.ndarray, doc_lens: np.ndarray, nbytes: int, mask: np.ndarray | None,
+              open_last: bool = False) -> None:
+        """Append documents; with open_last the last one goes on in the next write (its end is not yet
+        recorded, and its shard stays open however full: documents never span shards)."""
         self.bytes += nbytes
         while len(doc_lens):
             if self._files is None:
@@ -407,17 +513,19 @@ class SplitWriter:
             starts = np.cumsum(doc_lens) - doc_lens
             take = max(1, int(np.searchsorted(starts, self.max_shard_tokens - shard["tokens"], side="left")))
             ntok = int(doc_lens[:take].sum())
+            ends_here = take - (open_last and take == len(doc_lens))  # documents whose end is written now
             bin_f, idx_f, mask_f = self._files
             bin_f.write(np.ascontiguousarray(tokens[:ntok], dtype=self.dtype).tobytes())
-            ends = shard["tokens"] + np.cumsum(doc_lens[:take], dtype=np.int64)
+            ends = shard["tokens"] + np.cumsum(doc_lens[:ends_here], dtype=np.int64)
             idx_f.write(ends.astype(np.int64).tobytes())
             if mask_f is not None:
                 mask_f.write(np.ascontiguousarray(mask[:ntok], dtype=np.uint8).tobytes())
                 mask = mask[ntok:]
             shard["tokens"] += ntok
-            shard["docs"] += take
+            shard["docs"] += ends_here
             tokens, doc_lens = tokens[ntok:], doc_lens[take:]
-            if shard["tokens"] >= self.max_shard_tokens:
+            self._doc_open = ends_here < take
+            if shard["tokens"] >= self.max_shard_tokens and not self._doc_open:
                 self._close_shard()
 
     def _open_shard(self) -> None:
