@@ -374,10 +374,10 @@ def _samples_table(samples: list[dict]) -> list[str]:
     return lines
 
 
-def _run_section(run: RunMetrics, out_path: Path, Figure) -> list[str]:
+def _run_section(run: RunMetrics, out_path: Path, Figure, png_name: str) -> list[str]:
     lines = [f"## {run.name}", "", f"Run directory: `{run.run_dir}`", ""] + _table(summarize(run))
     if Figure is not None and (run.train or run.val):
-        png = plot_runs([run], out_path.with_name(f"{out_path.stem}_{run.name}.png"), Figure, run.name)
+        png = plot_runs([run], out_path.with_name(png_name), Figure, run.name)
         lines += [f"![{run.name}: loss, learning rate, grad norm, tokens/s, memory, bits per byte]({png.name})", ""]
     final = final_metrics(run)
     if final:
@@ -449,8 +449,8 @@ def _unique_names(run_dirs: list[Path]) -> list[str]:
 
 def write_report(run_dirs: list[str | Path], out_path: str | Path, samples: list[dict] | None = None,
                  title: str = "nanoforge run report", preamble: str = "") -> Path:
-    """Write a markdown report on the runs to out_path, with PNGs beside it (`<out stem>_<run name>.png`
-    per run and, for several runs, `<out stem>_comparison.png`); return out_path.
+    """Write a markdown report on the runs to out_path, with PNGs beside it: `<out stem>.png` for one run;
+    for several, `<out stem>_<run name>.png` per run and `<out stem>_comparison.png`. Return out_path.
 
     samples: replies to show in a table, each {"question", "reply", "finish_reason"} and optionally
     "expected" and "held_out". preamble: markdown placed under the title (the demo's summary)."""
@@ -470,7 +470,8 @@ def write_report(run_dirs: list[str | Path], out_path: str | Path, samples: list
     if len(runs) > 1:
         lines += _comparison(runs, out_path, Figure)
     for run in runs:
-        lines += _run_section(run, out_path, Figure)
+        png_name = f"{out_path.stem}.png" if len(runs) == 1 else f"{out_path.stem}_{run.name}.png"
+        lines += _run_section(run, out_path, Figure, png_name)
     if samples:
         lines += ["## Sample replies", ""] + _samples_table(samples) + [""]
     tmp = out_path.with_name(out_path.name + ".tmp")

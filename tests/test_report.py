@@ -97,7 +97,7 @@ def test_report_holds_the_logged_numbers_and_valid_pngs(run_with_val, tmp_path):
     assert f"{val[0]['val_bpb']:.4f} -> {val[-1]['val_bpb']:.4f}" in text
     assert "| precision | fp32 on cpu |" in text
     assert "| stage | pretrain |" in text
-    png = tmp_path / "r" / "report_with_val.png"
+    png = tmp_path / "r" / "report.png"
     assert f"]({png.name})" in text
     width, height = png_size(png)
     assert width >= 400 and height >= 200
@@ -111,7 +111,7 @@ def test_report_without_validation_records(run_without_val, tmp_path):
     last = [r for r in records(run_without_val) if "loss" in r][-1]
     assert f"{last['loss']:.4f} (step 12)" in text
     if has_matplotlib():
-        png_size(tmp_path / "report_no_val.png")
+        png_size(tmp_path / "report.png")
 
 
 def test_report_without_matplotlib_writes_a_note_instead(run_with_val, tmp_path, monkeypatch):
@@ -187,7 +187,7 @@ def test_training_writes_a_report_whose_numbers_match_metrics(run_with_samples):
     assert text.startswith("# nanoforge pretrain report: sampled")
     if has_matplotlib():
         pngs = referenced_pngs(report)
-        assert [p.name for p in pngs] == ["report_sampled.png"]
+        assert [p.name for p in pngs] == ["report.png"]
         for png in pngs:
             width, height = png_size(png)
             assert width >= 800 and height >= 400  # the 2 x 3 grid
