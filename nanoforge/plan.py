@@ -138,9 +138,10 @@ def format_plan(p: Plan, mcfg: ModelConfig, tcfg: TrainConfig, tokens: float | N
 # so the update is the same however the global batch is split (tests/test_plan.py checks the weights).
 
 
-def fit_micro_batch(mcfg: ModelConfig, tcfg: TrainConfig, log=print) -> str:
+def fit_micro_batch(mcfg: ModelConfig, tcfg: TrainConfig, log=print, rows_per_item: int = 1) -> str:
     """Settle tcfg.micro_batch ("auto" or N) into tcfg.batch_size and tcfg.grad_accum, keeping their product;
-    returns (and logs) what was chosen and why. Nothing changes when micro_batch is empty."""
+    returns (and logs) what was chosen and why. Nothing changes when micro_batch is empty. rows_per_item: the
+    sequences one batch item is (DPO: a pair is 2)."""
     if not tcfg.micro_batch:
         return ""
     global_batch = tcfg.batch_size * tcfg.grad_accum
@@ -155,9 +156,9 @@ def fit_micro_batch(mcfg: ModelConfig, tcfg: TrainConfig, log=print) -> str:
         from nanoforge.train.loop import resolve_device
         device = distributed.setup(resolve_device(tcfg.device))  # under torchrun: this rank's GPU
         if device.type == "cuda":
-            micro, why = probe_cuda(mcfg, tcfg, device, global_batch)
+            micro, why = probe_cuda(mcfg, tcfg, device, global_batch, rows_per_item)
         else:
-            micro, why = probe_cpu(mcfg, tcfg, device, global_batch)
+            micro, why = probe_cpu(mcfg, tcfg, device, global_batch, rows_per_item)
         micro = _agree_on_min(micro, device)
     tcfg.batch_size, tcfg.grad_accum = micro, global_batch // micro
     text = (f"micro-batch {micro} x grad-accum {tcfg.grad_accum} = global batch {global_batch} sequences of "
@@ -200,7 +201,8 @@ def _probe_model(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device):
     return model, build_optimizer(model, tcfg, device)
 
 
-def probe_cuda(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device, global_batch: int) -> tuple[int, str]:
+def probe_cuda(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device, global_batch: int,
+               rows_per_item: int = 1) -> tuple[int, str]:
     """Real steps at doubling micro-batches (each dividing the global batch) until one runs out of memory, goes
     over the budget, or the global batch itself fits. Eager mode: a compiled model needs no more memory."""
     total = torch.cuda.get_device_properties(device).total_memory
@@ -210,7 +212,7 @@ def probe_cuda(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device, globa
     for b in divisors_doubling(global_batch):
         torch.cuda.reset_peak_memory_stats(device)
         try:
-            _probe_step(model, optimizer, tcfg, device, b)
+            _probe_step(model, optimizer, tcfg, device, b * rows_per_item)
             peak = torch.cuda.max_memory_allocated(device)
         except torch.cuda.OutOfMemoryError:
             stopped = f"micro-batch {b} ran out of memory"
@@ -273,7 +275,8 @@ def cpu_memory_budget(tcfg: TrainConfig) -> tuple[int, str]:
             f"80% of MemAvailable {available / GiB:.1f} GiB" + (f" / {share} processes" if share > 1 else ""))
 
 
-def probe_cpu(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device, global_batch: int) -> tuple[int, str]:
+def probe_cpu(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device, global_batch: int,
+              rows_per_item: int = 1) -> tuple[int, str]:
     """Real steps at a small micro-batch and a linear fit to the memory budget. A first step at 1 allocates the
     AdamW state and the libraries' one-time buffers; then the growth of peak resident memory over one step at 2
     is the gradients (4 bytes per parameter) plus 2 sequences' activations. Needed for b sequences: weights,
@@ -297,10 +300,11 @@ def probe_cpu(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device, global
         per_sample, how = estimate, (f"estimated {estimate / 2**20:.0f} MiB per sequence"
                                      + (" (the probe's growth was hidden by reused memory)" if measured is not None
                                         else " (no peak-memory reset on this system)"))
-    fits = int((budget - 16 * n) // per_sample)
+    fits = int((budget - 16 * n) // (per_sample * rows_per_item))
     micro = largest_divisor_at_most(global_batch, fits)
     why = (f"{how} + {16 * n / GiB:.2f} GiB weights, gradients and AdamW state, against a budget of "
-           f"{budget / GiB:.2f} GiB ({budget_why}) -> up to {max(fits, 0)} sequences")
+           f"{budget / GiB:.2f} GiB ({budget_why}) -> up to {max(fits, 0)} "
+           + ("sequences" if rows_per_item == 1 else f"items of {rows_per_item} sequences"))
     if fits < 1:
         why += "; even 1 is over the budget, so 1 (expect swapping, or lower --seq-len)"
     return micro, why

@@ -18,11 +18,11 @@ FAST = {"tensorboard": False, "log_every": 1, "eval_every": 0, "precision": "fp3
         "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "seq_len": 32, "max_seq_len": 64}
 
 
-def settle(budget_gb: float, micro: str = "auto", batch: int = 32, accum: int = 1, device: str = "cpu"):
+def settle(budget_gb: float, micro: str = "auto", batch: int = 32, accum: int = 1, device: str = "cpu", rows=1):
     mcfg, tcfg = build_config("tiny", None, {"batch_size": batch, "grad_accum": accum, "micro_batch": micro,
                                              "memory_budget_gb": budget_gb, "device": device})
     said = []
-    fit_micro_batch(mcfg, tcfg, log=said.append)
+    fit_micro_batch(mcfg, tcfg, log=said.append, rows_per_item=rows)
     return tcfg, said[0]
 
 
@@ -34,6 +34,13 @@ def test_a_smaller_budget_gives_a_smaller_micro_batch_and_keeps_the_global_batch
     for why in (why_roomy, why_tight):  # what was chosen and why is always said
         assert "global batch 32" in why and "MiB per sequence" in why and "--memory-budget-gb" in why
     assert f"micro-batch {tight.batch_size} x grad-accum {tight.grad_accum}" in why_tight
+
+
+def test_dpo_pairs_take_twice_the_room_of_a_sequence():
+    seqs, _ = settle(0.1)
+    pairs, why = settle(0.1, rows=2)
+    assert "items of 2 sequences" in why and pairs.batch_size * pairs.grad_accum == 32
+    assert pairs.batch_size < seqs.batch_size
 
 
 def test_nothing_fits_falls_back_to_one_sequence_per_micro_batch():

@@ -341,7 +341,8 @@ def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str |
     else:
         data_dir = resolve_data(data_kind(data), data, run_dir, str(tokenizer_dir), mcfg, tcfg, quiet)
     check_tokenizer(data_dir, tok)
-    fit_micro_batch(mcfg, tcfg)  # --micro-batch auto|N: before any batch source is sized
+    # --micro-batch auto|N: before any batch source is sized (a DPO item is a pair of sequences)
+    fit_micro_batch(mcfg, tcfg, rows_per_item=2 if stage == "dpo" else 1)
     run_info["data"] = str(data_dir.resolve())
     copy_tokenizer(tokenizer_dir, run_dir)
     write_run_config(run_dir, mcfg, tcfg, run_info)
