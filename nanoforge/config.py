@@ -100,6 +100,10 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 disables clipping
+    # muon: Newton-Schulz orthogonalised momentum for the blocks' weight matrices, AdamW (lr) for the rest
+    optimizer: str = "adamw"  # adamw | muon
+    muon_lr: float = 0.02  # peak lr of the muon matrices; follows the same schedule as lr
+    muon_momentum: float = 0.95
     # numerics and device
     precision: str = "bf16"  # fp32 | bf16 | fp16
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
@@ -134,6 +138,9 @@ class TrainConfig:
                   "keep_last", "nonfinite_patience")
         _one_of(self, "precision", ("fp32", "bf16", "fp16"))
         _one_of(self, "schedule", ("cosine", "wsd", "onecycle", "constant"))
+        _one_of(self, "optimizer", ("adamw", "muon"))
+        if self.muon_lr <= 0 or not 0.0 <= self.muon_momentum < 1.0:
+            raise ConfigError(f"muon_lr={self.muon_lr} must be > 0 and muon_momentum={self.muon_momentum} in [0, 1)")
         if self.lr <= 0:
             raise ConfigError(f"lr={self.lr} must be > 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

@@ -1,13 +1,16 @@
-"""AdamW with honest parameter groups, and the learning-rate schedules.
+"""AdamW with honest parameter groups, an optional Muon for the weight matrices, and the learning-rate
+schedules.
 
 Schedules are pure functions of the step, so they need no state in the checkpoint: resuming at step s
-gives exactly the lr an uninterrupted run would have used.
+gives exactly the lr an uninterrupted run would have used. A group may carry an "lr_scale": set_lr gives
+it the schedule's lr times that (Muon's matrices run at muon_lr while the rest run at lr).
 """
 from __future__ import annotations
 
 import math
 
 import torch
+from torch.optim.adamw import adamw as adamw_update
 from torch import nn
 
 from nanoforge.config import TrainConfig
@@ -28,7 +31,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    if cfg.optimizer == "muon":
+        return MuonAdamW(model, cfg, fused=device.type in ("cuda", "cpu"))
     # The fused kernel updates every parameter in one pass. Measured here on the 26M model's shapes (2-core
     # CPU): fused 10.6 ms per step, the default per-tensor loop 73 ms, foreach 93 ms. On CUDA it is one launch.
     fused = device.type in ("cuda", "cpu")
@@ -66,4 +71,125 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+
+
+# ---------------------------------------------------------------------------------------------- Muon
+
+
+# Coefficients (a, b, c) of the quintic Newton-Schulz step X <- aX + b(XX^T)X + c(XX^T)^2 X from Keller
+# Jordan's Muon write-up (2024): chosen to push every singular value in (0, 1] quickly towards ~1 (into about
+# [0.7, 1.2] after 5 steps) rather than to converge exactly, which the update does not need.
+_NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def orthogonalize(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Approximately U V^T for g = U S V^T (every singular value mapped to ~1), by Newton-Schulz iteration.
+
+    Only matrix products, so it is fast on any device. Computed in float32 (the reference runs it in bf16 on
+    GPU; on CPU float32 is as fast for these sizes and keeps resumes bit-exact on any backend)."""
+    a, b, c = _NS_COEFFS
+    x = g.float()
+    wide = x.size(0) > x.size(1)
+    if wide:  # iterate on the smaller Gram matrix
+        x = x.mT
+    x = x / (x.norm() + 1e-7)  # spectral norm <= Frobenius norm <= 1: inside the iteration's basin
+    for _ in range(steps):
+        gram = x @ x.mT  # (r, r), r = min(rows, cols)
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.mT if wide else x
+
+
+def muon_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(hidden weight matrices, everything else). Muon is for the 2-D weights inside the network; the
+    embedding and the output head are not hidden matrices (one row per token, updated sparsely / scored
+    against all tokens) and stay with AdamW, as do norm gains and biases (Jordan 2024; Liu et al.,
+    arXiv 2502.16982)."""
+    head = getattr(model, "lm_head", None)
+    outside = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    if isinstance(head, nn.Linear):
+        outside.add(id(head.weight))
+    matrices, rest, seen = [], [], set()
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            is_matrix = isinstance(module, nn.Linear) and p is module.weight and id(p) not in outside
+            (matrices if is_matrix else rest).append(p)
+    return matrices, rest
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon (MomentUm Orthogonalized by Newton-Schulz) for the hidden weight matrices, AdamW for the rest,
+    as one optimizer: one state_dict, one param_groups list for set_lr, one step.
+
+    Muon, per matrix W with gradient G (Jordan 2024; Liu et al., arXiv 2502.16982):
+        M <- mu M + G;  U = orthogonalize(G + mu M)  (Nesterov);  W <- W (1 - lr wd) - lr sqrt(max(1, rows/cols)) U
+    The orthogonalised update has every singular value ~1, so all directions of the matrix move at the same
+    rate instead of the few that dominate the raw gradient. sqrt(max(1, rows/cols)) keeps the update's RMS
+    comparable for tall matrices. Groups carry "kind" ("muon" or "adamw") and "lr_scale" (muon_lr / lr for
+    the matrices), so the schedule scales both.
+    """
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig, fused: bool = True):
+        matrices, rest = muon_params(model)
+        rest_ids = {id(p) for p in rest}
+        adam_groups = [{**g, "params": [p for p in g["params"] if id(p) in rest_ids]}
+                       for g in param_groups(model, cfg.weight_decay)]
+        groups = [{"params": matrices, "kind": "muon", "lr_scale": cfg.muon_lr / cfg.lr,
+                   "weight_decay": cfg.weight_decay}]
+        groups += [{**g, "kind": "adamw", "lr_scale": 1.0} for g in adam_groups]
+        defaults = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, weight_decay=0.0,
+                        momentum=cfg.muon_momentum, ns_steps=5, fused=fused)
+        super().__init__([g for g in groups if g["params"]], defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["kind"] == "muon":
+                self._muon_step(group)
+            else:
+                self._adamw_step(group)
+        return loss
+
+    def _muon_step(self, group: dict) -> None:
+        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.mul_(mu).add_(p.grad)
+            update = orthogonalize(p.grad.add(buf, alpha=mu), group["ns_steps"])
+            if wd:
+                p.mul_(1.0 - lr * wd)
+            p.add_(update.to(p.dtype), alpha=-lr * max(1.0, p.size(0) / p.size(1)) ** 0.5)
+
+    def _adamw_step(self, group: dict) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:  # the same state layout as torch.optim.AdamW
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        adamw_update(params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=group["fused"] or None, amsgrad=False,
+                     beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                     maximize=False)
