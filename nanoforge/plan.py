@@ -302,7 +302,7 @@ def probe_cpu(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device, global
                                         else " (no peak-memory reset on this system)"))
     fits = int((budget - 16 * n) // (per_sample * rows_per_item))
     micro = largest_divisor_at_most(global_batch, fits)
-    why = (f"{how} + {16 * n / GiB:.2f} GiB weights, gradients and AdamW state, against a budget of "
+    why = (f"{how} + {16 * n / 2**20:,.0f} MiB weights, gradients and AdamW state, against a budget of "
            f"{budget / GiB:.2f} GiB ({budget_why}) -> up to {max(fits, 0)} "
            + ("sequences" if rows_per_item == 1 else f"items of {rows_per_item} sequences"))
     if fits < 1:
