@@ -1,5 +1,6 @@
 """--micro-batch auto|N: the largest micro-batch that fits, the global batch kept by accumulation."""
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -37,10 +38,14 @@ def test_a_smaller_budget_gives_a_smaller_micro_batch_and_keeps_the_global_batch
 
 
 def test_dpo_pairs_take_twice_the_room_of_a_sequence():
-    seqs, _ = settle(0.1)
+    seqs, why_seqs = settle(0.1)
     pairs, why = settle(0.1, rows=2)
     assert "items of 2 sequences" in why and pairs.batch_size * pairs.grad_accum == 32
-    assert pairs.batch_size < seqs.batch_size
+    # each call probes anew and the measurements differ by a few MiB, so compare the counts that fit (the
+    # micro-batches are rounded to divisors of 32 and may coincide)
+    fit_seqs = int(re.search(r"up to (\d+) sequences", why_seqs).group(1))
+    fit_pairs = int(re.search(r"up to (\d+) items", why).group(1))
+    assert fit_pairs < 0.8 * fit_seqs, (why_seqs, why)
 
 
 def test_nothing_fits_falls_back_to_one_sequence_per_micro_batch():
