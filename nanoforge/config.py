@@ -226,6 +226,8 @@ def _check_type(where: str, name: str, f: dataclasses.Field, value: Any) -> Any:
     kind = f.type if isinstance(f.type, type) else {"int": int, "float": float, "bool": bool, "str": str}[f.type]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if name == "micro_batch" and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)  # `micro_batch = 8` in a TOML file means the same as --micro-batch 8
     if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
         raise ConfigError(f"{where}: {name} = {value!r} should be a {kind.__name__}")
     return value

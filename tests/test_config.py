@@ -62,3 +62,13 @@ def test_parse_value_names_the_flag():
     assert parse_value("tensorboard", TRAIN_FIELDS["tensorboard"], "false") is False
     with pytest.raises(ConfigError, match="--max-steps: 'ten'"):
         parse_value("max_steps", TRAIN_FIELDS["max_steps"], "ten")
+
+
+def test_micro_batch_may_be_a_number_in_toml(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[train]\nbatch_size = 8\nmicro_batch = 2\n")
+    _, tcfg = build_config("tiny", path)
+    assert tcfg.micro_batch == "2"
+    path.write_text("[train]\nmicro_batch = true\n")
+    with pytest.raises(ConfigError, match="micro_batch"):
+        build_config("tiny", path)
