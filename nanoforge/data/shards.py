@@ -47,6 +47,7 @@ import numpy as np
 
 from nanoforge.data.jsonl import DataError, SkipCounter, check_input_file, parse_line
 from nanoforge.errors import NanoforgeError
+from nanoforge.fsutil import fsync_dir
 
 FORMAT = "nanoforge-token-shards"
 FORMAT_VERSION = 1
@@ -596,15 +597,7 @@ def _fsync_tree(directory: Path) -> None:
         for name in names:
             with open(os.path.join(root, name), "rb") as f:
                 os.fsync(f.fileno())
-        _fsync_dir(Path(root))
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_dir(Path(root))
 
 
 def _swap_into_place(tmp: Path, out_dir: Path, force: bool) -> None:
@@ -628,7 +621,7 @@ def _swap_into_place(tmp: Path, out_dir: Path, force: bool) -> None:
             os.rename(tmp, out_dir)
     else:
         os.rename(tmp, out_dir)
-    _fsync_dir(out_dir.parent)
+    fsync_dir(out_dir.parent)
 
 
 def _log_source(source: SourceStats, log) -> None:

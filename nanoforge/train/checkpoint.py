@@ -24,6 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from nanoforge.errors import NanoforgeError
+from nanoforge.fsutil import fsync_dir, fsync_file
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 FORMAT_VERSION = 1
@@ -61,19 +62,6 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def rng_states() -> dict[str, Any]:
     states: dict[str, Any] = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -108,8 +96,8 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
         # state.json last: its presence marks the directory complete even before the rename.
         (tmp / "state.json").write_text(json.dumps(state, indent=1, ensure_ascii=False), encoding="utf-8")
         for name in ("model.safetensors", "trainer.pt", "state.json"):
-            _fsync_file(tmp / name)
-        _fsync_dir(tmp)
+            fsync_file(tmp / name)
+        fsync_dir(tmp)
         if final.exists():  # re-saving a step (e.g. after a rollback): swap, never leave a gap
             old = root / f".tmp-old-{step_dir_name(step)}-{os.getpid()}"
             final.rename(old)
@@ -117,7 +105,7 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except (OSError, SafetensorError, RuntimeError) as e:  # safetensors and torch.save wrap ENOSPC their own way
         shutil.rmtree(tmp, ignore_errors=True)
         last = latest_checkpoint(run_dir)
