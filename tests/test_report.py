@@ -294,3 +294,9 @@ def test_sft_stage_samples_through_the_chat_template_and_reports(run_with_val, t
     assert all("<|im_start|>" not in s["text"] for s in got if s["finish_reason"] == "stop")
     text = (out / "report.md").read_text()
     assert "| stage | sft |" in text and "### Samples (step 2)" in text
+    # LoRA: the loop hands the sampler the adapter wrapper; samples come from the GPT carrying the adapters
+    from nanoforge.model.lora import LoraConfig
+    sft(str(run_with_val), [str(shared_data / "tiny" / "sft_tiny.jsonl")], tmp_path / "lora", lora=LoraConfig(rank=4),
+        overrides={**FAST, "max_steps": 2, "sample_every": 2, "eval_every": 0, "val_fraction": 0.0}, quiet=True)
+    assert [s["step"] for s in samples(tmp_path / "lora")] == [2] * len(DEFAULT_PROMPTS)
+    assert "| stage | lora |" in (tmp_path / "lora" / "report.md").read_text()

@@ -161,6 +161,9 @@ def make_sampler(run_dir: Path, tcfg: TrainConfig, tokenizer, prompts: list[str]
     def sampler(model, step: int, log) -> None:
         # Generation draws from its own seeded generator; saving and restoring the global RNG as well keeps the
         # training stream (dropout, data order) identical with and without samples, so resume stays exact.
+        from nanoforge.model.lora import LoraModel
+        if isinstance(model, LoraModel):  # its GPT carries the adapters in its layers, and is what generate reads
+            model = model.gpt
         rng = ckpt.rng_states()
         try:
             got = generate_samples(model, tokenizer, prompts, sampling, chat=chat, precision=tcfg.precision)
