@@ -437,9 +437,14 @@ def _millions(n: int | None) -> str:
 
 
 def _unique_names(run_dirs: list[Path]) -> list[str]:
+    """The directory names; where two are the same (runs/zh/run, runs/en/run), the parent's name is put in front
+    (zh-run, en-run), and a number after it if that is not enough."""
+    paths = [d.resolve() for d in run_dirs]
+    base = [p.name or f"run{i}" for i, p in enumerate(paths)]
     names, seen = [], set()
-    for i, run_dir in enumerate(run_dirs):
-        name = run_dir.resolve().name or f"run{i}"
+    for i, (path, name) in enumerate(zip(paths, base)):
+        if base.count(name) > 1 and path.parent.name:
+            name = f"{path.parent.name}-{name}"
         if name in seen:
             name = f"{name}-{i}"
         seen.add(name)

@@ -140,11 +140,11 @@ def test_two_runs_samples_and_odd_lines(run_with_val, run_without_val, tmp_path)
     assert "**hello**" in text
     assert "(step 13)" not in text
     assert "events: rollback" in text
-    assert text.count("## with_val") == 2
+    assert "## a-with_val" in text and f"## {run_with_val.parent.name}-with_val" in text  # told apart by parent
     assert "| What does a\\|b do? | It ors. Twice. | stop | Bitwise or. | yes |" in text
     if has_matplotlib():  # one per run, and the comparison
-        assert sorted(p.name for p in tmp_path.glob("both_*.png")) == [
-            "both_comparison.png", "both_with_val-1.png", "both_with_val.png"]
+        assert sorted(p.name for p in tmp_path.glob("both_*.png")) == sorted([
+            "both_comparison.png", "both_a-with_val.png", f"both_{run_with_val.parent.name}-with_val.png"])
 
 
 def test_a_directory_without_metrics_is_an_error_naming_it(tmp_path):
