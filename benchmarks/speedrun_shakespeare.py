@@ -45,8 +45,9 @@ VOCAB = 2048
 # experiments of docs/perf.md, "CPU speedrun (issue 9)".
 CONFIG = {
     "d-model": 128, "n-layers": 4, "n-heads": 4, "n-kv-heads": 2, "max-seq-len": 256,
-    "seq-len": 256, "batch-size": 16, "precision": "bf16",
-    "lr": 3e-3, "schedule": "cosine", "warmup-steps": 20, "min-lr-ratio": 0.1, "weight-decay": 0.1,
+    "seq-len": 256, "batch-size": 4, "precision": "bf16",
+    "optimizer": "muon", "muon-lr": 0.01, "lr": 3e-3,
+    "schedule": "wsd", "decay-fraction": 0.4, "min-lr-ratio": 0.0, "warmup-steps": 20, "weight-decay": 0.1,
 }
 # What a speed run does not need: periodic validation, intermediate checkpoints, TensorBoard files.
 QUIET_RUN = {"eval-every": 0, "save-every": 0, "tensorboard": "false", "log-every": 10}

@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="runs/demo", metavar="DIR", help="work directory (a previous demo's is replaced)")
     demo.add_argument("--minutes", type=float, default=5.0, help="time budget; training steps are sized to fit it")
 
-    rep = sub.add_parser("report", help="markdown report (loss, lr, grad norm, tokens/s, memory plots; config, data, time, metrics, samples) for one run or several side by side; training commands write RUN/report.md themselves", formatter_class=fmt)
+    rep = sub.add_parser("report", help="markdown report (loss, lr, grad norm, tokens/s, memory plots; config, data, "
+                         "time, metrics, samples) for one run or several side by side; training commands write "
+                         "RUN/report.md themselves", formatter_class=fmt)
     rep.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
     rep.add_argument("--out", required=True, metavar="FILE.md", help="report path (PNG plots are written beside it)")
 
