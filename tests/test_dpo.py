@@ -344,9 +344,13 @@ def test_dpo_stage_end_to_end_with_cached_reference_and_resume(hh_dir, tiny_toke
     ckpt.save_checkpoint(tmp_path / "base", 0, base.state_dict_for_save(), {},
                          {"config": {"model": dataclasses.asdict(mcfg), "train": {"seq_len": 192}}})
     common = {"max_steps": 20, "lr": 1e-3, "precision": "fp32", "tensorboard": False, "log_every": 5,
-              "eval_every": 10, "save_every": 10, "keep_last": 5, "eval_batches": 4}
+              "eval_every": 10, "save_every": 10, "keep_last": 5, "eval_batches": 4, "sample_every": 10}
     s = dpo(str(tmp_path / "base"), [str(hh_dir)], tmp_path / "run", overrides=common, quiet=True)
     assert (tmp_path / "run" / "ref_logps_train.npy").is_file()
+    # samples through the chat template at steps 10 and 20, and the report at the end
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in samples}) == [10, 20] and all(r["new_tokens"] > 0 for r in samples)
+    assert (tmp_path / "run" / "report.md").is_file()
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     val = [r for r in recs if "val_loss" in r]
     assert [r["step"] for r in val] == [10, 20]
