@@ -46,7 +46,7 @@ VOCAB = 2048
 CONFIG = {
     "d-model": 128, "n-layers": 4, "n-heads": 4, "n-kv-heads": 2, "max-seq-len": 256,
     "seq-len": 256, "batch-size": 4, "precision": "bf16",
-    "optimizer": "muon", "muon-lr": 0.01, "lr": 3e-3,
+    "optimizer": "muon", "muon-lr": 0.01, "lr": 6e-3,
     "schedule": "wsd", "decay-fraction": 0.4, "min-lr-ratio": 0.0, "warmup-steps": 20, "weight-decay": 0.1,
 }
 # What a speed run does not need: periodic validation, intermediate checkpoints, TensorBoard files.
