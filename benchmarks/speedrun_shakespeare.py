@@ -10,9 +10,9 @@ split). Steps, each through the ordinary `nanoforge` command line and timed on i
 1. `nanoforge tokenizer train` on the training text (byte-level BPE, VOCAB tokens);
 2. `nanoforge prepare` of the training text and, with the same tokenizer, of the validation text (a .txt file
    is one document);
-3. calibration (unless --steps): a short `nanoforge pretrain` of the same config measures seconds per step
-   and the fixed cost of a run (start-up, model build, final checkpoint); max_steps is then the largest
-   count whose estimated wall time fits the budget. The loop has no wall-clock budget option, so the step
+3. calibration (unless --steps): two short `nanoforge pretrain` runs of the same config (5 and 45 steps)
+   measure seconds per step and the fixed cost of a run (start-up, model build, final checkpoint);
+   max_steps is then the largest count whose estimated wall time fits 95% of the budget. The loop has no wall-clock budget option, so the step
    count is fixed before the timed run starts, and the timed run is an ordinary fixed-step run;
 4. `nanoforge pretrain` with CONFIG and that max_steps, timed as a whole process (Python start-up included):
    this is the training wall time that the budget is about;
@@ -51,7 +51,7 @@ CONFIG = {
 }
 # What a speed run does not need: periodic validation, intermediate checkpoints, TensorBoard files.
 QUIET_RUN = {"eval-every": 0, "save-every": 0, "tensorboard": "false", "log-every": 10}
-CALIBRATION_STEPS = 12
+CALIBRATION_SHORT, CALIBRATION_STEPS = 5, 40  # two calibration runs: 5 and 45 steps
 
 
 def run(cmd: list[str], what: str, env: dict | None = None) -> tuple[float, int]:
@@ -79,26 +79,24 @@ def split_text(data: Path, work: Path) -> tuple[Path, Path]:
     return train, val
 
 
-def step_seconds(run_dir: Path) -> list[float]:
-    """Seconds per step from metrics.jsonl (each logged window: tokens / tokens per second / steps)."""
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    recs = [r for r in recs if "tokens_per_s" in r]
-    tokens_per_step = CONFIG["batch-size"] * CONFIG["seq-len"]
-    return [tokens_per_step / r["tokens_per_s"] for r in recs]
-
-
 def calibrate(data_dir: Path, work: Path, budget: float, env: dict) -> tuple[int, float, float]:
-    """(max_steps that fit the budget, seconds per step, fixed seconds per run) from a short run."""
-    run_dir = work / "calibrate"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    cfg = {**CONFIG, **QUIET_RUN, "max-steps": CALIBRATION_STEPS, "log-every": 1}
-    wall, _ = run(NANOFORGE + ["pretrain", "--data", str(data_dir), "--out", str(run_dir), "--quiet"] + flags(cfg),
-                  "calibration run", env)
-    per_step = step_seconds(run_dir)
-    steady = statistics.median(per_step[2:])  # the first steps warm up allocator and kernels
-    fixed = max(0.0, wall - sum(per_step))
-    shutil.rmtree(run_dir, ignore_errors=True)
-    return max(1, int((budget - fixed) / steady)), steady, fixed
+    """(max_steps that fit the budget, seconds per step, fixed seconds per run) from the wall times of two
+    short runs of the same config, CALIBRATION_STEPS apart: their difference is the cost of those steps with
+    every per-step overhead included. (The loop's own tokens/s leaves some of it out: an estimate from it
+    made a 50 s run take 66 s; a 12-step median taken while kernels warm up made a 103 s run take 88 s.)"""
+    walls = []
+    for steps in (CALIBRATION_SHORT, CALIBRATION_SHORT + CALIBRATION_STEPS):
+        run_dir = work / "calibrate"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        cfg = {**CONFIG, **QUIET_RUN, "max-steps": steps}
+        walls.append(run(NANOFORGE + ["pretrain", "--data", str(data_dir), "--out", str(run_dir), "--quiet"]
+                         + flags(cfg), "calibration run", env)[0])
+        shutil.rmtree(run_dir, ignore_errors=True)
+    per_step = max(1e-3, (walls[1] - walls[0]) / CALIBRATION_STEPS)
+    fixed = max(0.0, walls[0] - CALIBRATION_SHORT * per_step)
+    # 5% headroom: a long run drifts slower than the short ones (on a busy machine a 457-step run planned at
+    # 50 s took 52.6 s)
+    return max(1, int((0.95 * budget - fixed) / per_step)), per_step, fixed
 
 
 def main() -> None:
