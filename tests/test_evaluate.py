@@ -263,6 +263,21 @@ def test_bpb_equals_hand_computation_and_prepared_dir(untrained, tmp_path):
     assert cut["truncated"] and cut["tokens"] == 20 and 0 < cut["bytes"] < nbytes
 
 
+def test_plain_text_file_is_scored_whole(untrained, tmp_path):
+    """A .txt file is one document: its bits per byte are over exactly its UTF-8 bytes, and equal the same text
+    as a one-record JSONL file."""
+    text = "".join(f"{a}\n{b}\n\n" for a, b in _line_pairs()[:6]) + "春天来了。\n"
+    txt = tmp_path / "val.txt"
+    txt.write_text(text, encoding="utf-8")
+    jsonl = tmp_path / "val.jsonl"
+    jsonl.write_text(json.dumps({"text": text}, ensure_ascii=False) + "\n", encoding="utf-8")
+    from_txt = evaluate_data(untrained, [txt], seq_len=16, device="cpu", **QUIET)
+    from_jsonl = evaluate_data(untrained, [jsonl], seq_len=16, device="cpu", **QUIET)
+    assert from_txt["bytes"] == len(text.encode("utf-8"))
+    assert from_txt["tokens"] == from_jsonl["tokens"]
+    assert from_txt["bpb"] == pytest.approx(from_jsonl["bpb"], rel=1e-9)
+
+
 def test_token_byte_table_counts_the_text_bytes(tiny_tokenizer):
     tok = tiny_tokenizer
     table = token_byte_lengths(tok)

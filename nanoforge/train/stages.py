@@ -251,13 +251,15 @@ def data_kind(data: Sequence[str]) -> str:
     """The kind of the given data: a prepared directory's manifest, or the first record of a JSONL file."""
     import json
     from nanoforge.data.jsonl import check_input_file, detect_kind
-    from nanoforge.data.shards import read_manifest
+    from nanoforge.data.shards import is_plain_text, read_manifest
     if not data:
         raise NanoforgeError("--data is required: a prepared directory or one or more JSONL files")
     first = Path(data[0])
     if first.is_dir():
         return read_manifest(first)["kind"]
     check_input_file(first)
+    if is_plain_text(first):  # a .txt/.md file is one pretraining document
+        return "pretrain"
     with open(first, encoding="utf-8-sig", errors="replace") as f:
         for line_no, line in enumerate(f, 1):
             if line.strip():
