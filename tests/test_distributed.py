@@ -132,3 +132,14 @@ def test_fsdp_matches_and_resumes_on_any_world_size(runs, pretrain_dir, tmp_path
     cut_back_to(to_fsdp, runs / "ddp", 2)
     run(["--out", str(to_fsdp), "--resume", "--batch-size", str(B), "--fsdp", "true", *COMMON[2:]], nproc=2)
     assert_close(curve(to_fsdp), curve(runs / "single"))
+
+
+@pytest.mark.slow
+def test_compiled_ddp_matches_eager_ddp(runs, pretrain_dir, tmp_path):
+    """--compile under torchrun: the compiled DDP model trains like the eager one (accumulation included), and
+    validation on the uncompiled twin agrees."""
+    compiled = tmp_path / "compiled"
+    run(["--data", str(pretrain_dir), "--out", str(compiled), "--batch-size", str(B), "--compile", "true",
+         *COMMON], nproc=2, timeout=600)
+    assert_close(curve(compiled), curve(runs / "ddp"), rel=1e-4)
+    assert_close(curve(compiled, "val_loss"), curve(runs / "ddp", "val_loss"), rel=1e-4)
