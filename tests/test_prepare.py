@@ -184,6 +184,173 @@ def test_plain_text_with_bad_encoding_names_the_file_and_line(tmp_path, tiny_tok
         prepare_dataset("sft", [path], tiny_tokenizer, tmp_path / "sft", workers=1, **QUIET)
 
 
+# ---- plain text: the file's tail is its validation split
+
+
+def awkward_text(n_lines=400):
+    """Our own plain text: numbered lines of varied length, with trailing spaces, blank-line runs, a CRLF
+    line and non-ASCII text (the places where a cut could change tokens), no newline at the very end."""
+    lines = []
+    for i in range(n_lines):
+        line = f"Line {i}: " + " ".join(["the", "cat", "sat", "on", "mat", "naïve", "café", "日本語"][:1 + i % 8])
+        line += ["", "   ", "\r", "\n\n", " \u00a0"][i % 5]
+        lines.append(line)
+    return "\n".join(lines) + "\nlast line, no newline"
+
+
+def expected_val_start(raw: bytes, fraction: float) -> int:
+    """The rule: the val tail starts at the first line start at or after size - floor(fraction * size)."""
+    target = len(raw) - math.floor(fraction * len(raw))
+    return raw.index(b"\n", target - 1) + 1
+
+
+def split_docs(out):
+    """{split: [token ids of each document]} of a prepared directory."""
+    result = {}
+    for split in ("train", "val"):
+        shards = TokenShards(out, split)
+        result[split] = [shards.doc(i)[0].tolist() for i in range(shards.num_docs)]
+    return result
+
+
+def test_plain_text_tail_is_the_val_split(tmp_path, tiny_tokenizer):
+    text = awkward_text()
+    raw = text.encode("utf-8")
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(raw)
+    start = expected_val_start(raw, 0.1)
+    assert raw[start - 1:start] == b"\n" and 0.09 * len(raw) < len(raw) - start <= 0.1 * len(raw)
+    head, tail = raw[:start].decode("utf-8"), raw[start:].decode("utf-8")
+    eos = tiny_tokenizer.eos_id
+    logged = []
+    manifest = prepare_dataset("pretrain", [path], tiny_tokenizer, tmp_path / "out", val_fraction=0.1, workers=1,
+                               log=logged.append)
+    docs = split_docs(tmp_path / "out")
+    assert docs == {"train": [tiny_tokenizer.encode(head) + [eos]], "val": [tiny_tokenizer.encode(tail) + [eos]]}
+    assert tiny_tokenizer.decode(docs["val"][0][:-1]) == tail and tiny_tokenizer.decode(docs["train"][0][:-1]) == head
+    assert head + tail == text
+    for split, part in (("train", head), ("val", tail)):
+        entry = manifest["splits"][split]
+        assert (entry["docs"], entry["tokens"], entry["bytes"]) == (1, len(docs[split][0]), len(part.encode()))
+    assert manifest["sources"][0]["val_from_byte"] == start and manifest["sources"][0]["bytes"] == len(raw)
+    assert any(f"val the last {len(raw) - start:,}" in line for line in logged), logged
+
+    # many small chunks, split across workers: the same documents as one chunk (the split point falls in a
+    # later chunk, and head pieces must not be cut past it)
+    for workers, chunk_bytes in ((1, 700), (2, 1500)):
+        out = tmp_path / f"w{workers}_{chunk_bytes}"
+        again = prepare_dataset("pretrain", [path], tiny_tokenizer, out, val_fraction=0.1, workers=workers,
+                                chunk_bytes=chunk_bytes, **QUIET)
+        assert split_docs(out) == docs
+        assert again["splits"] == manifest["splits"]
+
+
+@pytest.mark.parametrize("fraction,start", [(0.1, 1800), (0.105, 1800), (0.095, 1820), (0.5, 1000)])
+def test_plain_text_split_point_is_the_first_line_start_at_or_after_the_fraction(tmp_path, tiny_tokenizer,
+                                                                                  fraction, start):
+    raw = b"".join(b"line %03d of twenty.\n" % i for i in range(100))  # 20-byte lines, 2000 bytes
+    assert len(raw) == 2000 and expected_val_start(raw, fraction) == start
+    path = tmp_path / "lines.txt"
+    path.write_bytes(raw)
+    manifest = prepare_dataset("pretrain", [path], tiny_tokenizer, tmp_path / "out", val_fraction=fraction,
+                               workers=1, chunk_bytes=256, **QUIET)
+    assert manifest["sources"][0]["val_from_byte"] == start
+    assert (manifest["splits"]["train"]["bytes"], manifest["splits"]["val"]["bytes"]) == (start, 2000 - start)
+    docs = split_docs(tmp_path / "out")
+    assert tiny_tokenizer.decode(docs["val"][0][:-1]) == raw[start:].decode()
+
+
+@pytest.mark.parametrize("content,why", [
+    (b"short\n", "too few"),  # floor(0.1 * 6) = 0 bytes to hold out
+    (b"a first line\n" + b"one long last line without a break " * 20, "no line starts in its last"),
+    (b"a first line\n" + b"ends exactly at a line break " * 20 + b"\n", "no line starts in its last"),
+])
+def test_plain_text_too_short_to_split_stays_whole_in_train(tmp_path, tiny_tokenizer, content, why):
+    path = tmp_path / "small.txt"
+    path.write_bytes(content)
+    logged = []
+    manifest = prepare_dataset("pretrain", [path], tiny_tokenizer, tmp_path / "out", val_fraction=0.1, workers=1,
+                               chunk_bytes=64, log=logged.append)
+    assert (manifest["splits"]["train"]["docs"], manifest["splits"]["val"]["docs"]) == (1, 0)
+    assert split_docs(tmp_path / "out")["train"] == [tiny_tokenizer.encode(content.decode()) + [tiny_tokenizer.eos_id]]
+    assert "val_from_byte" not in manifest["sources"][0]
+    assert any("kept whole in train" in line and why in line for line in logged), logged
+
+
+def test_plain_text_with_val_fraction_0_stays_one_document(tmp_path, tiny_tokenizer):
+    text = awkward_text()
+    path = tmp_path / "corpus.txt"
+    path.write_text(text, encoding="utf-8", newline="")
+    logged = []
+    manifest = prepare_dataset("pretrain", [path], tiny_tokenizer, tmp_path / "out", val_fraction=0.0, workers=1,
+                               chunk_bytes=700, log=logged.append)
+    assert split_docs(tmp_path / "out") == {"train": [tiny_tokenizer.encode(text) + [tiny_tokenizer.eos_id]],
+                                            "val": []}
+    assert manifest["sources"][0]["records"] == 1 and "val_from_byte" not in manifest["sources"][0]
+    assert f"{path}: 1 records" in logged
+
+
+def test_plain_text_does_not_shift_the_jsonl_split(tmp_path, tiny_tokenizer):
+    """JSONL records are split by the per-record rule counted over JSONL records only, with or without .txt
+    files among the inputs; JSONL-only output is what the rule gives."""
+    texts_a = [f"record {i} of file a, " + "words " * (i % 7) for i in range(45)]
+    texts_b = [f"record {i} of file b; " + "more " * (i % 5) for i in range(38)]
+    a, b = write_pretrain(tmp_path / "a.jsonl", texts_a), write_pretrain(tmp_path / "b.jsonl", texts_b)
+    txt = tmp_path / "corpus.txt"
+    txt.write_text(awkward_text(100), encoding="utf-8", newline="")
+    raw = txt.read_bytes()
+    start = expected_val_start(raw, 0.1)
+    eos = tiny_tokenizer.eos_id
+
+    def doc(text):
+        return tiny_tokenizer.encode(text) + [eos]
+
+    jsonl = texts_a + texts_b
+    rule = {"train": [doc(t) for i, t in enumerate(jsonl) if not is_val(i, 0.1)],
+            "val": [doc(t) for i, t in enumerate(jsonl) if is_val(i, 0.1)]}
+    prepare_dataset("pretrain", [a, b], tiny_tokenizer, tmp_path / "jsonl", val_fraction=0.1, workers=1, **QUIET)
+    assert split_docs(tmp_path / "jsonl") == rule
+
+    prepare_dataset("pretrain", [a, txt, b], tiny_tokenizer, tmp_path / "mixed", val_fraction=0.1, workers=1,
+                    chunk_bytes=512, **QUIET)
+    n_a = {split: sum(1 for i in range(len(texts_a)) if is_val(i, 0.1) == (split == "val")) for split in rule}
+    head, tail = doc(raw[:start].decode()), doc(raw[start:].decode())
+    assert split_docs(tmp_path / "mixed") == {
+        "train": rule["train"][:n_a["train"]] + [head] + rule["train"][n_a["train"]:],
+        "val": rule["val"][:n_a["val"]] + [tail] + rule["val"][n_a["val"]:]}
+
+
+def test_pretrain_on_one_text_file_reports_val_loss(tmp_path, tiny_tokenizer_dir):
+    from nanoforge.train.stages import pretrain
+
+    path = tmp_path / "book.txt"
+    path.write_text(awkward_text(600), encoding="utf-8", newline="")
+    out = tmp_path / "run"
+    pretrain([str(path)], out, preset="tiny", tokenizer=str(tiny_tokenizer_dir), quiet=True,
+             overrides={"tensorboard": False, "precision": "fp32", "max_steps": 4, "eval_every": 2,
+                        "save_every": 0, "log_every": 1, "warmup_steps": 1, "seq_len": 32, "val_fraction": 0.1,
+                        "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64})
+    assert json.loads((out / "data" / "manifest.json").read_text())["splits"]["val"]["docs"] == 1
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in val] == [2, 4] and all(math.isfinite(r["val_loss"]) for r in val)
+
+
+def test_tinyshakespeare_val_split_is_its_last_tenth(tmp_path, shared_data, tiny_tokenizer):
+    path = shared_data / "text" / "tinyshakespeare.txt"
+    if not path.is_file():
+        pytest.skip(f"{path} is absent")
+    raw = path.read_bytes()
+    start = expected_val_start(raw, 0.1)
+    manifest = prepare_dataset("pretrain", [path], tiny_tokenizer, tmp_path / "out", val_fraction=0.1, **QUIET)
+    train, val = manifest["splits"]["train"], manifest["splits"]["val"]
+    assert (train["docs"], val["docs"]) == (1, 1)
+    assert (train["bytes"], val["bytes"]) == (start, len(raw) - start)
+    assert 0.09 < val["tokens"] / (train["tokens"] + val["tokens"]) < 0.11
+    shards = TokenShards(tmp_path / "out", "val")
+    assert tiny_tokenizer.decode(shards.doc(0)[0][:-1].tolist()) == raw[start:].decode("utf-8")
+
+
 def test_bad_line_fails_with_file_and_line_and_leaves_nothing(tmp_path, tiny_tokenizer):
     texts = [f"document number {i} " * 20 for i in range(400)]
     data = write_pretrain(tmp_path / "data.jsonl", texts)

@@ -16,8 +16,16 @@ pair, so a pair is never cut in two.
 Why flat binary shards read by memmap (as nanoGPT's train.bin): the OS pages data in and out, so training
 memory stays flat however large the corpus, and any window is one slice away.
 
-A plain-text file (.txt, .text, .md) is one pretraining document: its chunks are cut where the
-pre-tokenizer would split anyway (see _text_cut), tokenized like the rest, and joined back into one document.
+A plain-text file (.txt, .text, .md) is pretraining text, read in chunks cut where the pre-tokenizer would
+split anyway (see _text_cut), tokenized like the rest, and joined back into whole documents. With
+val_fraction f = 0 the file is one train document. With f > 0 its tail is held out, as nanoGPT does with one
+corpus file (a per-document draw would leave one file with no validation split at all): the val split gets a
+document that starts at the first line start at or after byte size - floor(f*size), and the head is one
+train document; each is exactly its own text tokenized, plus eos. The manifest's source entry then says
+"val_from_byte" and counts 2 records. A file with no line start in that tail (too short, or one long last
+line) stays whole in train, and the log says so. Text documents are not counted by the per-record rule for
+JSONL, so JSONL records go to the same split whatever .txt files come before them in the input (before plain
+text was split, a .txt file counted as one record there).
 
 Preparing is parallel: the parent reads each file in ~2 MB chunks of whole lines and hands them to worker
 processes, which parse, validate and tokenize; results come back and are written in input order, so the
@@ -70,8 +78,9 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
     pretrain: each document is encode(text) + [eos].  sft: each conversation is tokenizer.render_chat(...),
     ids plus a loss mask on the assistant tokens (no eos: the rendered conversation ends with <|im_end|>\\n).
     dpo: each record is two documents, chosen then rejected, masked on the final assistant reply only.
-    Record i (0-based over all valid records in input order) goes to val iff
+    Record i (0-based over all valid JSONL records in input order) goes to val iff
     floor((i+1)*val_fraction) > floor(i*val_fraction): deterministic, spread evenly, exactly ~fraction.
+    A plain-text file is split by bytes instead: its tail (from a line start) is one val document.
     workers=0 uses os.cpu_count() processes (never more than there are chunks); workers=1 runs in this
     process. Keyword-only chunk_bytes and max_shard_tokens exist for tests and tuning.
     """
@@ -106,7 +115,7 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
         writers = {split: SplitWriter(tmp, split, dtype, with_mask=kind in MASKED_KINDS,
                                       max_shard_tokens=max_shard_tokens) for split in SPLITS}
         sources = [SourceStats(path) for path in paths]
-        tasks = _chunk_tasks(kind, sources, chunk_bytes, skip_invalid)
+        tasks = _chunk_tasks(kind, sources, chunk_bytes, skip_invalid, val_fraction)
         docs_seen = 0
         with closing(_run_chunks(tasks, tokenizer, workers)) as results:  # closing stops the workers
             for result in results:
@@ -160,10 +169,18 @@ class SourceStats:
     size: int = 0
     hasher: "hashlib._Hash" = field(default_factory=hashlib.sha256)
     skips: SkipCounter = field(default_factory=SkipCounter)
+    # plain text with val_fraction > 0: the byte offset and line where its val document starts, or why
+    # the file stays whole in train
+    val_start: int | None = None
+    val_line: int = 0
+    kept_whole: str = ""
 
     def to_json(self) -> dict:
-        return {"path": str(self.path.resolve()), "bytes": self.size, "sha256": self.hasher.hexdigest(),
-                "records": self.records, "skipped": self.skips.skipped}
+        entry = {"path": str(self.path.resolve()), "bytes": self.size, "sha256": self.hasher.hexdigest(),
+                 "records": self.records, "skipped": self.skips.skipped}
+        if self.val_start is not None:
+            entry["val_from_byte"] = self.val_start
+        return entry
 
 
 # ---- reading chunks
@@ -177,19 +194,21 @@ class ChunkTask:
     first_line: int
     data: bytes
     skip_invalid: bool
-    # plain text: the chunk is a piece of the file's one document; `text_end` says it is the last piece
+    # plain text: the chunk is a piece of one of the file's documents (its head, or its held-out tail when
+    # `text_val`); `text_end` says it is the last piece of that document
     plain_text: bool = False
     text_end: bool = True
+    text_val: bool = False
 
 
-def _chunk_tasks(kind: str, sources: list[SourceStats], chunk_bytes: int,
-                 skip_invalid: bool) -> Iterator[ChunkTask]:
+def _chunk_tasks(kind: str, sources: list[SourceStats], chunk_bytes: int, skip_invalid: bool,
+                 val_fraction: float = 0.0) -> Iterator[ChunkTask]:
     for index, source in enumerate(sources):
         if is_plain_text(source.path):
             if kind != "pretrain":
                 raise DataError(f"plain text is pretraining data; {kind} needs JSONL records", source.path)
-            for first_line, data, last in _text_chunks(source, chunk_bytes):
-                yield ChunkTask(kind, index, str(source.path), first_line, data, skip_invalid, True, last)
+            for first_line, data, last, val in _text_chunks(source, chunk_bytes, val_fraction):
+                yield ChunkTask(kind, index, str(source.path), first_line, data, skip_invalid, True, last, val)
             continue
         for first_line, data in _line_chunks(source, chunk_bytes):
             yield ChunkTask(kind, index, str(source.path), first_line, data, skip_invalid)
@@ -226,11 +245,28 @@ def _text_cut(data: bytes) -> int:
     return 0
 
 
-def _text_chunks(source: SourceStats, chunk_bytes: int) -> Iterator[tuple[int, bytes, bool]]:
-    """(first line number, bytes, is the last chunk) pieces of a plain-text file, each cut by _text_cut;
-    hashes and sizes the file on the way. Never holds more than a chunk (plus one unbroken stretch)."""
+def _text_val_target(size: int, val_fraction: float) -> int | None:
+    """The byte offset from which a plain-text file of `size` bytes is held out: its val document starts at
+    the first line start at or after it. None when there is nothing to hold out (val_fraction*size < 1)."""
+    held_out = math.floor(val_fraction * size)
+    return size - held_out if held_out > 0 else None
+
+
+def _text_chunks(source: SourceStats, chunk_bytes: int,
+                 val_fraction: float = 0.0) -> Iterator[tuple[int, bytes, bool, bool]]:
+    """(first line number, bytes, ends its document, is in the val document) pieces of a plain-text file,
+    each cut by _text_cut; hashes and sizes the file on the way. Never holds more than a chunk (plus one
+    unbroken stretch).
+
+    With val_fraction > 0 the head ends with the first line break at or after byte target - 1 (see
+    _text_val_target; the file size is its stat, known before reading), so the tail starts at a line start
+    and the two are separate documents. No other piece of the head reaches past that line break: _text_cut
+    cuts before the last line break of what has been read, and what holds that one is cut there first. Head
+    and tail are tokenized as two texts (each document is exactly encode(its own text) + eos), so unlike a
+    cut inside a document this one may go after the line break."""
     from nanoforge.data.jsonl import MAX_RECORD_BYTES
-    line_no, pending = 1, b""
+    target = _text_val_target(source.path.stat().st_size, val_fraction)
+    line_no, pending, offset, in_val = 1, b"", 0, False  # offset: where `pending` starts in the file
     with open(source.path, "rb") as f:
         block = f.read(chunk_bytes)
         while block:
@@ -238,6 +274,17 @@ def _text_chunks(source: SourceStats, chunk_bytes: int) -> Iterator[tuple[int, b
             source.size += len(block)
             data = pending + block
             block = f.read(chunk_bytes)
+            if target is not None and not in_val:  # the head: look for the line break that ends it
+                newline = data.find(b"\n", max(target - 1 - offset, 0))
+                if newline >= 0 and (newline + 1 < len(data) or block):  # the tail is not empty
+                    yield line_no, data[:newline + 1], True, False
+                    line_no += data.count(b"\n", 0, newline + 1)
+                    source.val_start, source.val_line = offset + newline + 1, line_no
+                    data, offset, in_val = data[newline + 1:], offset + newline + 1, True
+                elif not block:
+                    source.kept_whole = (f"no line starts in its last {source.size - target:,} bytes "
+                                         f"({val_fraction:g} of the file) to hold out for validation")
+                    target = None
             cut = _text_cut(data) if block else len(data)
             if cut == 0:  # no place to cut yet: keep reading, but not without bound
                 if len(data) > MAX_RECORD_BYTES:
@@ -245,9 +292,12 @@ def _text_chunks(source: SourceStats, chunk_bytes: int) -> Iterator[tuple[int, b
                                     "cut at line breaks", source.path, line_no)
                 pending = data
                 continue
-            yield line_no, data[:cut], not block
+            yield line_no, data[:cut], not block, in_val
             line_no += data.count(b"\n", 0, cut)
-            pending = data[cut:]
+            pending, offset = data[cut:], offset + cut
+    if val_fraction > 0 and target is None and not source.kept_whole and source.size:
+        source.kept_whole = (f"{source.size:,} bytes are too few to hold out {val_fraction:g} of them "
+                             "for validation")
 
 
 def _line_chunks(source: SourceStats, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
@@ -288,6 +338,7 @@ class ChunkResult:
     mask: np.ndarray | None  # (N,) uint8 loss mask for sft and dpo
     skips: SkipCounter
     continues: bool = False  # the last document goes on in the next chunk (a piece of a plain-text file)
+    text_split: str = ""  # plain text: the split its document goes to (JSONL: "", drawn per record)
 
 
 _worker_tokenizer = None
@@ -358,8 +409,9 @@ def _encode_pretrain(records, tokenizer, dtype, task: ChunkTask, skips: SkipCoun
 
 
 def _encode_text(task: ChunkTask, tokenizer) -> ChunkResult:
-    """A piece of a plain-text file's one document: its tokens, plus eos if the file ends here. The result
-    holds one document, left open (`continues`) unless this is the last piece."""
+    """A piece of one document of a plain-text file (the whole file, or its head or held-out tail): its
+    tokens, plus eos if the document ends here. The result holds that one document, left open (`continues`)
+    unless this is its last piece, and names the split it goes to."""
     from nanoforge.data.jsonl import UTF8_BOM
     data = task.data[len(UTF8_BOM):] if task.first_line == 1 and task.data.startswith(UTF8_BOM) else task.data
     if b"\x00" in data:
@@ -385,7 +437,8 @@ def _encode_text(task: ChunkTask, tokenizer) -> ChunkResult:
         flat.append(tokenizer.eos_id)
     nbytes = sum(len(p) for p in pieces)
     return ChunkResult(task.file_index, np.array(flat, dtype=dtype), np.array([len(flat)], dtype=np.int64),
-                       np.array([nbytes], dtype=np.int64), None, SkipCounter(), continues=not task.text_end)
+                       np.array([nbytes], dtype=np.int64), None, SkipCounter(), continues=not task.text_end,
+                       text_split="val" if task.text_val else "train")
 
 
 def _encode_sft(records, tokenizer, dtype, task: ChunkTask, skips: SkipCounter):
@@ -472,7 +525,11 @@ def _run_chunks(tasks: Iterator[ChunkTask], tokenizer, workers: int) -> Iterator
 def _write_result(result: ChunkResult, writers: dict, docs_seen: int, val_fraction: float,
                   docs_per_record: int = 1) -> int:
     """Send each record of the chunk (1 document, or 2 for a dpo pair) to train or val; return the running
-    record count."""
+    record count. A piece of plain text goes to the split it was read for and is not counted."""
+    if result.text_split:
+        writers[result.text_split].write(result.tokens, result.doc_lens, int(result.doc_bytes.sum()), None,
+                                         open_last=result.continues)
+        return docs_seen
     n = len(result.doc_lens) // docs_per_record  # an unfinished document (result.continues) counts here...
     index = np.arange(docs_seen, docs_seen + n, dtype=np.float64)
     is_val = np.repeat(np.floor((index + 1) * val_fraction) > np.floor(index * val_fraction),
@@ -625,6 +682,13 @@ def _swap_into_place(tmp: Path, out_dir: Path, force: bool) -> None:
 
 
 def _log_source(source: SourceStats, log) -> None:
+    if source.val_start is not None:
+        log(f"{source.path}: plain text, {source.size:,} bytes: train the first {source.val_start:,}, "
+            f"val the last {source.size - source.val_start:,} (from line {source.val_line:,})")
+        return
+    if source.kept_whole:
+        log(f"{source.path}: plain text, kept whole in train: {source.kept_whole}")
+        return
     log(f"{source.path}: {source.records} records" +
         (f", skipped {source.skips.skipped} invalid" if source.skips.skipped else ""))
     if source.skips.skipped:
