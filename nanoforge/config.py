@@ -271,7 +271,8 @@ def build_config(preset: str | None = None, config_file: str | Path | None = Non
             raise ConfigError(f"{config_file}: {e}") from None
         raise
     if tcfg.seq_len > mcfg.max_seq_len:
-        raise ConfigError(f"seq_len={tcfg.seq_len} is longer than the model's max_seq_len={mcfg.max_seq_len}")
+        raise ConfigError(f"seq_len={tcfg.seq_len} is longer than the model's max_seq_len={mcfg.max_seq_len} "
+                          f"(raise it with --max-seq-len {tcfg.seq_len}, or shorten --seq-len)")
     return mcfg, tcfg
 
 

@@ -159,7 +159,8 @@ class PackingReport:
     def summary(self, seq_len: int) -> str:
         return (f"{self.conversations:,} conversations -> {self.rows:,} packed rows of {seq_len} "
                 f"(padding {100 * self.padding_fraction:.1f}%)"
-                f"; {self.truncated:,} truncated at a turn boundary, {self.skipped:,} skipped as too long")
+                f"; {self.truncated:,} truncated at a turn boundary, {self.skipped:,} skipped as too long"
+                + (" (a longer --seq-len keeps more)" if self.skipped > 0.05 * max(self.conversations, 1) else ""))
 
 
 def fit_to_window(mask: np.ndarray, window: int) -> int:
