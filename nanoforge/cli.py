@@ -79,10 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     prep = sub.add_parser("prepare", help="tokenize JSONL into token shards for training", formatter_class=fmt)
     prep.add_argument("--kind", choices=["pretrain", "sft", "dpo"], required=True, help="record format")
-    prep.add_argument("--data", nargs="+", required=True, metavar="FILE", help="JSONL files")
+    prep.add_argument("--data", nargs="+", required=True, metavar="FILE",
+                      help="JSONL files, or (pretrain) plain-text .txt/.md files")
     prep.add_argument("--tokenizer", required=True, metavar="DIR", help="tokenizer directory or tokenizer.json")
     prep.add_argument("--out", required=True, metavar="DIR", help="output directory (written atomically)")
-    prep.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out")
+    prep.add_argument("--val-fraction", type=float, default=0.01,
+                      help="share held out for validation: of JSONL records, evenly spread; of each plain-text "
+                           "file, its last bytes from a line start (0: no validation split)")
     prep.add_argument("--workers", type=int, default=0, help="tokenizer processes (0: all cores)")
     prep.add_argument("--skip-invalid", action="store_true", help="skip and count bad records instead of stopping")
     prep.add_argument("--force", action="store_true", help="replace --out if it exists")
