@@ -30,7 +30,7 @@ from nanoforge.config import ModelConfig, TrainConfig, config_dicts
 from nanoforge.errors import NanoforgeError
 from nanoforge.train import checkpoint as ckpt
 from nanoforge.train import distributed
-from nanoforge.train.metrics import MetricsLog, peak_flops, peak_memory_bytes, progress_line
+from nanoforge.train.metrics import MetricsLog, observed_peak, peak_flops, peak_memory_bytes, progress_line
 from nanoforge.train.optim import build_optimizer, lr_at, set_lr
 
 Batch = dict[str, torch.Tensor]
@@ -397,11 +397,17 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
 
                 if step % tcfg.log_every == 0 or step == tcfg.max_steps:
                     tokens_per_s = window["tokens"] / max(window["time"], 1e-9)
+                    # FLOP/s of one process, as the peak is one device's (tokens_per_s counts all ranks' tokens)
+                    achieved = flops_per_token * tokens_per_s / world.world_size
+                    if peak and achieved > peak:  # the peak was under-measured: see observed_peak
+                        log.print(f"step {step}: {achieved / 1e9:,.0f} GFLOP/s, above the measured peak of "
+                                  f"{peak / 1e9:,.0f}; taking it as the peak")
+                        peak = observed_peak(device, st["precision"], peak, achieved)
                     values: dict[str, Any] = {
                         "loss": (window["loss"] / max(int(window["steps"]), 1)).item(),
                         "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s,
                         "supervised_tokens_per_s": int(window["supervised"]) / max(window["time"], 1e-9),
-                        "mfu": flops_per_token * tokens_per_s / peak if peak else 0.0,
+                        "mfu": achieved / peak if peak else 0.0,  # never above 1: see observed_peak
                         "peak_mem_gb": peak_memory_bytes(device) / 1e9, "skipped_steps": st["skipped_steps"],
                         # where a step's time goes, ms per step (exact on CUDA only with --sync-timing)
                         **{f"{k}_ms": 1e3 * window[k] / window["n"] for k in ("data", "fwd_bwd", "optim")},

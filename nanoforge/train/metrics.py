@@ -6,9 +6,11 @@ uninterrupted one.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import platform
 import resource
 import sys
 import time
@@ -26,7 +28,9 @@ GPU_PEAK_FLOPS = {
     "4090": 165e12, "3090": 71e12, "3080": 59e12, "a6000": 155e12, "v100": 125e12, "t4": 65e12,
 }
 
+# per process, keyed like the disk cache (see cpu_peak_key): the peak is looked up once per process
 _cpu_peak_cache: dict[str, float] = {}
+CPU_PEAK_FILE = "cpu_peak_flops.json"
 
 
 def peak_flops(device: torch.device, precision: str) -> float:
@@ -38,25 +42,118 @@ def peak_flops(device: torch.device, precision: str) -> float:
                 return value if precision != "fp32" else value / 2  # TF32 runs at about half rate
         return 0.0
     if device.type == "cpu":
-        if precision not in _cpu_peak_cache:
-            _cpu_peak_cache[precision] = measure_cpu_matmul_flops(precision)
-        return _cpu_peak_cache[precision]
+        return cpu_peak_flops(precision)
     return 0.0
 
 
-def measure_cpu_matmul_flops(precision: str, n: int = 1024, repeats: int = 5) -> float:
-    """Best of a few n x n matmuls: the practical peak this CPU reaches in this precision."""
+def observed_peak(device: torch.device, precision: str, peak: float, achieved: float) -> float:
+    """The peak to divide `achieved` (FLOP/s) by: `peak`, or `achieved` itself where the run went faster.
+
+    A run cannot beat the machine's peak, so a run that does shows the peak was under-measured (on a shared CPU
+    another process can take the cores during the measurement; we saw 50% of the usual figure). Clamping MFU
+    to 100% would hide that and keep the wrong denominator for every later step and run; instead the faster
+    figure becomes the peak (MFU reads 100% at that step), and on CPU it is kept in the disk cache, so later
+    runs on this machine start from it."""
+    if not peak or achieved <= peak:
+        return peak
+    if device.type == "cpu":
+        return record_cpu_peak(precision, achieved)
+    return achieved
+
+
+def cpu_peak_flops(precision: str) -> float:
+    """The practical matmul peak of this CPU: from the per-machine disk cache (see cpu_peak_cache_dir) when it
+    holds one, else measured now and written there. Measured in each process, the figure moved by 2x on a
+    shared 2-core machine (one process printed an MFU over 100%); cached, every run divides by the same one."""
+    key = cpu_peak_key(precision)
+    if key not in _cpu_peak_cache:
+        cached = _read_peaks(cpu_peak_cache_dir() / CPU_PEAK_FILE).get(key)
+        if cached is not None:
+            _cpu_peak_cache[key] = cached
+        else:
+            _cpu_peak_cache[key] = _write_peak(key, measure_cpu_matmul_flops(precision))
+    return _cpu_peak_cache[key]
+
+
+def record_cpu_peak(precision: str, flops: float) -> float:
+    """Raise the cached CPU peak to `flops` if it is higher (in this process and on disk); the peak now."""
+    key = cpu_peak_key(precision)
+    _cpu_peak_cache[key] = max(_cpu_peak_cache.get(key, 0.0), _write_peak(key, flops))
+    return _cpu_peak_cache[key]
+
+
+def cpu_peak_cache_dir() -> Path:
+    """$NANOFORGE_CACHE_DIR, else $XDG_CACHE_HOME/nanoforge, else ~/.cache/nanoforge."""
+    if os.environ.get("NANOFORGE_CACHE_DIR"):
+        return Path(os.environ["NANOFORGE_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nanoforge"
+
+
+def cpu_peak_key(precision: str) -> str:
+    """What the peak depends on: the CPU model, the threads matmuls use, the precision and torch's kernels."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    model = model or platform.processor() or platform.machine() or "unknown cpu"
+    return f"{model} | {torch.get_num_threads()} threads | {precision} | torch {torch.__version__}"
+
+
+def _read_peaks(path: Path) -> dict[str, float]:
+    """The cache file's {key: FLOP/s}; empty when it is missing, unreadable or not what we wrote (a corrupt
+    file is then measured over and replaced, never an error)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: float(v) for k, v in data.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0}
+
+
+def _write_peak(key: str, flops: float) -> float:
+    """Merge `flops` into the cache file, keeping the highest figure seen for the key, written atomically
+    (temp file + os.replace). Returns that highest figure. A cache that cannot be written is skipped."""
+    path = cpu_peak_cache_dir() / CPU_PEAK_FILE
+    peaks = _read_peaks(path)
+    peaks[key] = max(peaks.get(key, 0.0), flops)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(peaks, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:  # a read-only home, a full disk: the run goes on with the figure it has
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    return peaks[key]
+
+
+def measure_cpu_matmul_flops(precision: str, seconds: float = 2.0, max_n: int = 2048) -> float:
+    """Best of repeated n x n matmuls over about `seconds`: the practical peak this CPU reaches in this
+    precision. n doubles from 256 until one matmul takes 50 ms (2048 for fp32 and bf16 on a 2-core machine;
+    fp16, which CPUs mostly emulate at ~1 GFLOP/s, stops at 512), so the timer sees real work, and the best
+    of many repeats is the one least disturbed by other processes."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16 if precision == "fp16" else torch.float32
     # a private generator: drawing from the global RNG here would shift the training stream (dropout) of the
     # first run in a process, and of a resumed run after its RNG state was restored
     gen = torch.Generator().manual_seed(0)
-    a, b = torch.randn(n, n, dtype=dtype, generator=gen), torch.randn(n, n, dtype=dtype, generator=gen)
-    a @ b
-    best = math.inf
-    for _ in range(repeats):
+    n = 256
+    while True:  # each size's first matmul is also the warm-up
+        a, b = torch.randn(n, n, dtype=dtype, generator=gen), torch.randn(n, n, dtype=dtype, generator=gen)
         t0 = time.perf_counter()
         a @ b
-        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() - t0 >= 0.05 or n >= max_n:
+            break
+        n *= 2
+    best, spent, repeats = math.inf, 0.0, 0
+    while repeats < 3 or (spent < seconds and repeats < 100):
+        t0 = time.perf_counter()
+        a @ b
+        took = time.perf_counter() - t0
+        best, spent, repeats = min(best, took), spent + took, repeats + 1
     return 2 * n**3 / best
 
 
