@@ -485,9 +485,10 @@ def write_report(run_dirs: list[str | Path], out_path: str | Path, samples: list
     return out_path
 
 
-def write_run_report(run_dir: str | Path, quiet: bool = False) -> Path | None:
+def write_run_report(run_dir: str | Path, quiet: bool = False, stopped: str = "") -> Path | None:
     """RUN/report.md at the end of a training command, on rank 0 only. A failure here must never fail or
-    lose a finished run (its checkpoint is already written): it is a warning on stderr, and None."""
+    lose a finished run (its checkpoint is already written): it is a warning on stderr, and None. `stopped`:
+    why a run ended early (the interruption's message), shown under the title."""
     from nanoforge.train.distributed import is_main
 
     if not is_main():
@@ -496,10 +497,11 @@ def write_run_report(run_dir: str | Path, quiet: bool = False) -> Path | None:
     try:
         stage = read_run(run_dir).config.get("run", {}).get("stage")
         path = write_report([run_dir], run_dir / "report.md",
-                            title=f"nanoforge {stage or 'run'} report: {run_dir.resolve().name}")
+                            title=f"nanoforge {stage or 'run'} report: {run_dir.resolve().name}",
+                            preamble=f"> Stopped early: {stopped}" if stopped else "")
     except Exception as e:  # noqa: BLE001 (anything: a full disk, a plotting bug, a half-written file)
-        print(f"warning: the run finished, but its report could not be written: {type(e).__name__}: {e}",
-              file=sys.stderr, flush=True)
+        print(f"warning: the run {'stopped' if stopped else 'finished'}, but its report could not be written: "
+              f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return None
     if not quiet:
         print(f"report: {path}", file=sys.stderr, flush=True)

@@ -300,3 +300,46 @@ def test_sft_stage_samples_through_the_chat_template_and_reports(run_with_val, t
         overrides={**FAST, "max_steps": 2, "sample_every": 2, "eval_every": 0, "val_fraction": 0.0}, quiet=True)
     assert [s["step"] for s in samples(tmp_path / "lora")] == [2] * len(DEFAULT_PROMPTS)
     assert "| stage | lora |" in (tmp_path / "lora" / "report.md").read_text()
+
+
+def test_a_run_stopped_by_sigterm_still_writes_its_report(prepared, tmp_path):
+    """The real command, stopped by SIGTERM once it has logged and checkpointed a few steps: it exits 143 with
+    its checkpoint, and its report holds the numbers of the last logged step."""
+    import os
+    import signal
+    import subprocess
+
+    from nanoforge.train import checkpoint as ckpt
+
+    out = tmp_path / "stopped"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "nanoforge", "pretrain", "--data", str(prepared), "--out", str(out),
+           "--preset", "tiny", "--max-steps", "100000", "--precision", "fp32", "--device", "cpu", "--log-every", "1",
+           "--save-every", "2", "--eval-every", "0", "--tensorboard", "false"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[1], env=env)
+    try:
+        for line in proc.stderr:  # the progress line of step 3: step 2's checkpoint is written by then
+            if line.startswith("step ") and line.split()[1].split("/")[0] == "3":
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "Traceback" not in err and "SIGTERM received: checkpoint written to" in err, err[-2000:]
+    last = [r for r in records(out) if "loss" in r][-1]
+    assert ckpt.load_state(ckpt.latest_checkpoint(out))["run_state"]["step"] == last["step"] >= 3
+    text = (out / "report.md").read_text()
+    assert text.startswith("# nanoforge pretrain report: stopped")
+    assert "> Stopped early: SIGTERM received" in text
+    final = {row[0]: (float(row[1]), int(row[2])) for row in table(text, "### Final metrics")}
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_gb"):
+        value, step = final[key]
+        assert step == last["step"]
+        assert value == pytest.approx(last[key], rel=1e-5), key
+    if has_matplotlib():
+        for png in referenced_pngs(out / "report.md"):
+            png_size(png)

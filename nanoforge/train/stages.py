@@ -17,7 +17,7 @@ from nanoforge.config import (ConfigError, ModelConfig, TrainConfig, build_confi
 from nanoforge.errors import NanoforgeError
 from nanoforge.plan import fit_micro_batch
 from nanoforge.train import checkpoint as ckpt
-from nanoforge.train.loop import Stage, train
+from nanoforge.train.loop import Stage, TrainingInterrupted, train
 from nanoforge.train.objectives import causal_lm_loss
 
 
@@ -177,9 +177,17 @@ def make_sampler(run_dir: Path, tcfg: TrainConfig, tokenizer, prompts: list[str]
 
 def train_and_report(stage: Stage, model, mcfg: ModelConfig, tcfg: TrainConfig, run_dir: Path, resume: bool,
                      quiet: bool) -> dict[str, Any]:
-    """The loop, then RUN/report.md (rank 0; a report failure is a warning, never a failed run)."""
+    """The loop, then RUN/report.md (rank 0; a report failure is a warning, never a failed run). A run stopped
+    by SIGINT/SIGTERM gets the report of its steps so far, after its checkpoint and before it exits."""
     from nanoforge.report import write_run_report
-    summary = train(stage, model, mcfg, tcfg, run_dir, resume=resume, quiet=quiet)
+    try:
+        summary = train(stage, model, mcfg, tcfg, run_dir, resume=resume, quiet=quiet)
+    except TrainingInterrupted as e:
+        try:
+            write_run_report(run_dir, quiet=quiet, stopped=str(e))
+        except KeyboardInterrupt:  # a second Ctrl-C skips the report; the exit code stays the first signal's
+            pass
+        raise
     report = write_run_report(run_dir, quiet=quiet)
     if report is not None:
         summary["report"] = str(report)
