@@ -8,7 +8,8 @@ import sys
 from typing import Any
 
 from nanoforge import __version__
-from nanoforge.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, ModelConfig, TrainConfig, parse_value
+from nanoforge.config import (MODEL_FIELDS, PRESETS, TRAIN_FIELDS, ModelConfig, TrainConfig, field_help,
+                              parse_value)
 from nanoforge.errors import NanoforgeError
 
 
@@ -20,13 +21,14 @@ def add_config_flags(p: argparse.ArgumentParser, presets: bool = True, exclude: 
     p.add_argument("--config", metavar="FILE.toml", help="TOML file with [model] and [train] sections")
     for title, cls, names in (("model", ModelConfig, MODEL_FIELDS), ("training", TrainConfig, TRAIN_FIELDS)):
         group = p.add_argument_group(f"{title} config fields (override preset and --config)")
-        defaults = cls()
+        defaults, helps = cls(), field_help(cls)
         for name, f in names.items():
             if name in exclude:
                 continue
             default = getattr(defaults, name)
+            what = helps.get(name, "").replace("%", "%%")  # argparse formats help with %
             group.add_argument(f"--{name.replace('_', '-')}", dest=f"cfg_{name}", metavar=_metavar(f),
-                               help=f"(default: {default!r})")
+                               help=f"{what} (default: {default!r})" if what else f"(default: {default!r})")
 
 
 def _metavar(f: dataclasses.Field) -> str:

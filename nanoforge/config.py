@@ -22,26 +22,26 @@ class ConfigError(NanoforgeError):
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 6400
-    d_model: int = 512
-    n_layers: int = 8
-    n_heads: int = 8
-    n_kv_heads: int = 2
+    vocab_size: int = 6400  # tokens in the embedding; training commands size it to the tokenizer unless given
+    d_model: int = 512  # model width
+    n_layers: int = 8  # transformer blocks
+    n_heads: int = 8  # query heads (head_dim = d_model / n_heads)
+    n_kv_heads: int = 2  # key/value heads shared by groups of query heads (GQA); = n_heads for plain attention
     # SwiGLU hidden width; 0 derives MiniMind's rule: 8/3 * d_model rounded up to a multiple of 64.
     ffn_hidden: int = 0
-    max_seq_len: int = 512
-    rope_theta: float = 1e4
+    max_seq_len: int = 512  # longest context the model is built for (RoPE tables)
+    rope_theta: float = 1e4  # RoPE base frequency
     # YaRN context extension (arXiv 2309.00071): factor > 1 stretches RoPE to factor * rope_original_max_seq_len.
     rope_scaling_factor: float = 1.0
-    rope_original_max_seq_len: int = 0  # 0 means max_seq_len
-    norm_eps: float = 1e-5
+    rope_original_max_seq_len: int = 0  # YaRN: the context length trained at; 0 means max_seq_len
+    norm_eps: float = 1e-5  # RMSNorm epsilon
     qk_norm: bool = False  # RMSNorm on per-head q and k (Qwen3 style)
-    dropout: float = 0.0
-    tie_embeddings: bool = True
-    init_std: float = 0.02
+    dropout: float = 0.0  # dropout on attention and residual branches while training
+    tie_embeddings: bool = True  # the output head shares the input embedding's weights
+    init_std: float = 0.02  # std of the normal initialisation (residual projections scaled by 1/sqrt(2 n_layers))
     # mixture of experts: 0 keeps the dense SwiGLU; otherwise each token goes to its top experts_per_token
     n_experts: int = 0
-    experts_per_token: int = 2
+    experts_per_token: int = 2  # experts each token is routed to
     moe_aux_weight: float = 0.01  # weight of the load-balancing loss added to the training loss
 
     @property
@@ -82,28 +82,29 @@ class ModelConfig:
 @dataclass
 class TrainConfig:
     # schedule of the run
-    max_steps: int = 1000
+    max_steps: int = 1000  # optimizer steps to train (see also epochs)
+    epochs: float = 0.0  # > 0: train this many passes over the data (sets max_steps from the data's size)
     batch_size: int = 4  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
     # "" trains batch_size x grad_accum as given; "auto" finds the largest micro-batch that fits (a probe, see
     # plan.py) and N uses micro-batch N; both then set grad_accum so the global batch batch_size x grad_accum stays
     micro_batch: str = ""
     memory_budget_gb: float = 0.0  # memory --micro-batch auto may fill; 0: the device's (CPU: 80% of MemAvailable)
-    seq_len: int = 512
+    seq_len: int = 512  # tokens per training sequence
     # optimizer
-    lr: float = 5e-4
+    lr: float = 5e-4  # peak learning rate (AdamW)
     min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
     schedule: str = "cosine"  # cosine | wsd | onecycle | constant
-    warmup_steps: int = 100
+    warmup_steps: int = 100  # linear warmup from 0 to lr
     decay_fraction: float = 0.2  # wsd: share of the steps spent decaying at the end
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # 0 disables clipping
+    weight_decay: float = 0.1  # AdamW decoupled weight decay (matrices only; not norms, biases or embeddings)
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables clipping
     # muon: Newton-Schulz orthogonalised momentum for the blocks' weight matrices, AdamW (lr) for the rest
     optimizer: str = "adamw"  # adamw | muon
     muon_lr: float = 0.02  # peak lr of the muon matrices; follows the same schedule as lr
-    muon_momentum: float = 0.95
+    muon_momentum: float = 0.95  # muon's Nesterov momentum
     # numerics and device
     precision: str = "bf16"  # fp32 | bf16 | fp16
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
@@ -112,25 +113,25 @@ class TrainConfig:
     tf32: bool = True  # CUDA: fp32 matmuls on tensor cores (TF32)
     sync_timing: bool = False  # CUDA: synchronise at phase boundaries so data/fwd_bwd/optim times are exact (slower)
     fsdp: bool = False  # under torchrun: shard parameters, gradients and optimizer state (FSDP2) instead of DDP
-    seed: int = 0
+    seed: int = 0  # fixes the initial weights, the data order and dropout
     # evaluation, logging, checkpoints
-    eval_every: int = 100  # 0 disables periodic validation
-    eval_batches: int = 20
+    eval_every: int = 100  # steps between validations; 0 disables periodic validation
+    eval_batches: int = 20  # validation batches per evaluation (capped by the split's size)
     early_stop_patience: int = 0  # evaluations without improvement before stopping; 0 disables
-    log_every: int = 10
+    log_every: int = 10  # steps between progress lines and metrics.jsonl records
     sample_every: int = 0  # generate the sample prompts every N steps (logged to samples.jsonl and TensorBoard); 0 disables
     sample_prompts: str = ""  # file of prompts for samples (JSONL with "prompt" or one per line); empty: built-in set
-    save_every: int = 500  # 0 saves only at the end and on interruption
-    keep_last: int = 3
-    tensorboard: bool = True
-    wandb_project: str = ""  # empty disables wandb
+    save_every: int = 500  # steps between checkpoints; 0 saves only at the end and on interruption
+    keep_last: int = 3  # checkpoints kept on disk (older ones are deleted)
+    tensorboard: bool = True  # write TensorBoard events to RUN/tb
+    wandb_project: str = ""  # log to this wandb project too; empty disables wandb
     # guard against non-finite loss or gradients
     nonfinite_patience: int = 3  # consecutive bad steps before rolling back to the last checkpoint
-    rollback_lr_factor: float = 0.5
+    rollback_lr_factor: float = 0.5  # lr multiplier after each rollback
     # debugging: "loss@5,grad@7" makes step 5's loss and step 7's gradients non-finite (tests use it)
     inject_nonfinite: str = ""
     # data
-    val_fraction: float = 0.01  # used when raw JSONL is prepared on the fly
+    val_fraction: float = 0.01  # held out when raw JSONL/text is prepared on the fly (a text file: its tail)
     workers: int = 0  # tokenization processes when preparing on the fly; 0 means all cores
 
     def validate(self) -> None:
@@ -149,6 +150,8 @@ class TrainConfig:
             raise ConfigError(f"decay_fraction={self.decay_fraction} must be in [0, 1]")
         if not 0.0 < self.rollback_lr_factor <= 1.0:
             raise ConfigError(f"rollback_lr_factor={self.rollback_lr_factor} must be in (0, 1]")
+        if self.epochs < 0:
+            raise ConfigError(f"epochs={self.epochs} must be >= 0 (0 trains for max_steps)")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ConfigError(f"val_fraction={self.val_fraction} must be in [0, 1)")
         for name in ("warmup_steps", "eval_every", "save_every", "early_stop_patience", "workers", "sample_every",
@@ -161,6 +164,36 @@ class TrainConfig:
             raise ConfigError(f"memory_budget_gb={self.memory_budget_gb} must be >= 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ConfigError("beta1 and beta2 must be in [0, 1)")
+
+
+def field_help(cls) -> dict[str, str]:
+    """Each field's comment in this file (its trailing `# ...`, else a descriptive comment block right above
+    it), for --help: the dataclasses stay the one place where a field is explained."""
+    import inspect
+    import re
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):  # no source (a frozen install): flags keep only their defaults
+        return {}
+    out, block = {}, []
+    for line in lines:
+        text = line.strip()
+        if text.startswith("#"):
+            block.append(text.lstrip("# "))
+            continue
+        m = re.match(r"(\w+): [^=]+=.*?(?:  # (.*))?$", text)
+        if m:
+            above = " ".join(block)
+            out[m.group(1)] = m.group(2) or (above if len(above.split()) > 5 else "")
+        block = []
+    return {k: v for k, v in out.items() if v}
+
+
+def _later_length_wins(train: dict[str, Any], layer: dict[str, Any]) -> None:
+    """A run's length is max_steps or epochs, whichever a later layer set: a layer that gives max_steps but
+    not epochs (a preset, a --max-steps on resume) turns off the epochs of the layers below it."""
+    if "max_steps" in layer and "epochs" not in layer:
+        train["epochs"] = 0.0
 
 
 def _positive(cfg, *names: str) -> None:
@@ -255,6 +288,10 @@ def build_config(preset: str | None = None, config_file: str | Path | None = Non
                 if key not in known:
                     raise ConfigError(f"{where}: [{section}] has unknown key {key!r}")
                 target[key] = _check_type(f"{where} [{section}]", key, known[key], value)
+            if section == "train":
+                _later_length_wins(train, layer.get("train", {}))
+    if overrides and "max_steps" in overrides and overrides.get("epochs"):
+        raise ConfigError("give --epochs or --max-steps, not both")
     for key, value in (overrides or {}).items():
         if key in MODEL_FIELDS:
             model[key] = value
@@ -262,6 +299,7 @@ def build_config(preset: str | None = None, config_file: str | Path | None = Non
             train[key] = value
         else:
             raise ConfigError(f"unknown config field {key!r}")
+    _later_length_wins(train, {k: v for k, v in (overrides or {}).items() if k in TRAIN_FIELDS})
     mcfg, tcfg = ModelConfig(**model), TrainConfig(**train)
     try:
         mcfg.validate()

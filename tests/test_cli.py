@@ -24,7 +24,13 @@ def test_help_lists_commands_and_defaults():
     for command in ("tokenizer", "prepare", "pretrain"):
         assert command in top.stdout
     pre = flat(nf("pretrain", "--help").stdout)
-    assert "--max-steps N (default: 1000)" in pre and "--resume" in pre
+    assert "--max-steps N optimizer steps to train (see also epochs) (default: 1000)" in pre and "--resume" in pre
+    # every config field explains itself, from its comment in config.py
+    from nanoforge.config import MODEL_FIELDS, TRAIN_FIELDS, ModelConfig, TrainConfig, field_help
+    for cls, fields in ((ModelConfig, MODEL_FIELDS), (TrainConfig, TRAIN_FIELDS)):
+        assert sorted(field_help(cls)) == sorted(fields), "a config field without a comment"
+    assert "--epochs X > 0: train this many passes over the data" in pre
+    assert "--micro-batch STR \"\" trains batch_size x grad_accum as given;" in pre  # a comment block above
     assert "(default: 0.01)" in flat(nf("prepare", "--help").stdout)
     assert "(default: 6400)" in flat(nf("tokenizer", "train", "--help").stdout)
 

@@ -59,6 +59,11 @@ class PretrainBatches:
         self.cursor = 0  # windows of this epoch's order already consumed (by all ranks together)
         self._order_epoch, self._order = None, None
 
+    @property
+    def sequences_per_epoch(self) -> int:
+        """Windows in one pass over the data (all ranks together)."""
+        return self.num_windows
+
     def _order_for(self, epoch: int) -> torch.Tensor:
         if self._order_epoch != epoch:
             generator = torch.Generator().manual_seed(self.seed + epoch)
@@ -261,6 +266,11 @@ class SFTBatches:
             raise NanoforgeError(f"{shards.directory} ({shards.split}) packs into {len(rows)} rows of {seq_len}, "
                                  f"fewer than one step needs ({batch_size} x {world_size}); add data or lower "
                                  f"--batch-size / --seq-len")
+
+    @property
+    def sequences_per_epoch(self) -> int:
+        """Packed rows in one pass over the conversations (the first epoch's packing; others differ by a few)."""
+        return self.report.rows
 
     def _rows_for(self, epoch: int) -> list[list[int]]:
         if self._rows_epoch != epoch:

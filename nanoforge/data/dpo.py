@@ -223,6 +223,11 @@ class DPOBatches:
         self.epoch, self.cursor = 0, 0
         self._order_epoch, self._order = None, None
 
+    @property
+    def sequences_per_epoch(self) -> int:
+        """Pairs in one pass over the data (those that fit seq_len)."""
+        return len(self.usable)
+
     def summary(self) -> str:
         return (f"{len(self.usable):,} of {self.num_pairs:,} pairs fit --seq-len {self.seq_len}; "
                 f"{self.skipped:,} skipped as too long")
