@@ -41,14 +41,20 @@ DEFAULT_DATA = REPO.parent / "shared" / "data" / "text" / "tinyshakespeare.txt"
 NANOFORGE = [sys.executable, "-m", "nanoforge"]
 
 VOCAB = 2048
-# Every entry is an ordinary `nanoforge pretrain` flag (a TrainConfig/ModelConfig field). Chosen in the
-# experiments of docs/perf.md, "CPU speedrun (issue 9)".
-CONFIG = {
-    "d-model": 128, "n-layers": 4, "n-heads": 4, "n-kv-heads": 2, "max-seq-len": 256,
-    "seq-len": 256, "batch-size": 4, "precision": "bf16",
-    "optimizer": "muon", "muon-lr": 0.01, "lr": 6e-3,
-    "schedule": "wsd", "decay-fraction": 0.4, "min-lr-ratio": 0.0, "warmup-steps": 20, "weight-decay": 0.1,
-}
+# The model and training config: configs/speedrun-shakespeare.toml, ordinary `nanoforge pretrain` fields chosen
+# in the experiments of docs/perf.md, "CPU speedrun (issue 9)". Kept here as flags, so --set can override them.
+CONFIG_FILE = REPO / "configs" / "speedrun-shakespeare.toml"
+
+
+def load_config(path: Path) -> dict:
+    import tomllib
+    with open(path, "rb") as f:
+        cfg = tomllib.load(f)
+    return {k.replace("_", "-"): (str(v).lower() if isinstance(v, bool) else v)
+            for section in ("model", "train") for k, v in cfg.get(section, {}).items()}
+
+
+CONFIG = load_config(CONFIG_FILE)
 # What a speed run does not need: periodic validation, intermediate checkpoints, TensorBoard files.
 QUIET_RUN = {"eval-every": 0, "save-every": 0, "tensorboard": "false", "log-every": 10}
 CALIBRATION_SHORT, CALIBRATION_STEPS = 5, 40  # two calibration runs: 5 and 45 steps

@@ -343,3 +343,69 @@ def test_a_run_stopped_by_sigterm_still_writes_its_report(prepared, tmp_path):
     if has_matplotlib():
         for png in referenced_pngs(out / "report.md"):
             png_size(png)
+
+
+def wandb_history(run_file: Path) -> list[dict]:
+    """The history rows (one per wandb.log call) of an offline run's .wandb file: a LevelDB-style log of
+    protobuf records (32 KiB blocks of [crc32, length, type] + data; after a 7-byte ':W&B' header), which
+    wandb's own Python reader no longer ships."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, rows, pending, pos, block = run_file.read_bytes(), [], b"", 7, 32768
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:
+            break
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a FULL record, or the LAST piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                row: dict = {}
+                for item in record.history.item:  # a logged table is a nested key per field: samples/_type, ...
+                    *outer, key = list(item.nested_key) or [item.key]
+                    node = row
+                    for name in outer:
+                        node = node.setdefault(name, {})
+                    node[key] = json.loads(item.value_json)
+                rows.append(row)
+    return rows
+
+
+@pytest.mark.slow
+def test_wandb_offline_gets_the_metrics_and_the_samples(prepared, tmp_path):
+    """A real run with wandb_project set, wandb offline (no network, no login): the losses of metrics.jsonl
+    and the samples of samples.jsonl are in what wandb wrote."""
+    pytest.importorskip("wandb")
+    import os
+    import subprocess
+
+    out = tmp_path / "wb"
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off",
+           "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"), "WANDB_CACHE_DIR": str(tmp_path / "wandb_cache"),
+           "WANDB_DATA_DIR": str(tmp_path / "wandb_data"), "WANDB_API_KEY": "", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "nanoforge", "pretrain", "--data", str(prepared), "--out", str(out),
+           "--preset", "tiny", "--max-steps", "4", "--log-every", "2", "--sample-every", "2", "--eval-every", "0",
+           "--save-every", "0", "--precision", "fp32", "--device", "cpu", "--tensorboard", "false",
+           "--wandb-project", "nanoforge-test"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr[-3000:]
+    [run] = (out / "wandb").glob("offline-run-*")
+    history = wandb_history(next(run.glob("*.wandb")))
+    logged = {row["_step"]: row["loss"] for row in history if "loss" in row}
+    assert logged == {rec["step"]: rec["loss"] for rec in records(out) if "loss" in rec} and list(logged) == [2, 4]
+    tables = {row["_step"]: row["samples"] for row in history if "samples" in row}
+    assert list(tables) == [2, 4] and all(t["_type"] == "table-file" for t in tables.values())
+    # the tables themselves: files beside the run, rows (step, prompt, text) as in samples.jsonl
+    got = samples(out)
+    for step, ref in tables.items():
+        table = json.loads((run / "files" / ref["path"]).read_text())
+        assert table["columns"] == ["step", "prompt", "text"]
+        assert table["data"] == [[s["step"], s["prompt"], s["text"]] for s in got if s["step"] == step]

@@ -213,6 +213,17 @@ class MetricsLog:
         if self.tb is not None:
             self.tb.add_text(tag, text, step)
 
+    def samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        """Samples generated at `step` ({"prompt", "text", ...} each): TensorBoard text per prompt, and with
+        wandb one table per step (step, prompt, text) under "samples". RUN/samples.jsonl is written by the
+        sampler itself (evaluate.write_samples), so it exists without TensorBoard or wandb."""
+        for i, sample in enumerate(samples):
+            self.text(step, f"samples/{i}", f"{sample['prompt']} → {sample['text']}")
+        if self.wandb is not None:
+            import wandb
+            rows = [[step, sample["prompt"], sample["text"]] for sample in samples]
+            self.wandb.log({"samples": wandb.Table(columns=["step", "prompt", "text"], data=rows)}, step=step)
+
     def print(self, text: str) -> None:
         if not self.quiet:
             print(text, file=sys.stderr, flush=True)
