@@ -149,8 +149,8 @@ def sample_prompts(tcfg: TrainConfig) -> list[str] | None:
 
 def make_sampler(run_dir: Path, tcfg: TrainConfig, tokenizer, prompts: list[str] | None, chat: bool):
     """Stage.sampler for the loop, or None when --sample-every is 0. Each call appends to RUN/samples.jsonl
-    (with the step) and to TensorBoard as text. chat=True sends each prompt as a user turn through the chat
-    template (SFT-style stages); False continues it as plain text (pretraining)."""
+    (with the step), to TensorBoard as text and to wandb as a table. chat=True sends each prompt as a user
+    turn through the chat template (SFT-style stages); False continues it as plain text (pretraining)."""
     if not tcfg.sample_every:
         return None
     from nanoforge.evaluate import generate_samples, write_samples
@@ -170,9 +170,22 @@ def make_sampler(run_dir: Path, tcfg: TrainConfig, tokenizer, prompts: list[str]
         finally:
             ckpt.set_rng_states(rng)
         write_samples(run_dir, got, step)
-        for i, sample in enumerate(got):
-            log.text(step, f"samples/{i}", f"{sample['prompt']} → {sample['text']}")
+        log.samples(step, got)
     return sampler
+
+
+def steps_from_epochs(batches, tcfg: TrainConfig, quiet: bool) -> None:
+    """--epochs E: max_steps = ceil(E x sequences per epoch / sequences per step), from the batch source's size
+    (windows for pretraining, packed rows for SFT, pairs for DPO) and the global batch of every process."""
+    import math
+    from nanoforge.train.distributed import world
+    per_step = tcfg.batch_size * tcfg.grad_accum * world().world_size
+    n = batches.sequences_per_epoch
+    tcfg.max_steps = max(1, math.ceil(tcfg.epochs * n / per_step))
+    tcfg.validate()
+    if not quiet:
+        print(f"epochs {tcfg.epochs:g}: {n:,} sequences per epoch / {per_step:,} per step -> "
+              f"{tcfg.max_steps:,} steps", flush=True)
 
 
 def train_and_report(stage: Stage, model, mcfg: ModelConfig, tcfg: TrainConfig, run_dir: Path, resume: bool,
@@ -180,6 +193,9 @@ def train_and_report(stage: Stage, model, mcfg: ModelConfig, tcfg: TrainConfig, 
     """The loop, then RUN/report.md (rank 0; a report failure is a warning, never a failed run). A run stopped
     by SIGINT/SIGTERM gets the report of its steps so far, after its checkpoint and before it exits."""
     from nanoforge.report import write_run_report
+    if tcfg.epochs:
+        steps_from_epochs(stage.train_batches, tcfg, quiet)
+        write_run_config(run_dir, mcfg, tcfg, stage.run_info)
     try:
         summary = train(stage, model, mcfg, tcfg, run_dir, resume=resume, quiet=quiet)
     except TrainingInterrupted as e:
