@@ -12,6 +12,23 @@ from pathlib import Path
 import pytest
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+_SESSION_CACHE: str | None = None
+
+
+def pytest_configure(config):
+    """Tests write only to temporary folders: the measured-CPU-peak cache (and matplotlib's font cache) of
+    every run, in this process and the subprocesses it starts, go to one temporary folder for the session."""
+    global _SESSION_CACHE
+    import tempfile
+    _SESSION_CACHE = tempfile.mkdtemp(prefix="nanoforge-test-cache-")
+    os.environ["NANOFORGE_CACHE_DIR"] = os.path.join(_SESSION_CACHE, "nanoforge")
+    os.environ["MPLCONFIGDIR"] = os.path.join(_SESSION_CACHE, "matplotlib")
+
+
+def pytest_unconfigure(config):
+    import shutil
+    if _SESSION_CACHE:
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
 def _missing_shared_data(what: str = "this test") -> None:
