@@ -237,6 +237,9 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
               f"{tcfg.batch_size}x{tcfg.seq_len} x {tcfg.grad_accum} accum"
               + (f" x {world.world_size} processes ({'FSDP2' if fsdp else 'DDP'})" if world.distributed else "")
               + f", {tcfg.max_steps} steps -> {run_dir}")
+    if tcfg.warmup_steps >= tcfg.max_steps and st["step"] == 0:
+        log.print(f"note: warmup_steps={tcfg.warmup_steps} covers the whole run of {tcfg.max_steps} steps: the "
+                  f"learning rate never gets past its warmup to the peak {tcfg.lr:g} (lower --warmup-steps)")
 
     def save(step: int) -> Path:
         weights = raw.state_dict_for_save() if hasattr(raw, "state_dict_for_save") else raw.state_dict()
