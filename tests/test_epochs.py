@@ -87,6 +87,6 @@ def test_epochs_and_max_steps_layering(tmp_path):
 
 def test_a_warmup_longer_than_the_run_is_pointed_out(data, tmp_path, capsys):
     pretrain([str(data / "pre")], tmp_path / "a", preset="tiny", overrides={**FAST, "max_steps": 2, "warmup_steps": 5})
-    assert "warmup_steps=5 covers the whole run of 2 steps" in capsys.readouterr().out
+    assert "warmup_steps=5 covers the whole run of 2 steps" in capsys.readouterr().err
     pretrain([str(data / "pre")], tmp_path / "b", preset="tiny", overrides={**FAST, "max_steps": 2, "warmup_steps": 1})
-    assert "covers the whole run" not in capsys.readouterr().out
+    assert "covers the whole run" not in capsys.readouterr().err
