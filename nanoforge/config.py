@@ -119,7 +119,8 @@ class TrainConfig:
     eval_batches: int = 20  # validation batches per evaluation (capped by the split's size)
     early_stop_patience: int = 0  # evaluations without improvement before stopping; 0 disables
     log_every: int = 10  # steps between progress lines and metrics.jsonl records
-    sample_every: int = 0  # generate the sample prompts every N steps (logged to samples.jsonl and TensorBoard); 0 disables
+    # generate the sample prompts every N steps (to samples.jsonl, TensorBoard and wandb); 0 disables
+    sample_every: int = 0
     sample_prompts: str = ""  # file of prompts for samples (JSONL with "prompt" or one per line); empty: built-in set
     save_every: int = 500  # steps between checkpoints; 0 saves only at the end and on interruption
     keep_last: int = 3  # checkpoints kept on disk (older ones are deleted)
