@@ -62,7 +62,7 @@ def peak_and_source(device: torch.device, precision: str) -> tuple[float, str]:
     peak = metrics.peak_flops(device, precision)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        key = next((k for k in metrics.GPU_PEAK_FLOPS if k in name.lower()), None)
+        key = metrics.gpu_table_entry(name)
         if key is None:
             return 0.0, f"{name} is not in the GPU table of train/metrics.py: MFU unknown"
         note = "bf16/fp16 dense" if precision != "fp32" else "TF32 dense, half the bf16 entry"

@@ -143,3 +143,18 @@ def test_compiled_ddp_matches_eager_ddp(runs, pretrain_dir, tmp_path):
          *COMMON], nproc=2, timeout=600)
     assert_close(curve(compiled), curve(runs / "ddp"), rel=1e-4)
     assert_close(curve(compiled, "val_loss"), curve(runs / "ddp", "val_loss"), rel=1e-4)
+
+
+def test_collective_timeout_comes_from_the_environment(monkeypatch):
+    """Ranks > 0 wait in a barrier while rank 0 prepares a large corpus: the timeout (default 3 h, not NCCL's
+    10 minutes) can be set, and a bad value is an error that names the variable."""
+    from nanoforge.errors import NanoforgeError
+    from nanoforge.train.distributed import _timeout_minutes
+    monkeypatch.delenv("NANOFORGE_DIST_TIMEOUT_MIN", raising=False)
+    assert _timeout_minutes() == 180.0
+    monkeypatch.setenv("NANOFORGE_DIST_TIMEOUT_MIN", "45")
+    assert _timeout_minutes() == 45.0
+    for bad in ("soon", "0", "-3"):
+        monkeypatch.setenv("NANOFORGE_DIST_TIMEOUT_MIN", bad)
+        with pytest.raises(NanoforgeError, match="NANOFORGE_DIST_TIMEOUT_MIN"):
+            _timeout_minutes()

@@ -145,3 +145,13 @@ def test_the_loop_never_logs_mfu_above_one(cache, tmp_path, monkeypatch):
     assert len(mfus) == 3 and all(0 < m <= 1.0 for m in mfus)
     assert mfus[0] == 1.0  # the first window set the new peak
     assert json.loads(path.read_text())[key] > 1e6
+
+
+@pytest.mark.parametrize("name, key", [
+    ("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100 pcie"),
+    ("NVIDIA A100-SXM4-40GB", "a100"), ("NVIDIA A10", "a10"), ("NVIDIA L40S", "l40s"), ("NVIDIA L40", "l40"),
+    ("NVIDIA L4", "l4"), ("NVIDIA GeForce RTX 3090", "3090"), ("NVIDIA GeForce RTX 4090", "4090"),
+    ("Tesla T4", "t4"), ("Tesla V100-SXM2-16GB", "v100"), ("NVIDIA GeForce GTX 1080", None)])
+def test_gpu_names_find_their_datasheet_entry(name, key):
+    """torch.cuda.get_device_name() strings: the most specific entry wins (L40S is not an L40, A100 not an A10)."""
+    assert metrics.gpu_table_entry(name) == key

@@ -212,6 +212,6 @@ def resolve_precision(precision: str, device) -> str:
         raise NanoforgeError(f"--precision {precision!r} is not one of {', '.join(PRECISION_CHOICES)}")
     if precision != "auto":
         return precision
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:  # native bf16 (not emulated)
         return "bf16"
     return "fp32"

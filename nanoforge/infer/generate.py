@@ -233,7 +233,7 @@ def _token_steps(model, prompts, cfg: SamplingConfig, use_cache: bool, precision
         raise NanoforgeError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
     device = next(model.parameters()).device
     with _step_context(model, device, precision):
-        state = _DecodeState(model, prompts, cfg, use_cache, device)
+        state = _DecodeState(model, prompts, cfg, use_cache, device, precision)
     for _ in range(state.n_new):
         with _step_context(model, device, precision):
             tokens = state.step()
@@ -262,7 +262,8 @@ class _DecodeState:
     """Everything one decoding run carries from step to step: the tokens so far, the padding mask, the cache,
     the tokens already seen (for the repetition penalty), the RNG and the last sampled tokens."""
 
-    def __init__(self, model, prompts, cfg: SamplingConfig, use_cache: bool, device: torch.device):
+    def __init__(self, model, prompts, cfg: SamplingConfig, use_cache: bool, device: torch.device,
+                 precision: str = "fp32"):
         self.model, self.cfg, self.device = model, cfg, device
         lengths = _check_prompts(model, prompts)
         longest = max(lengths)
@@ -277,7 +278,11 @@ class _DecodeState:
         # Without padding the model takes its fused causal path; with it, a mask hides the pad columns.
         self.mask = None if min(lengths) == longest else \
             torch.tensor([[0] * (longest - n) + [1] * n for n in lengths], dtype=torch.long, device=device)
-        self.cache = model.new_cache(len(prompts), max_len=longest + self.n_new) if use_cache else None
+        # The cache in the dtype attention computes in: a float32 cache under bf16 autocast is converted back to
+        # bf16 in every layer at every step (the whole cache, 4x the memory traffic of decoding)
+        cache_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision) if device.type == "cuda" else None
+        self.cache = model.new_cache(len(prompts), max_len=longest + self.n_new, dtype=cache_dtype) \
+            if use_cache else None
         vocab = model.cfg.vocab_size
         self.seen = None
         if cfg.repetition_penalty != 1.0:

@@ -226,9 +226,17 @@ class Attention(nn.Module):
         # Measured on a 2-core CPU, mini shape (B=4, T=512, 8 heads, 2 kv heads), SDPA forward+backward:
         # enable_gqa 54 ms, expand+reshape 59 ms, repeat_interleave 63 ms (fp32); 53 / 60 / 68 ms (bf16).
         # In decoding it also avoids copying the whole cache every step.
+        gqa = self.n_kv_heads != self.n_heads
+        if gqa and q.is_cuda and (mask is not None or q.dtype == torch.float32):
+            # On CUDA only flash attention (and math) take enable_gqa, and flash takes no mask and no fp32:
+            # a packed SFT row, a left-padded batch or an fp32 run would fall back to the math kernel, which
+            # materialises (B, H, T, S) float32 scores. Expanded heads keep the memory-efficient kernel.
+            rep = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            gqa = False
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                            dropout_p=self.dropout if self.training else 0.0,
-                                           enable_gqa=self.n_kv_heads != self.n_heads)  # (B, H, T, hd)
+                                           enable_gqa=gqa)  # (B, H, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, C)
         return self.o_proj(y)
 

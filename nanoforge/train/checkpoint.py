@@ -65,14 +65,19 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def rng_states() -> dict[str, Any]:
     states: dict[str, Any] = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
+        states["cuda"] = [torch.cuda.get_rng_state()]  # the current device's (each rank's own GPU)
     return states
 
 
 def set_rng_states(states: dict[str, Any]) -> None:
     torch.set_rng_state(states["cpu"])
     if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+        # Older checkpoints hold every visible GPU's state (get_rng_state_all); restoring all of them fails with
+        # IndexError on a machine with fewer GPUs. Take the one for the current device when there, else the first.
+        cuda = list(states["cuda"])
+        if cuda:
+            i = torch.cuda.current_device()
+            torch.cuda.set_rng_state(cuda[i] if i < len(cuda) else cuda[0])
 
 
 def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Tensor], trainer: dict[str, Any],

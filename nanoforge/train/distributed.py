@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from nanoforge.errors import NanoforgeError
 
 
 @dataclass(frozen=True)
@@ -45,18 +48,34 @@ def is_main() -> bool:
     return world().is_main
 
 
+def _timeout_minutes() -> float:
+    text = os.environ.get("NANOFORGE_DIST_TIMEOUT_MIN", "180")
+    try:
+        minutes = float(text)
+    except ValueError:
+        minutes = -1.0
+    if not minutes > 0:
+        raise NanoforgeError(f"NANOFORGE_DIST_TIMEOUT_MIN={text!r} must be a positive number of minutes")
+    return minutes
+
+
 def setup(device: torch.device) -> torch.device:
     """Join the process group (once) and return this rank's device: cuda:LOCAL_RANK under CUDA (nccl),
     the given device otherwise (gloo)."""
     w = world()
     if not w.distributed:
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)  # --device cuda:N: make N current (synchronize, bf16 checks, streams)
         return device
     if device.type == "cuda":
         device = torch.device("cuda", w.local_rank)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        # main_first() keeps ranks > 0 in a barrier while rank 0 prepares data or computes DPO reference
+        # log-probs; NCCL's default 10-minute timeout would kill them on a large corpus.
+        timeout = datetime.timedelta(minutes=_timeout_minutes())
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=w.rank,
-                                world_size=w.world_size)
+                                world_size=w.world_size, timeout=timeout)
         atexit.register(dist.destroy_process_group)
     return device
 
@@ -112,7 +131,9 @@ def wrap(model: nn.Module, device: torch.device, fsdp: bool = False) -> nn.Modul
     # Mixture-of-experts layers may leave an expert without tokens in a step: DDP must look for unused ones.
     moe = getattr(getattr(model, "cfg", None), "n_experts", 0)
     ids = [device.index] if device.type == "cuda" else None
-    return DDP(model, device_ids=ids, find_unused_parameters=bool(moe))
+    # Buffers are only the RoPE tables, identical on every rank: no broadcast before every forward
+    # (torch 2.13's name; the older broadcast_buffers=False is deprecated there)
+    return DDP(model, device_ids=ids, find_unused_parameters=bool(moe), forward_sync_buffers=False)
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:

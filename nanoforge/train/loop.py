@@ -105,7 +105,7 @@ def autocast_context(device: torch.device, precision: str):
 
 def fallback_precision(device: torch.device) -> str:
     """Where fp16 keeps overflowing: bf16 has fp32's range; fall back to fp32 where bf16 is not supported."""
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
         return "fp32"
     return "bf16"
 
@@ -194,9 +194,14 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
     raw = model
     raw.to(device)
     raw.train()
-    if device.type == "cuda" and tcfg.tf32:  # fp32 matmuls (the fp32 parts of autocast too) on tensor cores
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    if device.type == "cuda":
+        # fp32 matmuls (the fp32 parts of autocast too) on tensor cores, or not: set both ways, since an earlier
+        # run in this process may have turned them on
+        torch.backends.cuda.matmul.allow_tf32 = tcfg.tf32
+        torch.backends.cudnn.allow_tf32 = tcfg.tf32
+        # peak_mem_gb is this run's: not --micro-batch auto's probe (which ran up to out-of-memory) or DPO's
+        # reference pass, earlier in this process
+        torch.cuda.reset_peak_memory_stats(device)
     if hasattr(raw, "activation_checkpointing"):
         raw.activation_checkpointing = tcfg.activation_checkpointing
     model = distributed.wrap(raw, device, fsdp=tcfg.fsdp)
@@ -297,7 +302,7 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
                 step = st["step"]
                 t0 = time.perf_counter()
                 micro = [_to_device(stage.train_batches.next_batch(), device) for _ in range(tcfg.grad_accum)]
-                t_data = _clock(timing)
+                t_data = _clock(timing, device)
                 # The whole step's supervised tokens on ALL ranks. DDP/FSDP average gradients over ranks, so each
                 # rank's loss is its token-loss sum / global count x world size: the mean of the ranks'
                 # gradients is then exactly the gradient of one process's loss on the global batch.
@@ -324,7 +329,7 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
                     extras = {k: reduced[j + 1] / world.world_size for j, k in enumerate(keys)}
                 if step in injections["grad"]:
                     next(iter(params)).grad.view(-1)[0] = float("nan")
-                t_fwd_bwd = _clock(timing)
+                t_fwd_bwd = _clock(timing, device)
                 scaler.unscale_(optimizer)
                 max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else math.inf
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -372,7 +377,7 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
                             log.print(f"step {step}: non-finite {'loss' if not loss_ok else 'gradients'}, "
                                       f"update skipped")
                 optimizer.zero_grad(set_to_none=True)
-                t_optim = _clock(timing)
+                t_optim = _clock(timing, device)
                 st["step"] = step = step + 1
                 st["tokens_seen"] += n_tokens
                 if dev.pending and _sync_due(step, tcfg, stage, signum):
@@ -531,9 +536,9 @@ def _to_device(batch: Batch, device: torch.device) -> Batch:
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def _clock(sync_cuda: bool) -> float:
+def _clock(sync_cuda: bool, device: torch.device | None = None) -> float:
     if sync_cuda:
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
     return time.perf_counter()
 
 

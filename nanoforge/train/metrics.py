@@ -23,10 +23,18 @@ from nanoforge.errors import NanoforgeError
 
 # Dense bf16/fp16 tensor-core peaks in FLOP/s, from the vendors' datasheets (no sparsity). MFU divides by
 # these. RTX 3090/4090 figures are for fp32 accumulate, which is what autocast matmuls use.
+# Matched as substrings of the lower-cased device name, first match wins: a more specific name comes first.
 GPU_PEAK_FLOPS = {
-    "h200": 989e12, "h100": 989e12, "a100": 312e12, "a10": 125e12, "l40": 181e12, "l4": 121e12,
-    "4090": 165e12, "3090": 71e12, "3080": 59e12, "a6000": 155e12, "v100": 125e12, "t4": 65e12,
+    "h200": 989e12, "h100 pcie": 756e12, "h100": 989e12, "a100": 312e12, "a10": 125e12, "l40s": 362e12,
+    "l40": 181e12, "l4": 121e12, "4090": 165e12, "3090": 71e12, "3080": 59e12, "a6000": 155e12, "v100": 125e12,
+    "t4": 65e12,
 }
+
+
+def gpu_table_entry(name: str) -> str | None:
+    """The GPU_PEAK_FLOPS key for a device name such as torch.cuda.get_device_name() gives, or None."""
+    low = name.lower()
+    return next((key for key in GPU_PEAK_FLOPS if key in low), None)
 
 # per process, keyed like the disk cache (see cpu_peak_key): the peak is looked up once per process
 _cpu_peak_cache: dict[str, float] = {}
@@ -36,11 +44,10 @@ CPU_PEAK_FILE = "cpu_peak_flops.json"
 def peak_flops(device: torch.device, precision: str) -> float:
     """The denominator of MFU: a datasheet figure for known GPUs, a measured matmul peak on CPU."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device).lower()
-        for key, value in GPU_PEAK_FLOPS.items():
-            if key in name:
-                return value if precision != "fp32" else value / 2  # TF32 runs at about half rate
-        return 0.0
+        key = gpu_table_entry(torch.cuda.get_device_name(device))
+        if key is None:
+            return 0.0
+        return GPU_PEAK_FLOPS[key] if precision != "fp32" else GPU_PEAK_FLOPS[key] / 2  # TF32: about half rate
     if device.type == "cpu":
         return cpu_peak_flops(precision)
     return 0.0

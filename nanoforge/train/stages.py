@@ -556,8 +556,11 @@ def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str
     model = GPT(mcfg)
     if not resume and init_path is not None:
         model.load_weights(init_weights(init_path))
+    from nanoforge.train.distributed import setup
     from nanoforge.train.loop import resolve_device
-    teacher_model.to(resolve_device(tcfg.device)).eval().requires_grad_(False)
+    # setup(): under torchrun cuda:LOCAL_RANK (plain "cuda" is cuda:0 on every rank until setup has run, e.g.
+    # on `distill --resume` without --data, where nothing else called it yet)
+    teacher_model.to(setup(resolve_device(tcfg.device))).eval().requires_grad_(False)
     loss = make_distill_loss(teacher_model, temperature, alpha)
     # samples speak the way the data does: chat turns for conversation data, plain text for pretraining text
     stage = Stage("distill", batches, loss, val_batches, None, run_info,
