@@ -31,6 +31,11 @@ else
     STEPS="${STEPS:-20}" WARMUP="${WARMUP:-5}" DEVICE="${DEVICE:-cuda}"
 fi
 
+if [[ "$SMOKE" != "1" ]]; then
+    echo "== CUDA path checks (benchmarks/gpu_checks.py)" >&2
+    "$PYTHON" benchmarks/gpu_checks.py || echo "gpu_checks: a check failed (see above); continuing" >&2
+fi
+
 for run in "${RUNS[@]}"; do
     IFS=: read -r preset batch seq <<<"$run"
     for compile in "${COMPILES[@]}"; do
