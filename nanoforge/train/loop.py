@@ -435,6 +435,10 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
                     # itself, since a forward through the wrapper alone on one rank would wait for the others.
                     val_loss, _, val_extras = evaluate(model if fsdp else raw, stage.val_batches(), stage.loss_fn,
                                                        device, st["precision"])
+                    if world.distributed:  # GPU kernels need not agree to the last bit across ranks: average, so
+                        # every rank takes the same early-stopping decision (one that differed would hang the rest)
+                        val_loss = distributed.all_reduce_sum(
+                            torch.tensor(val_loss, dtype=torch.float64, device=device)).item() / world.world_size
                     values = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)),
                               **{f"val_{k}": v for k, v in val_extras.items()}}
                     if stage.val_bytes_per_token:
