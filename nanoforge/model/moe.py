@@ -61,11 +61,18 @@ class MoE(nn.Module):
         weights = weights / weights.sum(dim=-1, keepdim=True)
         self.aux_loss = load_balancing_loss(probs, idx, self.n_experts)
         out = torch.zeros_like(flat)
-        # Loop over experts, not tokens: each expert runs one matmul over the tokens routed to it.
-        for e, expert in enumerate(self.experts):
-            token, slot = torch.where(idx == e)  # (n_e,), (n_e,)
-            if token.numel() == 0:
-                continue
-            y = expert(flat[token]) * weights[token, slot, None].to(flat.dtype)
-            out.index_add_(0, token, y.to(out.dtype))
+        # Loop over experts, not tokens: each expert runs one matmul over the tokens routed to it. The
+        # (token, slot) pairs are grouped by expert with one stable sort (token order kept within an expert), so
+        # the host learns every expert's share with one read per layer instead of one per expert.
+        routed = idx.reshape(-1)  # (N*k,) expert of each (token, slot)
+        order = torch.argsort(routed, stable=True)  # (N*k,)
+        counts = torch.bincount(routed, minlength=self.n_experts).tolist()  # the layer's one host sync
+        tokens, slots = order // self.k, order % self.k
+        start = 0
+        for expert, n in zip(self.experts, counts):
+            if n:
+                token, slot = tokens[start:start + n], slots[start:start + n]  # (n_e,), (n_e,)
+                y = expert(flat[token]) * weights[token, slot, None].to(flat.dtype)
+                out.index_add_(0, token, y.to(out.dtype))
+            start += n
         return out.view(B, T, C)
