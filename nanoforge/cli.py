@@ -212,6 +212,16 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint) or a checkpoint directory")
     add_sampling_flags(chat, chat_defaults)
 
+    gen = sub.add_parser("generate", help="continue a plain-text prompt (a pretrained model; no chat template)",
+                         formatter_class=fmt)
+    gen.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint) or a checkpoint directory")
+    gen.add_argument("--prompt", help="text to continue (default: standard input; empty: a new document)")
+    gen.add_argument("--num-samples", type=int, default=1, help="continuations to write, one after another")
+    add_sampling_flags(gen, chat_defaults)
+    gen.add_argument("--device", default=chat_defaults.DEFAULT_DEVICE, help="auto, cpu, cuda, cuda:N, mps")
+    gen.add_argument("--precision", default=chat_defaults.DEFAULT_PRECISION,
+                     choices=chat_defaults.PRECISION_CHOICES, help="inference precision")
+
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP API and a web chat page", formatter_class=fmt)
     serve.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint), checkpoint or HF directory")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind; anything but loopback wants --api-key")
@@ -343,6 +353,12 @@ def run(args: argparse.Namespace) -> int:
                    api_key=args.api_key or os.environ.get("NANOFORGE_API_KEY") or None,
                    device=args.device, precision=args.precision, request_timeout=args.request_timeout or None,
                    max_pending=args.max_pending)
+    elif args.command == "generate":
+        from nanoforge.infer.chat import run_generate
+        run_generate(args.run, prompt=args.prompt, num_samples=args.num_samples, temperature=args.temperature,
+                     top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                     max_new_tokens=args.max_new_tokens, seed=args.seed, device=args.device,
+                     precision=args.precision)
     elif args.command == "chat":
         from nanoforge.infer.chat import run_chat
         run_chat(args.run, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -190,3 +190,55 @@ def test_piped_chat_from_the_command_line(run_dir):
                              "--seed", "0"], input="hi\n", capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.endswith("\n") and "you>" not in result.stdout and "bot>" not in result.stdout
+
+
+def test_generate_continues_plain_text_with_the_model_and_no_template(run_dir, loaded):
+    """`nanoforge generate`: the prompt, then exactly what greedy decoding of the plain prompt gives (no chat
+    template around it); seeded samples repeat; an empty prompt starts a new document."""
+    from nanoforge.infer.chat import run_generate
+    from nanoforge.infer.generate import complete
+
+    model, tokenizer = loaded
+    out = io.StringIO()
+    run_generate(run_dir, prompt="Once upon a time", temperature=0.0, repetition_penalty=1.0, max_new_tokens=10,
+                 device="cpu", out=out)
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=10)
+    expected = complete(model, tokenizer, [tokenizer.encode("Once upon a time")], greedy,
+                        stop_ids=[tokenizer.eos_id, tokenizer.im_start_id])[0].text
+    assert out.getvalue() == "Once upon a time" + expected + "\n"
+    assert "<|im_start|>" not in out.getvalue()
+
+    def sampled(seed, n=2):
+        buf = io.StringIO()
+        run_generate(run_dir, prompt="The", num_samples=n, max_new_tokens=8, seed=seed, device="cpu", out=buf)
+        return buf.getvalue()
+    two = sampled(5)
+    assert two == sampled(5) and two.count("--- sample ") == 2 and two.startswith("--- sample 1 of 2\nThe")
+    buf = io.StringIO()
+    run_generate(run_dir, input_stream=io.StringIO(""), max_new_tokens=6, seed=0, device="cpu", out=buf)
+    assert buf.getvalue().endswith("\n")  # from <|endoftext|>: something, or nothing if it stops at once
+    with pytest.raises(NanoforgeError, match="--num-samples 0"):
+        run_generate(run_dir, prompt="x", num_samples=0, device="cpu", out=io.StringIO())
+
+
+def test_generate_keeps_the_end_of_a_prompt_longer_than_the_context(run_dir, loaded, capsys):
+    from nanoforge.infer.chat import run_generate
+    model, tokenizer = loaded
+    long_prompt = "the cat sat on the mat. " * 200
+    assert len(tokenizer.encode(long_prompt)) > model.cfg.max_seq_len
+    out = io.StringIO()
+    run_generate(run_dir, prompt=long_prompt, max_new_tokens=4, seed=0, device="cpu", out=out)
+    assert out.getvalue().startswith(long_prompt)
+    assert f"continues from the last {model.cfg.max_seq_len - 1}" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_generate_from_the_command_line_reads_stdin(run_dir):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "nanoforge", "generate", str(run_dir), "--max-new-tokens", "6", "--seed", "0"]
+    result = subprocess.run(cmd, input="Once upon", capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Once upon") and result.stdout.endswith("\n")
+    missing = subprocess.run(cmd[:4] + ["/nonexistent/run", "--prompt", "x"], capture_output=True, text=True,
+                             timeout=120, env=env)
+    assert missing.returncode == 1 and "/nonexistent/run" in missing.stderr

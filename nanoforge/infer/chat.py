@@ -204,6 +204,52 @@ def run_chat(run_dir, temperature: float = DEFAULT_TEMPERATURE, top_k: int = DEF
     chat_loop(model, tokenizer, cfg, system, sys.stdin, sys.stdout, interactive, precision=precision)
 
 
+def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, temperature: float = DEFAULT_TEMPERATURE,
+                 top_k: int = DEFAULT_TOP_K, top_p: float = DEFAULT_TOP_P,
+                 repetition_penalty: float = DEFAULT_REPETITION_PENALTY,
+                 max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, seed: int | None = None,
+                 device: str = DEFAULT_DEVICE, precision: str = DEFAULT_PRECISION,
+                 input_stream: TextIO | None = None, out: TextIO | None = None) -> None:
+    """`nanoforge generate RUN`: continue a plain-text prompt (no chat template), the way a pretrained model
+    is meant to be used; the prompt is --prompt, else standard input. An empty prompt samples from the start
+    of a document (after <|endoftext|>). Streams each of num_samples continuations to `out`, the prompt first."""
+    from nanoforge.infer.generate import stream
+    from nanoforge.train.checkpoint import load_model
+    from nanoforge.train.loop import resolve_device
+
+    input_stream, out = input_stream or sys.stdin, out or sys.stdout
+    if num_samples < 1 or max_new_tokens < 1:
+        raise NanoforgeError(f"--num-samples {num_samples} and --max-new-tokens {max_new_tokens} must be >= 1")
+    if prompt is None:
+        prompt = input_stream.read()
+    target = resolve_device(device)
+    precision = resolve_precision(precision, target)
+    model, tokenizer, checkpoint = load_model(run_dir, device=target)
+    ids = tokenizer.encode(prompt) if prompt else []
+    if not ids:
+        if tokenizer.eos_id is None:
+            raise NanoforgeError("the prompt is empty and the tokenizer has no end-of-text token to start from")
+        ids = [tokenizer.eos_id]
+    room = model.cfg.max_seq_len - 1
+    if len(ids) > room:
+        print(f"note: the prompt has {len(ids)} tokens; the model sees at most {model.cfg.max_seq_len}, so it "
+              f"continues from the last {room}", file=sys.stderr)
+        ids = ids[-room:]
+    stop_ids = [t for t in (tokenizer.eos_id, tokenizer.im_start_id) if t is not None]
+    for i in range(num_samples):
+        if num_samples > 1:
+            out.write(f"--- sample {i + 1} of {num_samples}\n")
+        cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
+                             repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens,
+                             seed=None if seed is None else seed + i)
+        out.write(prompt)
+        for piece in stream(model, tokenizer, ids, cfg, stop_ids, precision):
+            out.write(piece)
+            out.flush()
+        out.write("\n")
+        out.flush()
+
+
 def resolve_precision(precision: str, device) -> str:
     """Turn "auto" into bf16 on a CUDA GPU that supports it, else fp32; check and keep any other choice."""
     import torch
