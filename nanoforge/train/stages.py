@@ -359,6 +359,12 @@ def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str |
         if changed:
             raise NanoforgeError(f"the model shape comes from --init {init}; drop "
                                  + ", ".join(f"--{k.replace('_', '-')}" for k in changed))
+        in_file = load_toml(config_file).get("model", {}) if config_file else {}
+        changed = [k for k in in_file if k in shape and k in base["model"] and in_file[k] != base["model"][k]]
+        if changed:
+            raise NanoforgeError(f"{config_file}: [model] sets " + ", ".join(
+                f"{k} = {in_file[k]!r} (--init {init} has {base['model'][k]!r})" for k in changed)
+                + "; the model shape comes from --init: use a config with only [train] (e.g. configs/mini-sft.toml)")
         if ckpt.list_checkpoints(run_dir):
             raise NanoforgeError(f"{run_dir} already holds a run; add --resume to continue it, or choose another --out")
         mcfg, tcfg = build_config(None, config_file, overrides, base=base)
