@@ -105,6 +105,14 @@ CASES = [
      ["{tmp}/out is not a run directory"], ["{tmp}/out"], []),
     ("resume-without-checkpoint", {"copy": b"no-checkpoints"}, ["pretrain", "--out", "{tmp}/copy", "--resume"],
      ["{tmp}/copy has no checkpoint to resume from"], [], ["{tmp}/copy"]),
+    ("resume-after-the-data-moved", {"copy": b"data-gone"},
+     ["pretrain", "--out", "{tmp}/copy", "--resume", "--max-steps", "4"],
+     ["--resume: {tmp}/copy trained on {tmp}/gone", "give --data"], [], ["{tmp}/copy"]),
+    ("finetune-config-with-another-shape", {"c.toml": b"[model]\nd_model = 128\n"},
+     ["sft", "--init", "{run}", "--config", "{tmp}/c.toml", "--data", "{sft}", "--out", "{tmp}/out", *TRAIN_FLAGS],
+     ["{tmp}/c.toml: [model] sets d_model = 128"], ["{tmp}/out"], ["{run}"]),
+    ("epochs-and-max-steps", {}, ["pretrain", "--data", "{pre}", "--out", "{tmp}/out", "--epochs", "1",
+                                  *TRAIN_FLAGS], ["give --epochs or --max-steps, not both"], ["{tmp}/out"], []),
 ]
 # Known to leave RUN/config.toml and RUN/tokenizer/ behind in --out (see the report): finetune_setup writes
 # them before the stage checks the data's kind and before the --init weights are loaded.
@@ -150,6 +158,9 @@ def make_copy(how: bytes, world: dict, dst: Path) -> None:
         weights.write_bytes(bytes(data))
     elif how == b"no-checkpoints":
         shutil.rmtree(dst / "checkpoints")
+    elif how == b"data-gone":  # the prepared data the run trained on was moved away since
+        config = dst / "config.toml"
+        config.write_text(config.read_text().replace(str(world["pre"].resolve()), str(dst.parent / "gone")))
 
 
 def snapshot(path: Path) -> dict:

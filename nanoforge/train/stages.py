@@ -113,6 +113,15 @@ def _resolve_data(kind: str, data: Sequence[str], run_dir: Path, tokenizer_path:
     return target
 
 
+def saved_data_dir(run_info: dict[str, Any], run_dir: Path) -> Path:
+    """The prepared data a run trained on (config.toml's [run] data), for --resume without --data."""
+    path = Path(run_info["data"])
+    if not (path / "manifest.json").is_file():
+        raise NanoforgeError(f"--resume: {run_dir} trained on {path} (config.toml, [run] data), which is not a "
+                             f"prepared data directory any more; give --data with the same data's new location")
+    return path
+
+
 def write_run_config(run_dir: Path, mcfg: ModelConfig, tcfg: TrainConfig, run_info: dict[str, Any]) -> None:
     from nanoforge.train.distributed import is_main
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -220,7 +229,7 @@ def pretrain(data: Sequence[str], out: str | Path, preset: str | None = None, co
 
     run_dir, mcfg, tcfg, saved_run, explicit = open_run(out, resume, preset, config_file, overrides or {})
     prompts = sample_prompts(tcfg)
-    data_dir = Path(saved_run["data"]) if resume and saved_run.get("data") and not data else \
+    data_dir = saved_data_dir(saved_run, run_dir) if resume and saved_run.get("data") and not data else \
         resolve_data("pretrain", data, run_dir, tokenizer, mcfg, tcfg, quiet)
     tok = load_tokenizer(data_dir / "tokenizer")
     fit_vocab(mcfg, tok, explicit)
@@ -372,7 +381,7 @@ def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str |
         run_info = {"stage": stage, "init": str(init_path.resolve()), "tokenizer": "tokenizer", **(run_options or {})}
     tok = load_tokenizer(tokenizer_dir)
     if resume and not data:
-        data_dir = Path(run_info["data"])
+        data_dir = saved_data_dir(run_info, run_dir)
     else:
         data_dir = resolve_data(data_kind(data), data, run_dir, str(tokenizer_dir), mcfg, tcfg, quiet)
     check_tokenizer(data_dir, tok)
