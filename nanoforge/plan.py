@@ -138,10 +138,13 @@ def format_plan(p: Plan, mcfg: ModelConfig, tcfg: TrainConfig, tokens: float | N
 # so the update is the same however the global batch is split (tests/test_plan.py checks the weights).
 
 
-def fit_micro_batch(mcfg: ModelConfig, tcfg: TrainConfig, log=print, rows_per_item: int = 1) -> str:
+def fit_micro_batch(mcfg: ModelConfig, tcfg: TrainConfig, log=print, rows_per_item: int = 1,
+                    loss_fn=None) -> str:
     """Settle tcfg.micro_batch ("auto" or N) into tcfg.batch_size and tcfg.grad_accum, keeping their product;
     returns (and logs) what was chosen and why. Nothing changes when micro_batch is empty. rows_per_item: the
-    sequences one batch item is (DPO: a pair is 2)."""
+    sequences one batch item is (DPO: a pair is 2). loss_fn: the stage's objective when it needs more memory
+    per sequence than next-token loss (distillation runs a teacher and keeps its logits), so the probe steps
+    measure that too; default causal_lm_loss."""
     if not tcfg.micro_batch:
         return ""
     global_batch = tcfg.batch_size * tcfg.grad_accum
@@ -156,9 +159,9 @@ def fit_micro_batch(mcfg: ModelConfig, tcfg: TrainConfig, log=print, rows_per_it
         from nanoforge.train.loop import resolve_device
         device = distributed.setup(resolve_device(tcfg.device))  # under torchrun: this rank's GPU
         if device.type == "cuda":
-            micro, why = probe_cuda(mcfg, tcfg, device, global_batch, rows_per_item)
+            micro, why = probe_cuda(mcfg, tcfg, device, global_batch, rows_per_item, loss_fn)
         else:
-            micro, why = probe_cpu(mcfg, tcfg, device, global_batch, rows_per_item)
+            micro, why = probe_cpu(mcfg, tcfg, device, global_batch, rows_per_item, loss_fn)
         micro = _agree_on_min(micro, device)
     tcfg.batch_size, tcfg.grad_accum = micro, global_batch // micro
     text = (f"micro-batch {micro} x grad-accum {tcfg.grad_accum} = global batch {global_batch} sequences of "
@@ -180,13 +183,13 @@ def largest_divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in range(1, n + 1) if n % d == 0 and d <= max(limit, 1))
 
 
-def _probe_step(model, optimizer, tcfg: TrainConfig, device: torch.device, batch: int) -> None:
+def _probe_step(model, optimizer, tcfg: TrainConfig, device: torch.device, batch: int, loss_fn=None) -> None:
     """One real training step at `batch`: forward under the run's precision, backward, optimizer step."""
     from nanoforge.train.loop import autocast_context
     from nanoforge.train.objectives import causal_lm_loss
     ids = torch.randint(0, model.cfg.vocab_size, (batch, tcfg.seq_len + 1), device=device)  # (B, T+1)
     with autocast_context(device, tcfg.precision):
-        loss_sum, n, _ = causal_lm_loss(model, {"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
+        loss_sum, n, _ = (loss_fn or causal_lm_loss)(model, {"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
     (loss_sum.float() / n).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -202,7 +205,7 @@ def _probe_model(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device):
 
 
 def probe_cuda(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device, global_batch: int,
-               rows_per_item: int = 1) -> tuple[int, str]:
+               rows_per_item: int = 1, loss_fn=None) -> tuple[int, str]:
     """Real steps at doubling micro-batches (each dividing the global batch) until one runs out of memory, goes
     over the budget, or the global batch itself fits. Eager mode: a compiled model needs no more memory."""
     total = torch.cuda.get_device_properties(device).total_memory
@@ -212,7 +215,7 @@ def probe_cuda(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device, globa
     for b in divisors_doubling(global_batch):
         torch.cuda.reset_peak_memory_stats(device)
         try:
-            _probe_step(model, optimizer, tcfg, device, b * rows_per_item)
+            _probe_step(model, optimizer, tcfg, device, b * rows_per_item, loss_fn)
             peak = torch.cuda.max_memory_allocated(device)
         except torch.cuda.OutOfMemoryError:
             stopped = f"micro-batch {b} ran out of memory"
@@ -276,7 +279,7 @@ def cpu_memory_budget(tcfg: TrainConfig) -> tuple[int, str]:
 
 
 def probe_cpu(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device, global_batch: int,
-              rows_per_item: int = 1) -> tuple[int, str]:
+              rows_per_item: int = 1, loss_fn=None) -> tuple[int, str]:
     """Real steps at a small micro-batch and a linear fit to the memory budget. A first step at 1 allocates the
     AdamW state and the libraries' one-time buffers; then the growth of peak resident memory over one step at 2
     is the gradients (4 bytes per parameter) plus 2 sequences' activations. Needed for b sequences: weights,
@@ -285,10 +288,10 @@ def probe_cpu(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device, global
     b0 = 2
     model, optimizer = _probe_model(mcfg, tcfg, device)
     n = model.num_params()
-    _probe_step(model, optimizer, tcfg, device, 1)
+    _probe_step(model, optimizer, tcfg, device, 1, loss_fn)
     measured = None
     if _reset_peak_rss() and (rss0 := _proc_status_kib("VmRSS")) is not None:
-        _probe_step(model, optimizer, tcfg, device, b0)
+        _probe_step(model, optimizer, tcfg, device, b0, loss_fn)
         measured = ((_proc_status_kib("VmHWM") - rss0) * 1024 - 4 * n) / b0
     del model, optimizer
     estimate = activation_bytes(mcfg, tcfg.seq_len, tcfg.precision)

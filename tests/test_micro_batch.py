@@ -19,11 +19,12 @@ FAST = {"tensorboard": False, "log_every": 1, "eval_every": 0, "precision": "fp3
         "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "seq_len": 32, "max_seq_len": 64}
 
 
-def settle(budget_gb: float, micro: str = "auto", batch: int = 32, accum: int = 1, device: str = "cpu", rows=1):
+def settle(budget_gb: float, micro: str = "auto", batch: int = 32, accum: int = 1, device: str = "cpu", rows=1,
+           loss_fn=None):
     mcfg, tcfg = build_config("tiny", None, {"batch_size": batch, "grad_accum": accum, "micro_batch": micro,
                                              "memory_budget_gb": budget_gb, "device": device})
     said = []
-    fit_micro_batch(mcfg, tcfg, log=said.append, rows_per_item=rows)
+    fit_micro_batch(mcfg, tcfg, log=said.append, rows_per_item=rows, loss_fn=loss_fn)
     return tcfg, said[0]
 
 
@@ -46,6 +47,20 @@ def test_dpo_pairs_take_twice_the_room_of_a_sequence():
     fit_seqs = int(re.search(r"up to (\d+) sequences", why_seqs).group(1))
     fit_pairs = int(re.search(r"up to (\d+) items", why).group(1))
     assert fit_pairs < 0.8 * fit_seqs, (why_seqs, why)
+
+
+def test_distillation_probes_with_its_teacher():
+    """The probe steps run the stage's own objective: a teacher's forward and its logits per sequence make
+    fewer sequences fit than next-token loss alone."""
+    from nanoforge.model.gpt import GPT
+    from nanoforge.train.objectives import make_distill_loss
+    mcfg, _ = build_config("tiny", None, {"n_layers": 8, "d_model": 128})  # a teacher bigger than the student
+    teacher = GPT(mcfg).eval().requires_grad_(False)
+    _, why_plain = settle(0.2)
+    _, why_distill = settle(0.2, loss_fn=make_distill_loss(teacher))
+    fit_plain = int(re.search(r"up to (\d+) sequences", why_plain).group(1))
+    fit_distill = int(re.search(r"up to (\d+) sequences", why_distill).group(1))
+    assert fit_distill < 0.8 * fit_plain, (why_plain, why_distill)
 
 
 def test_nothing_fits_falls_back_to_one_sequence_per_micro_batch():

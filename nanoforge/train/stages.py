@@ -340,7 +340,7 @@ def lm_batches(data_dir: Path, tcfg: TrainConfig, tok, quiet: bool):
 
 def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str | Path, config_file: str | None,
                    overrides: dict[str, Any], resume: bool, quiet: bool, train_defaults: dict[str, Any],
-                   run_options: dict[str, Any] | None = None):
+                   run_options: dict[str, Any] | None = None, probe_loss=None):
     """What every stage that starts from a trained model shares: the run directory, the config (the model
     shape from --init, training defaults of the stage under --config and flags), the tokenizer of the init
     run, and the data prepared with that tokenizer.
@@ -386,7 +386,7 @@ def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str |
         data_dir = resolve_data(data_kind(data), data, run_dir, str(tokenizer_dir), mcfg, tcfg, quiet)
     check_tokenizer(data_dir, tok)
     # --micro-batch auto|N: before any batch source is sized (a DPO item is a pair of sequences)
-    fit_micro_batch(mcfg, tcfg, rows_per_item=2 if stage == "dpo" else 1)
+    fit_micro_batch(mcfg, tcfg, rows_per_item=2 if stage == "dpo" else 1, loss_fn=probe_loss)
     run_info["data"] = str(data_dir.resolve())
     copy_tokenizer(tokenizer_dir, run_dir)
     write_run_config(run_dir, mcfg, tcfg, run_info)
@@ -537,13 +537,23 @@ def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str
     if temperature <= 0 or not 0 <= alpha <= 1:
         raise NanoforgeError(f"--temperature {temperature} must be > 0 and --alpha {alpha} in [0, 1]")
     teacher_model, teacher_tok, teacher_path = ckpt.load_model(teacher)
+    teacher_model.eval().requires_grad_(False)
     options = {"teacher": str(teacher_path.resolve()), "temperature": temperature, "alpha": alpha}
+    loss = make_distill_loss(teacher_model, temperature, alpha)
+
+    def probe_loss(model, batch):
+        """--micro-batch auto probes with the real objective: the teacher's weights and logits take room too.
+        (A student of another vocabulary is refused below, with the reason; the probe just skips the teacher.)"""
+        if model.cfg.vocab_size != teacher_model.cfg.vocab_size:
+            return causal_lm_loss(model, batch)
+        teacher_model.to(batch["input_ids"].device)
+        return loss(model, batch)
 
     if not resume and init in PRESETS:
         # a fresh student of a preset's shape, speaking the teacher's tokenizer
         run_dir, mcfg, tcfg, _, explicit = open_run(out, False, init, config_file, overrides)
         fit_vocab(mcfg, teacher_tok, explicit)
-        fit_micro_batch(mcfg, tcfg)  # --micro-batch auto|N: before any batch source is sized
+        fit_micro_batch(mcfg, tcfg, loss_fn=probe_loss)  # --micro-batch auto|N: before any batch source is sized
         data_dir = resolve_data(data_kind(data), data, run_dir, str(init_tokenizer_dir(teacher_path)),
                                 mcfg, tcfg, quiet)
         from nanoforge.data.shards import check_tokenizer
@@ -555,7 +565,7 @@ def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str
         tok, init_path = teacher_tok, None
     else:
         run_dir, mcfg, tcfg, run_info, init_path, tok, data_dir = finetune_setup(
-            "distill", init, data, out, config_file, overrides, resume, quiet, SFT_DEFAULTS, options)
+            "distill", init, data, out, config_file, overrides, resume, quiet, SFT_DEFAULTS, options, probe_loss)
         if str(run_info["init"]).startswith("preset:"):  # resuming a student that began as a preset
             init_path = None
     if tok.sha256 != teacher_tok.sha256:
@@ -575,8 +585,7 @@ def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str
     from nanoforge.train.loop import resolve_device
     # setup(): under torchrun cuda:LOCAL_RANK (plain "cuda" is cuda:0 on every rank until setup has run, e.g.
     # on `distill --resume` without --data, where nothing else called it yet)
-    teacher_model.to(setup(resolve_device(tcfg.device))).eval().requires_grad_(False)
-    loss = make_distill_loss(teacher_model, temperature, alpha)
+    teacher_model.to(setup(resolve_device(tcfg.device)))
     # samples speak the way the data does: chat turns for conversation data, plain text for pretraining text
     stage = Stage("distill", batches, loss, val_batches, None, run_info,
                   sampler=make_sampler(run_dir, tcfg, tok, prompts, chat=batches.shards.kind == "sft"))
