@@ -55,6 +55,7 @@ class ModelConfig:
         return 64 * math.ceil(self.d_model * 8 / 3 / 64)
 
     def validate(self) -> None:
+        _finite(self)
         _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "max_seq_len")
         if self.d_model % self.n_heads:
             raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
@@ -136,6 +137,7 @@ class TrainConfig:
     workers: int = 0  # tokenization processes when preparing on the fly; 0 means all cores
 
     def validate(self) -> None:
+        _finite(self)
         _positive(self, "max_steps", "batch_size", "grad_accum", "seq_len", "eval_batches", "log_every",
                   "keep_last", "nonfinite_patience")
         _one_of(self, "precision", ("fp32", "bf16", "fp16"))
@@ -195,6 +197,14 @@ def _later_length_wins(train: dict[str, Any], layer: dict[str, Any]) -> None:
     not epochs (a preset, a --max-steps on resume) turns off the epochs of the layers below it."""
     if "max_steps" in layer and "epochs" not in layer:
         train["epochs"] = 0.0
+
+
+def _finite(cfg) -> None:
+    """No NaN or infinity in a float field (a NaN passes every `x <= 0` check and poisons training)."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{f.name}={value} must be a finite number")
 
 
 def _positive(cfg, *names: str) -> None:
