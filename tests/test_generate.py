@@ -246,7 +246,8 @@ def test_repetition_penalty_changes_the_output(trained):
 def test_sampling_config_rejects_bad_values():
     for bad in (dict(temperature=-1), dict(top_k=-1), dict(top_k=1.5), dict(top_p=0), dict(top_p=1.5),
                 dict(repetition_penalty=0), dict(max_new_tokens=0), dict(stop_strings="###"),
-                dict(stop_strings=[""]), dict(seed="x")):
+                dict(stop_strings=[""]), dict(seed="x"), dict(temperature=float("nan")), dict(top_p=float("nan")),
+                dict(repetition_penalty=float("inf"))):
         with pytest.raises(NanoforgeError):
             SamplingConfig(**bad)
 

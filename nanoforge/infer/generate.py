@@ -13,6 +13,7 @@ prompt alone, so a prompt gives the same tokens in a batch as on its own.
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
@@ -56,6 +57,10 @@ class SamplingConfig:
         self.validate()
 
     def validate(self) -> None:
+        for name in ("temperature", "top_p", "repetition_penalty"):  # NaN would pass the range checks below
+            value = getattr(self, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise NanoforgeError(f"{name}={value!r} must be a finite number")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             raise NanoforgeError(f"temperature={self.temperature!r} must be a number >= 0 (0 means greedy)")
         if not _is_int(self.top_k) or self.top_k < 0:
