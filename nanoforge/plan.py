@@ -81,6 +81,13 @@ def activation_bytes(mcfg: ModelConfig, seq_len: int, precision: str) -> int:
 
 def make_plan(mcfg: ModelConfig, tcfg: TrainConfig, device: str = "rtx3090", global_batch: int | None = None,
               tokens: float | None = None, mfu: float = 0.40, tokens_per_s: float | None = None) -> Plan:
+    import math
+    for name, value, ok in (("--tokens", tokens, tokens is None or (math.isfinite(tokens) and tokens > 0)),
+                            ("--mfu", mfu, math.isfinite(mfu) and 0 < mfu <= 1),
+                            ("--tokens-per-s", tokens_per_s,
+                             tokens_per_s is None or (math.isfinite(tokens_per_s) and tokens_per_s > 0))):
+        if not ok:
+            raise NanoforgeError(f"{name} {value} must be a positive number" + (" at most 1" if name == "--mfu" else ""))
     n, flops_fn = count_params(mcfg)
     flops = flops_fn(tcfg.seq_len)
     weights, grads, optimizer = 4 * n, 4 * n, 8 * n

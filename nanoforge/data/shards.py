@@ -90,6 +90,8 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
     _check_kind(kind)
     if not 0.0 <= val_fraction < 1.0:
         raise NanoforgeError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if workers < 0:
+        raise NanoforgeError(f"workers must be >= 0 (0: one per core), got {workers}")
     tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     if kind == "pretrain" and tokenizer.eos_id is None:
         raise NanoforgeError("the tokenizer has no end-of-text token (<|endoftext|> or an eos_token in "

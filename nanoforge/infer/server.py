@@ -568,6 +568,21 @@ def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
 # running it
 
 
+def _check_can_listen(host: str, port: int) -> None:
+    """Bind (host, port) once, as uvicorn will, so a port in use or a host that is not this machine's is a
+    clear error now instead of a log line after the model has loaded."""
+    import errno
+    import socket
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no obstacle
+            sock.bind(address)
+    except OSError as e:
+        why = "is already in use; choose another --port" if e.errno == errno.EADDRINUSE else f"cannot be used: {e}"
+        raise NanoforgeError(f"{host}:{port} {why}") from None
+
+
 def run_server(run_dir, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
                device: str = "auto", precision: str = "auto", model_name: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_tokens_cap: int | None = None,
@@ -584,6 +599,9 @@ def run_server(run_dir, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_
     from nanoforge.train.checkpoint import load_model
     from nanoforge.train.loop import resolve_device
 
+    if not isinstance(port, int) or not 1 <= port <= 65535:
+        raise NanoforgeError(f"--port {port} must be between 1 and 65535")
+    _check_can_listen(host, port)  # before minutes of loading, and before saying "serving"
     target = resolve_device(device)
     precision = resolve_precision(precision, target)
     model, tokenizer, checkpoint = load_model(run_dir, device=target)
