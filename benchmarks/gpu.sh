@@ -2,7 +2,8 @@
 # The GPU check of issue 6: tokens/s, MFU and peak memory of the mini and base presets in bf16, eager and
 # --compile, measured by `nanoforge bench` (the real training loop), and the projected time of one epoch of
 # MiniMind-sized data (about 1.2 GB of pretraining text and 1.6 GB of SFT data) from the measured throughput.
-# Sized to finish in under 5 minutes on one H200.
+# Sized to finish in under 5 minutes on one H200. First it runs benchmarks/gpu_checks.py (SDPA kernels with GQA,
+# fused AdamW's found_inf) and benchmarks/gpu_paths.py (every CUDA-only path of the loop and of decoding, for real).
 #
 #   benchmarks/gpu.sh                     # on the GPU machine; record the output in docs/perf.md
 #   benchmarks/gpu.sh --smoke             # (or SMOKE=1) CPU, tiny preset, a few steps: seconds; CI runs it
@@ -34,6 +35,8 @@ fi
 if [[ "$SMOKE" != "1" ]]; then
     echo "== CUDA path checks (benchmarks/gpu_checks.py)" >&2
     "$PYTHON" benchmarks/gpu_checks.py || echo "gpu_checks: a check failed (see above); continuing" >&2
+    echo "== CUDA training and inference paths (benchmarks/gpu_paths.py)" >&2
+    "$PYTHON" benchmarks/gpu_paths.py --device "$DEVICE" || echo "gpu_paths: a path failed (see above); continuing" >&2
 fi
 
 for run in "${RUNS[@]}"; do

@@ -67,3 +67,15 @@ def test_gpu_script_smoke_mode(tmp_path):
                      r.stdout), r.stdout
     res = json.loads((tmp_path / "tiny-bf16-eager.json").read_text())
     assert res["ours"]["tokens_per_s"] > 0 and res["ours"]["mfu"] > 0
+
+
+@pytest.mark.slow
+def test_gpu_paths_script_runs_every_check_on_the_cpu(tmp_path):
+    """benchmarks/gpu_paths.py (the CUDA paths, for a GPU machine) runs its checks on the CPU too: the
+    non-finite rollback, exact resume, fp16, the micro-batch probe, packed SFT, decoding, torchrun."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_paths.py"), "--device", "cpu",
+                        "--skip-compile", "--work", str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "8/8 paths passed on cpu" in r.stdout
+    assert "rollbacks 1, skipped 3" in r.stdout and "resumed losses within 0.0e+00" in r.stdout
