@@ -228,7 +228,8 @@ def summarize(run: RunMetrics) -> list[tuple[str, str]]:
         first, last = run.val[0], run.val[-1]
         best = min(run.val, key=lambda r: r["val_loss"])
         rows.append(("validation loss", f"{first['val_loss']:.4f} (step {first['step']}) -> {last['val_loss']:.4f} "
-                                        f"(step {last['step']}); best {best['val_loss']:.4f} (step {best['step']})"))
+                                        f"(step {last['step']}); best {best['val_loss']:.4f} (step {best['step']})"
+                     + (f"; each over {last['val_count']:,} {_val_unit(run)}" if "val_count" in last else "")))
         if "val_bpb" in last:
             rows.append(("bits per byte", f"{first['val_bpb']:.4f} -> {last['val_bpb']:.4f}"))
         if "val_ppl" in last:
@@ -422,14 +423,24 @@ def _comparison(runs: list[RunMetrics], out_path: Path, Figure) -> list[str]:
         ("tokens/s (last log)", [last(r.train, "tokens_per_s") for r in runs]),
         ("peak memory GB", [last(r.train, "peak_mem_gb") for r in runs]),
     ]
+    counts = [r.val[-1].get("val_count") if r.val else None for r in runs]
+    rows.insert(5, ("validation scored on", [f"{c:,} {_val_unit(r)}" if c else "-" for c, r in zip(counts, runs)]))
     lines = ["## Comparison", "", "| | " + " | ".join(_cell(r.name) for r in runs) + " |",
              "|---|" + "---|" * len(runs)]
     lines += [f"| {label} | " + " | ".join(_cell(v) for v in values) + " |" for label, values in rows] + [""]
+    if len({c for c in counts if c}) > 1:
+        lines += ["Note: the validation losses above are means over different amounts of validation data "
+                  "(validation takes eval_batches x batch_size windows, and the data may differ): compare them "
+                  "with care, or evaluate every run on the same file with `nanoforge eval RUN --data FILE`.", ""]
     if Figure is not None and any(r.train or r.val for r in runs):
         png = plot_runs(runs, out_path.with_name(f"{out_path.stem}_comparison.png"), Figure,
                         " vs ".join(r.name for r in runs))
         lines += [f"![comparison of {', '.join(r.name for r in runs)}]({png.name})", ""]
     return lines
+
+
+def _val_unit(run: RunMetrics) -> str:
+    return "pairs" if run.config.get("run", {}).get("stage") == "dpo" else "tokens"
 
 
 def _millions(n: int | None) -> str:

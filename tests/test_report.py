@@ -409,3 +409,23 @@ def test_wandb_offline_gets_the_metrics_and_the_samples(prepared, tmp_path):
         table = json.loads((run / "files" / ref["path"]).read_text())
         assert table["columns"] == ["step", "prompt", "text"]
         assert table["data"] == [[s["step"], s["prompt"], s["text"]] for s in got if s["step"] == step]
+
+
+def test_comparing_runs_validated_on_different_amounts_says_so(prepared, run_with_val, tmp_path):
+    """val_count is logged with every evaluation (supervised tokens scored); a report comparing runs whose
+    validation covered different amounts (here batch 2 vs the tiny preset's 4, eval_batches 2) shows each
+    count and warns; the same run twice does not."""
+    small = tmp_path / "batch2"
+    pretrain([str(prepared)], small, preset="tiny", overrides={**WITH_VAL, "batch_size": 2}, quiet=True)
+    n_small = [r["val_count"] for r in records(small) if "val_loss" in r]
+    n_big = [r["val_count"] for r in records(run_with_val) if "val_loss" in r]
+    seq = 64  # the tiny preset's seq_len: each window scores seq_len tokens
+    assert set(n_small) == {2 * 2 * seq} and set(n_big) == {2 * 4 * seq}
+    text = write_report([small, run_with_val], tmp_path / "cmp.md").read_text()
+    assert f"| validation scored on | {2 * 2 * seq:,} tokens | {2 * 4 * seq:,} tokens |" in text
+    assert "means over different amounts of validation data" in text
+    assert f"each over {2 * 2 * seq:,} tokens" in text  # the per-run summary says it too
+    copy = tmp_path / "again"
+    shutil.copytree(run_with_val, copy)
+    same = write_report([run_with_val, copy], tmp_path / "same.md").read_text()
+    assert "different amounts of validation data" not in same

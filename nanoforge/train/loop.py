@@ -433,13 +433,15 @@ def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, 
                     evaluated = True
                     # Every rank evaluates the same batches (so all agree on early stopping); under DDP on the model
                     # itself, since a forward through the wrapper alone on one rank would wait for the others.
-                    val_loss, _, val_extras = evaluate(model if fsdp else raw, stage.val_batches(), stage.loss_fn,
-                                                       device, st["precision"])
+                    val_loss, val_count, val_extras = evaluate(model if fsdp else raw, stage.val_batches(),
+                                                               stage.loss_fn, device, st["precision"])
                     if world.distributed:  # GPU kernels need not agree to the last bit across ranks: average, so
                         # every rank takes the same early-stopping decision (one that differed would hang the rest)
                         val_loss = distributed.all_reduce_sum(
                             torch.tensor(val_loss, dtype=torch.float64, device=device)).item() / world.world_size
-                    values = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)),
+                    # val_count: what the mean is over (supervised tokens; pairs for DPO), so runs whose validation
+                    # covered different amounts (eval_batches x batch_size windows) can be told apart
+                    values = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "val_count": val_count,
                               **{f"val_{k}": v for k, v in val_extras.items()}}
                     if stage.val_bytes_per_token:
                         values["val_bpb"] = val_loss / math.log(2) / stage.val_bytes_per_token
