@@ -180,7 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="loss / bits per byte on data, multiple-choice benchmarks, samples",
                         formatter_class=fmt)
     ev.add_argument("run", metavar="RUN", help="run directory, checkpoint or HF model directory")
-    ev.add_argument("--data", nargs="+", metavar="PATH", help="pretraining or SFT JSONL files, or a prepared directory")
+    ev.add_argument("--data", nargs="+", metavar="PATH",
+                    help="pretraining or SFT JSONL files, or a prepared directory (default, when no --bench or "
+                         "--samples: the whole validation split of the data the run trained on)")
+    ev.add_argument("--split", choices=["all", "train", "val"],
+                    help="split of a prepared directory to score (default: all; val for the run's own data)")
     ev.add_argument("--bench", metavar="PATH", help="multiple-choice benchmark: a C-Eval/CMMLU folder or CSV, or JSONL")
     ev.add_argument("--format", default="auto", choices=["auto", "jsonl", "ceval", "cmmlu", "csv"],
                     help="benchmark format")
@@ -340,7 +344,8 @@ def run(args: argparse.Namespace) -> int:
         run_eval(args.run, data=args.data, bench=args.bench, fmt=args.format, shots=args.shots, dev=args.dev,
                  samples=args.samples, prompts_file=args.prompts, chat=args.chat, batch_size=args.batch_size,
                  seq_len=args.seq_len, max_tokens=args.max_tokens, limit=args.limit, precision=args.precision,
-                 device=args.device, write=not args.no_write, json_out=args.json, progress=not args.quiet)
+                 device=args.device, write=not args.no_write, json_out=args.json, progress=not args.quiet,
+                 split=args.split)
     elif args.command == "export":
         from nanoforge.export import export_gguf, export_hf
         out = (export_hf(args.run, args.out, force=args.force) if args.format == "hf"

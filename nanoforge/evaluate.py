@@ -45,6 +45,23 @@ Z95 = 1.959963984540054  # two-sided 95% normal quantile
 # shared helpers
 
 
+def own_validation_data(run) -> Path | None:
+    """The prepared data directory a run trained on ([run] data of its config.toml) when it still exists and
+    its validation split holds tokens; None otherwise (a checkpoint of unknown origin, an HF directory)."""
+    from nanoforge.config import load_toml
+    from nanoforge.data.shards import read_manifest
+    path = Path(run)
+    if path.parent.name == "checkpoints":  # a checkpoint directory: its run is two levels up
+        path = path.parent.parent
+    try:
+        data = load_toml(path / "config.toml").get("run", {}).get("data")
+        if data and read_manifest(data)["splits"]["val"]["tokens"] > 0:
+            return Path(data)
+    except (NanoforgeError, OSError, KeyError, TypeError):
+        pass
+    return None
+
+
 def _load_run(run, device: str):
     """`run` is a run/checkpoint/HF directory, or an already loaded (model, tokenizer) pair (tests, training)."""
     from nanoforge.train.checkpoint import load_model
@@ -742,19 +759,28 @@ def run_eval(run, data=None, bench=None, fmt: str = "auto", shots: int = 0, dev=
              prompts_file=None, chat: bool = False, batch_size: int = 8, seq_len: int | None = None,
              max_tokens: int | None = None, limit: int | None = None, precision: str = "fp32",
              device: str = "auto", write: bool = True, json_out=None, progress: bool = True,
-             log: Callable[[str], None] = print) -> dict:
+             split: str | None = None, log: Callable[[str], None] = print) -> dict:
     """`nanoforge eval RUN [--data F ...] [--bench PATH] [--samples]`: any of the three, loading the model
-    once; writes RUN/samples.jsonl for --samples (unless write=False) and the whole result to --json."""
+    once; writes RUN/samples.jsonl for --samples (unless write=False) and the whole result to --json.
+    With none of them, the run's own held-out data: the whole validation split of the prepared directory it
+    trained on (every token, whatever the batch size, unlike the capped validation during training).
+    `split` picks the split of a prepared directory (default: all of --data; val of the run's own data)."""
     from nanoforge.infer.generate import SamplingConfig
 
     if not data and not bench and not samples:
-        raise NanoforgeError("nothing to evaluate: give --data FILE..., --bench PATH and/or --samples")
+        own = None if isinstance(run, tuple) else own_validation_data(run)
+        if own is None:
+            raise NanoforgeError("nothing to evaluate: give --data FILE..., --bench PATH and/or --samples "
+                                 f"({run} has no prepared data with a validation split to default to)")
+        data, split = [str(own)], split or "val"
+        log(f"evaluating on the {split} split of {own}, the data the run trained on")
     model, tokenizer, dev_device, ckpt = _load_run(run, device)
     loaded = (model, tokenizer)
     out: dict = {"checkpoint": str(ckpt) if ckpt else None}
     if data:
         out["data"] = evaluate_data(loaded, data, batch_size=batch_size, seq_len=seq_len, max_tokens=max_tokens,
-                                    precision=precision, device=str(dev_device), progress=progress, log=log)
+                                    precision=precision, device=str(dev_device), progress=progress,
+                                    split=split or "all", log=log)
     if bench:
         out["bench"] = evaluate_choices(loaded, bench, fmt=fmt, shots=shots, dev_path=dev, batch_size=batch_size,
                                         limit=limit, precision=precision, device=str(dev_device),

@@ -429,3 +429,23 @@ def test_comparing_runs_validated_on_different_amounts_says_so(prepared, run_wit
     shutil.copytree(run_with_val, copy)
     same = write_report([run_with_val, copy], tmp_path / "same.md").read_text()
     assert "different amounts of validation data" not in same
+
+
+def test_eval_of_a_run_defaults_to_its_whole_validation_split(run_with_val, prepared, tmp_path):
+    """`nanoforge eval RUN` with nothing else scores every token of the run's own val split (training's own
+    validation may be capped); --split picks another; a directory without such data is a clear error."""
+    from nanoforge.data.shards import read_manifest
+    from nanoforge.evaluate import run_eval
+    said = []
+    got = run_eval(run_with_val, progress=False, log=said.append)["data"]
+    val_tokens = read_manifest(prepared)["splits"]["val"]["tokens"]
+    assert got["tokens"] == val_tokens and any("the val split of" in s for s in said)
+    whole = run_eval(run_with_val, data=[str(prepared)], progress=False, log=lambda *a: None)["data"]
+    assert whole["tokens"] == val_tokens + read_manifest(prepared)["splits"]["train"]["tokens"]
+    alone = tmp_path / "stray"
+    shutil.copytree(run_with_val / "checkpoints", alone / "checkpoints")
+    shutil.copytree(run_with_val / "tokenizer", alone / "tokenizer")
+    (alone / "config.toml").write_text((run_with_val / "config.toml").read_text().replace(str(prepared.resolve()),
+                                                                                           str(tmp_path / "gone")))
+    with pytest.raises(NanoforgeError, match="no prepared data with a validation split to default to"):
+        run_eval(alone, progress=False, log=lambda *a: None)
