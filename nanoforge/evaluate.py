@@ -46,8 +46,9 @@ Z95 = 1.959963984540054  # two-sided 95% normal quantile
 
 
 def own_validation_data(run) -> Path | None:
-    """The prepared data directory a run trained on ([run] data of its config.toml) when it still exists and
-    its validation split holds tokens; None otherwise (a checkpoint of unknown origin, an HF directory)."""
+    """The prepared data directory a run trained on ([run] data of its config.toml) when it still exists, is
+    pretraining or SFT data and its validation split holds tokens; None otherwise (a checkpoint of unknown
+    origin, an HF directory, DPO pairs)."""
     from nanoforge.config import load_toml
     from nanoforge.data.shards import read_manifest
     path = Path(run)
@@ -55,7 +56,8 @@ def own_validation_data(run) -> Path | None:
         path = path.parent.parent
     try:
         data = load_toml(path / "config.toml").get("run", {}).get("data")
-        if data and read_manifest(data)["splits"]["val"]["tokens"] > 0:
+        manifest = read_manifest(data) if data else None
+        if manifest and manifest["kind"] in ("pretrain", "sft") and manifest["splits"]["val"]["tokens"] > 0:
             return Path(data)
     except (NanoforgeError, OSError, KeyError, TypeError):
         pass
