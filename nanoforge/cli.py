@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
     pre.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     pre.add_argument("--tokenizer", metavar="DIR", help="tokenizer for raw JSONL (default: train one on the data)")
+    pre.add_argument("--init", metavar="RUN_OR_CHECKPOINT",
+                     help="continue pretraining from this run, checkpoint or HF model directory (its shape and "
+                          "tokenizer; a fresh optimizer and schedule) instead of random weights")
     pre.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(pre)
 
@@ -290,10 +293,10 @@ def run(args: argparse.Namespace) -> int:
                         workers=args.workers, skip_invalid=args.skip_invalid, force=args.force)
     elif args.command == "pretrain":
         from nanoforge.train.stages import pretrain
-        preset = args.preset or (None if (args.config or args.resume) else "mini")
+        preset = args.preset or (None if (args.config or args.resume or args.init) else "mini")
         summary = pretrain(args.data, args.out, preset=preset, config_file=args.config,
                            overrides=config_overrides(args), resume=args.resume, tokenizer=args.tokenizer,
-                           quiet=args.quiet)
+                           quiet=args.quiet, init=args.init)
         print(f"pretrain finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
     elif args.command == "sft":
         from nanoforge.train.stages import sft
