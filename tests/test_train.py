@@ -95,7 +95,7 @@ def test_accumulation_matches_one_big_batch(pretrain_dir, tmp_path):
         assert x == pytest.approx(y, rel=1e-5)
     a, b = weights(tmp_path / "big"), weights(tmp_path / "acc")
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)  # Adam normalises: summation-order noise
 
 
 def test_accumulation_normalises_over_whole_batch_with_uneven_masks(tmp_path, monkeypatch):
