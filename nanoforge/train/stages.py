@@ -230,49 +230,34 @@ def pretrain(data: Sequence[str], out: str | Path, preset: str | None = None, co
 
     saved = load_toml(Path(out) / "config.toml").get("run", {}) if resume and (Path(out) / "config.toml").is_file() \
         else {}
-    if init or saved.get("init"):
+    init_path = None
+    if init or saved.get("init"):  # continued pretraining: the fine-tuning plumbing, TrainConfig's defaults
         if preset:
             raise NanoforgeError("--preset with --init: the model's shape comes from --init; drop --preset")
         if tokenizer:
             raise NanoforgeError("--tokenizer with --init: the tokenizer is --init's; drop --tokenizer")
-        return _continue_pretraining(init, data, out, config_file, overrides or {}, resume, quiet)
-
-    run_dir, mcfg, tcfg, saved_run, explicit = open_run(out, resume, preset, config_file, overrides or {})
-    prompts = sample_prompts(tcfg)
-    data_dir = saved_data_dir(saved_run, run_dir) if resume and saved_run.get("data") and not data else \
-        resolve_data("pretrain", data, run_dir, tokenizer, mcfg, tcfg, quiet)
-    tok = load_tokenizer(data_dir / "tokenizer")
-    fit_vocab(mcfg, tok, explicit)
-    fit_micro_batch(mcfg, tcfg)  # --micro-batch auto|N: before any batch source is sized
+        run_dir, mcfg, tcfg, run_info, init_path, tok, data_dir = finetune_setup(
+            "pretrain", init, data, out, config_file, dict(overrides or {}), resume, quiet, {})
+        prompts = sample_prompts(tcfg)
+    else:
+        run_dir, mcfg, tcfg, saved_run, explicit = open_run(out, resume, preset, config_file, overrides or {})
+        prompts = sample_prompts(tcfg)  # a bad prompts file stops the run before data is prepared
+        data_dir = saved_data_dir(saved_run, run_dir) if resume and saved_run.get("data") and not data else \
+            resolve_data("pretrain", data, run_dir, tokenizer, mcfg, tcfg, quiet)
+        tok = load_tokenizer(data_dir / "tokenizer")
+        fit_vocab(mcfg, tok, explicit)
+        fit_micro_batch(mcfg, tcfg)  # --micro-batch auto|N: before any batch source is sized
+        run_info = {"stage": "pretrain", "data": str(data_dir.resolve()), "tokenizer": "tokenizer"}
     batches, val_batches, val_bpt = lm_batches(data_dir, tcfg, tok, quiet)
     if batches.shards.kind != "pretrain":
         raise NanoforgeError(f"{data_dir}: prepared as {batches.shards.kind!r} data, "
                              f"but pretrain needs --kind pretrain")
-
-    run_info = {"stage": "pretrain", "data": str(data_dir.resolve()), "tokenizer": "tokenizer"}
-    copy_tokenizer(data_dir / "tokenizer", run_dir)
-    write_run_config(run_dir, mcfg, tcfg, run_info)
+    if init_path is None:
+        copy_tokenizer(data_dir / "tokenizer", run_dir)
+        write_run_config(run_dir, mcfg, tcfg, run_info)
     torch.manual_seed(tcfg.seed)  # the initial weights are part of what the seed fixes
     model = GPT(mcfg)
-    stage = Stage("pretrain", batches, causal_lm_loss, val_batches, val_bpt, run_info,
-                  sampler=make_sampler(run_dir, tcfg, tok, prompts, chat=False))
-    return train_and_report(stage, model, mcfg, tcfg, run_dir, resume, quiet)
-
-
-def _continue_pretraining(init: str | None, data: Sequence[str], out: str | Path, config_file: str | None,
-                          overrides: dict[str, Any], resume: bool, quiet: bool) -> dict[str, Any]:
-    """`pretrain --init`: the fine-tuning plumbing (shape, tokenizer and weights of --init, data prepared with
-    that tokenizer) with the pretraining objective and TrainConfig's defaults."""
-    from nanoforge.model.gpt import GPT
-    run_dir, mcfg, tcfg, run_info, init_path, tok, data_dir = finetune_setup(
-        "pretrain", init, data, out, config_file, dict(overrides), resume, quiet, {})
-    prompts = sample_prompts(tcfg)
-    batches, val_batches, val_bpt = lm_batches(data_dir, tcfg, tok, quiet)
-    if batches.shards.kind != "pretrain":
-        raise NanoforgeError(f"{data_dir}: prepared as {batches.shards.kind!r} data, "
-                             f"but pretrain needs --kind pretrain")
-    model = GPT(mcfg)
-    if not resume:
+    if init_path is not None and not resume:
         model.load_weights(init_weights(init_path))
     stage = Stage("pretrain", batches, causal_lm_loss, val_batches, val_bpt, run_info,
                   sampler=make_sampler(run_dir, tcfg, tok, prompts, chat=False))
