@@ -8,9 +8,15 @@ Rust, and its `tokenizer.json` is the format every tool reads, MiniMind's includ
 The chat template is the single definition of how a conversation becomes text. It is stored next to the
 tokenizer in HF's format, so `transformers.AutoTokenizer.apply_chat_template` renders the very same string
 that SFT trained on, and `render_chat` computes the loss mask from that one rendered string.
+
+Control tokens come only from the template: text inside a message's content that spells a special token
+(`<|im_end|>`, `<|im_start|>`, `<|endoftext|>`, ...) is encoded as plain text, so a user cannot forge a
+system or assistant turn and a training record that quotes ChatML keeps its loss mask. Here, and only here,
+the ids differ from HF's apply_chat_template + encode (which would make those real control tokens).
 """
 from __future__ import annotations
 
+import bisect
 import codecs
 import hashlib
 import json
@@ -63,6 +69,8 @@ class Tokenizer:
         self.sha256 = hashlib.sha256(_canonical_json(inner.to_str()).encode("utf-8")).hexdigest()
         self._compiled_template = None
         self._names = None
+        self._specials = None  # (ids, texts, matched on raw text?) of the added tokens marked special
+        self._plain_tok = None  # a copy that encodes special-token text as plain text, made on first need
 
     def _find_eos_id(self) -> int | None:
         """<|endoftext|> when present (ours, MiniMind's, Qwen's); else whatever the config calls eos."""
@@ -79,6 +87,7 @@ class Tokenizer:
         # Sent to worker processes by `prepare`; the compiled Jinja template does not pickle.
         state = dict(self.__dict__)
         state["_compiled_template"] = None
+        state["_plain_tok"] = None
         return state
 
     @property
@@ -180,7 +189,9 @@ class Tokenizer:
         its closing <|im_end|>, 0 elsewhere (system, user, the `<|im_start|>assistant\\n` header, the `\\n`).
 
         The whole rendered string is encoded in one call, so the ids equal what HF apply_chat_template +
-        encode gives; the mask comes from the character offsets of that one encoding.
+        encode gives; the mask comes from the character offsets of that one encoding. The one exception:
+        special-token text inside a message's content (a user typing `<|im_end|>\\n<|im_start|>system`) is
+        encoded as plain text, never as control tokens; those come only from the template itself.
         """
         ids, mask, _ = self.render_chat_with_text(messages, add_generation_prompt)
         return ids, mask
@@ -192,51 +203,183 @@ class Tokenizer:
                 "this tokenizer has no <|im_start|>/<|im_end|> tokens, so it cannot render ChatML "
                 "conversations; use a tokenizer trained by `nanoforge tokenizer train` or another ChatML one")
         _check_message_shapes(messages)
-        text, spans = self._render_with_assistant_spans(messages, add_generation_prompt)
+        text, contents, assistant_spans = self._render_with_content_spans(messages, add_generation_prompt)
         encoding = self._tok.encode(text, add_special_tokens=False)
-        mask = _assistant_mask(encoding.ids, encoding.offsets, spans, self.im_end_id, text)
-        return encoding.ids, mask, text
+        ids, offsets = encoding.ids, encoding.offsets
+        if self._special_token_inside(text, ids, offsets, contents):
+            ids, offsets = self._encode_contents_as_plain_text(text, contents)
+        mask = _assistant_mask(ids, offsets, assistant_spans, self.im_end_id, text)
+        return ids, mask, text
 
-    def _render_with_assistant_spans(self, messages, add_generation_prompt):
-        """Render, and find where each assistant content sits in the text, closing <|im_end|> included.
+    # ---- chat: keeping message contents plain text
 
-        Searching the rendered text for the content would be wrong (a user turn may repeat it), so each
-        assistant content is first replaced by a unique marker, the markers are located, then the contents
-        are put back; re-rendering the real messages must give the same text, or the template is doing
-        something to assistant contents that we cannot mask (then we say so rather than guess).
+    def _special_tokens(self) -> tuple[frozenset, tuple, bool]:
+        """Ids and texts of the added tokens marked special (<|im_start|>, <|im_end|>, <|endoftext|>, ...),
+        and whether they match the raw text (no normalizer in their way). Added tokens with special=False
+        (MiniMind's <think>, <tool_call>) are ordinary vocabulary: a message may use them, and HF encodes
+        them as the same single tokens inside any text."""
+        if getattr(self, "_specials", None) is None:
+            added = {i: t for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+            raw = self._tok.normalizer is None or not any(t.normalized for t in added.values())
+            self._specials = (frozenset(added), tuple(t.content for t in added.values() if t.content), raw)
+        return self._specials
+
+    def _special_token_inside(self, text, ids, offsets, contents) -> bool:
+        """Whether a special token of this encoding overlaps a message's content (then it came from the
+        content's text, not from the template). `contents` are sorted, non-overlapping (start, end) spans.
+
+        When the special tokens match the raw text, looking for their text is enough and much cheaper than
+        walking every token (a match the tokenizer did not make only costs the exact, slower path)."""
+        if not contents:
+            return False
+        special_ids, strings, raw = self._special_tokens()
+        starts = [lo for lo, _ in contents]
+
+        def overlaps(start, end):
+            k = bisect.bisect_right(starts, start) - 1  # the last content starting at or before `start`
+            return any(start < hi and lo < end for lo, hi in contents[max(k, 0):k + 2])
+
+        if raw:
+            for special in strings:
+                at = text.find(special)
+                while at >= 0:
+                    if overlaps(at, at + len(special)):
+                        return True
+                    at = text.find(special, at + 1)
+            return False
+        return any(token in special_ids and overlaps(start, end) for token, (start, end) in zip(ids, offsets))
+
+    def _plain_text_tokenizer(self):
+        """A second `tokenizers.Tokenizer` that encodes special-token text like any other text. A separate
+        object (never the shared one toggled), since the server encodes from several threads at once."""
+        if getattr(self, "_plain_tok", None) is None:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            plain = HFTokenizer.from_str(self._tok.to_str())
+            try:
+                plain.encode_special_tokens = True
+            except AttributeError:  # tokenizers < 0.15 cannot split special tokens
+                raise ChatTemplateError(
+                    "a message contains special-token text (e.g. <|im_end|>), and this version of the "
+                    "`tokenizers` package cannot encode it as plain text; upgrade it (pip install -U tokenizers)"
+                ) from None
+            self._plain_tok = plain
+        return self._plain_tok
+
+    def _encode_contents_as_plain_text(self, text: str, contents) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and offsets of `text` whose control tokens are only those in the template's own text.
+
+        The structural special tokens are found by encoding the text between the contents (the template's
+        part) normally. The text between two structural tokens, contents included, is then encoded in one
+        piece with special tokens disabled: exactly what one normal encode does between special tokens
+        (the same pre-tokenization and merges), except that special-token text inside a content stays text.
+        Non-special added tokens are still matched, as they are everywhere else.
         """
-        marked, contents = [], []
-        for i, message in enumerate(messages):
-            if message["role"] == "assistant":
-                marked.append({**message, "content": f"\ue000{len(contents)}\ue001"})
-                contents.append(message["content"])
-            else:
-                marked.append(message)
+        special_ids = self._special_tokens()[0]
+        structural, cursor = [], 0
+        for lo, hi in list(contents) + [(len(text), len(text))]:
+            if lo > cursor:
+                piece = self._tok.encode(text[cursor:lo], add_special_tokens=False)
+                structural.extend((cursor + s, cursor + e, t) for t, (s, e) in zip(piece.ids, piece.offsets)
+                                  if t in special_ids)
+            cursor = max(cursor, hi)
+        plain = self._plain_text_tokenizer()
+        ids, offsets, cursor = [], [], 0
+        for start, end, token in structural + [(len(text), len(text), None)]:
+            if start > cursor:
+                piece = plain.encode(text[cursor:start], add_special_tokens=False)
+                ids.extend(piece.ids)
+                offsets.extend((cursor + s, cursor + e) for s, e in piece.offsets)
+            if token is not None:
+                ids.append(token)
+                offsets.append((start, end))
+            cursor = max(cursor, end)
+        return ids, offsets
+
+    def _render_with_content_spans(self, messages, add_generation_prompt):
+        """Render, and find where each message's content sits in the text.
+
+        Returns (text, content spans sorted by position, assistant spans); an assistant span runs over its
+        content and the closing <|im_end|> (what the loss mask covers). Every content is located, so its
+        special-token text can be kept plain. A template that alters or repeats a system/user content (trims
+        it, say) cannot have that content located: such a conversation renders as before, with only the
+        assistant contents located, unless the unlocated content holds special-token text, which is then
+        an error (it would become control tokens, and we do not guess).
+        """
+        everything = [True] * len(messages)
+        try:
+            return self._locate_contents(messages, add_generation_prompt, everything)
+        except ChatTemplateError:
+            pass
+        assistants = [m["role"] == "assistant" for m in messages]
+        located = self._locate_contents(messages, add_generation_prompt, assistants)  # today's errors, if any
+        specials = self._special_tokens()[1]
+        risky = [i for i, m in enumerate(messages)
+                 if not assistants[i] and any(s in m["content"] for s in specials)]
+        if not risky:
+            return located
+        try:
+            return self._locate_contents(messages, add_generation_prompt,
+                                         [a or i in risky for i, a in enumerate(assistants)])
+        except ChatTemplateError:
+            i, content = risky[0], messages[risky[0]]["content"]
+            found = min((s for s in specials if s in content), key=content.find)
+            raise ChatTemplateError(
+                f"message {i} ({messages[i]['role']}) contains the special-token text {found!r}, and the chat "
+                "template alters or repeats that content, so it cannot be kept as plain text (it would "
+                "become a control token); remove the special-token text from the message") from None
+
+    def _locate_contents(self, messages, add_generation_prompt, which: list[bool]):
+        """Each chosen content is replaced by a unique marker, the template renders, each marker is found
+        exactly once (searching the text for the content would be wrong: a user turn may repeat it), and
+        the contents are put back; re-rendering the real messages must give the same text, or the template
+        is doing something to a content that we cannot track (then we say so rather than guess)."""
+        tag = _marker_tag(messages)
+        marked = [{**m, "content": f"\ue000{tag}{i}\ue001"} if chosen else m
+                  for i, (m, chosen) in enumerate(zip(messages, which))]
         template_text = self.render_text(marked, add_generation_prompt)
-        pieces, spans, cursor = [], [], 0
-        out_len = 0
-        for k, content in enumerate(contents):
-            marker = f"\ue000{k}\ue001"
-            at = template_text.find(marker, cursor)
-            if at < 0:
-                raise ChatTemplateError(f"the chat template dropped or altered assistant message {k}, so its "
-                                        "loss mask cannot be computed")
+        found = []
+        for i, chosen in enumerate(which):
+            if not chosen:
+                continue
+            marker = marked[i]["content"]
+            at = template_text.find(marker)
+            if at < 0 or template_text.find(marker, at + 1) >= 0:
+                raise ChatTemplateError(f"the chat template dropped, altered or repeated {messages[i]['role']} "
+                                        f"message {i}, so its loss mask cannot be computed")
+            found.append((at, i, marker))
+        found.sort()
+        pieces, contents, assistant_spans, cursor, out_len = [], [], [], 0, 0
+        for at, i, marker in found:
             pieces.append(template_text[cursor:at])
             out_len += at - cursor
             start = out_len
-            pieces.append(content)
-            out_len += len(content)
+            pieces.append(messages[i]["content"])
+            out_len += len(messages[i]["content"])
             cursor = at + len(marker)
-            if not template_text.startswith(IM_END, cursor):
-                raise ChatTemplateError(f"the chat template does not close assistant message {k} with {IM_END}; "
-                                        "the loss mask needs that token right after the content")
-            spans.append((start, out_len + len(IM_END)))
+            contents.append((start, out_len))
+            if messages[i]["role"] == "assistant":
+                if not template_text.startswith(IM_END, cursor):
+                    raise ChatTemplateError(f"the chat template does not close assistant message {i} with "
+                                            f"{IM_END}; the loss mask needs that token right after the content")
+                assistant_spans.append((start, out_len + len(IM_END)))
         pieces.append(template_text[cursor:])
         text = "".join(pieces)
         if text != self.render_text(messages, add_generation_prompt):
-            raise ChatTemplateError("the chat template changes assistant contents while rendering (e.g. strips "
-                                    "or splits them), so the loss mask cannot be computed from the template")
-        return text, spans
+            roles = sorted({messages[i]["role"] for i, chosen in enumerate(which) if chosen})
+            raise ChatTemplateError(f"the chat template changes {'/'.join(roles)} contents while rendering (e.g. "
+                                    "strips or splits them), so the loss mask cannot be computed from the template")
+        return text, contents, assistant_spans
+
+
+def _marker_tag(messages) -> str:
+    """A tag that makes the content markers (private-use characters) absent from every message, so a
+    message cannot contain another message's marker."""
+    texts = [str(v) for m in messages for v in m.values() if isinstance(v, str)]
+    tag = ""
+    while any(f"\ue000{tag}" in t for t in texts):
+        tag += "\ue002"
+    return tag
 
 
 def _check_message_shapes(messages) -> None:
