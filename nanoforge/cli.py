@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from nanoforge import __version__
@@ -123,10 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     lora.add_argument("--data", nargs="*", default=[], metavar="PATH",
                       help="a directory from `prepare --kind sft`, or conversation JSONL files")
     lora.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    lora.add_argument("--rank", type=int, default=16, help="adapter rank")
-    lora.add_argument("--alpha", type=float, default=32.0, help="adapter scale numerator (scale = alpha / rank)")
-    lora.add_argument("--dropout", type=float, default=0.05, help="dropout on the adapters' input")
-    lora.add_argument("--targets", default="q,k,v,o,gate,up,down", help="linear layers to adapt")
+    # default None: a --resume can tell a given option from an omitted one (defaults are LoraConfig's)
+    lora.add_argument("--rank", type=int, help="adapter rank (default: 16)")
+    lora.add_argument("--alpha", type=float, help="adapter scale numerator, scale = alpha / rank (default: 32.0)")
+    lora.add_argument("--dropout", type=float, help="dropout on the adapters' input (default: 0.05)")
+    lora.add_argument("--targets", help="linear layers to adapt (default: q,k,v,o,gate,up,down)")
     lora.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     lora.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(lora, presets=False, exclude=("dropout",))
@@ -137,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     dpo.add_argument("--data", nargs="*", default=[], metavar="PATH",
                      help="a directory from `prepare --kind dpo`, or DPO JSONL files")
     dpo.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    dpo.add_argument("--beta", type=float, default=0.1, help="strength of the pull towards the reference")
+    dpo.add_argument("--beta", type=float, help="strength of the pull towards the reference (default: 0.1)")
     dpo.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     dpo.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(dpo, presets=False)
@@ -150,9 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--data", nargs="*", default=[], metavar="PATH",
                       help="pretraining or SFT data: a prepared directory or JSONL files")
     dist.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    dist.add_argument("--temperature", type=float, default=1.5, help="softening of both distributions")
-    dist.add_argument("--alpha", type=float, default=0.5, help="weight of the data's cross-entropy; "
-                      "1 - alpha weighs the KL to the teacher")
+    dist.add_argument("--temperature", type=float, help="softening of both distributions (default: 1.5)")
+    dist.add_argument("--alpha", type=float, help="weight of the data's cross-entropy; "
+                      "1 - alpha weighs the KL to the teacher (default: 0.5)")
     dist.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     dist.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(dist, presets=False)
@@ -311,7 +313,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"merged model written to {lora_merge(args.run, args.out)}")
             return 0
         from nanoforge.model.lora import LoraConfig
-        lcfg = LoraConfig(rank=args.rank, alpha=args.alpha, dropout=args.dropout, targets=args.targets)
+        from nanoforge.train.stages import check_resume_options
+        given = {k: v for k, v in dict(rank=args.rank, alpha=args.alpha, dropout=args.dropout,
+                                       targets=args.targets).items() if v is not None}
+        lcfg = LoraConfig(**given)
+        if args.resume:
+            check_resume_options(Path(args.out), {key: (f"--{key[5:]}", value) for key, value in lcfg.to_dict().items()
+                                                  if key[5:] in given})
         summary = sft(args.init, args.data, args.out, config_file=args.config, overrides=config_overrides(args),
                       resume=args.resume, quiet=args.quiet, lora=lcfg)
         print(f"lora finished at step {summary['step']}: adapters in {summary['checkpoint']}")

@@ -74,7 +74,7 @@ def test_resume_can_extend_a_finished_run(pretrain_dir, tmp_path):
     pretrain([str(pretrain_dir)], tmp_path / "r", preset="tiny", overrides={**FAST, "max_steps": 3}, quiet=True)
     s = pretrain([], tmp_path / "r", overrides={"max_steps": 5}, resume=True, quiet=True)
     assert s["step"] == 5 and [st for st, _ in losses(tmp_path / "r")] == [1, 2, 3, 4, 5]
-    with pytest.raises(NanoforgeError, match="model shape .* is fixed; drop --d-model"):
+    with pytest.raises(NanoforgeError, match=r"another model shape .*d_model saved 32, requested 64 \(by --d-model\)"):
         pretrain([], tmp_path / "r", overrides={"d_model": 64}, resume=True, quiet=True)
 
 

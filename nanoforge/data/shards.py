@@ -53,6 +53,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from nanoforge import dirlock
 from nanoforge.data.jsonl import DataError, SkipCounter, check_input_file, parse_line
 from nanoforge.errors import NanoforgeError
 from nanoforge.fsutil import fsync_dir
@@ -102,6 +103,17 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
     paths = [check_input_file(f) for f in files]
     out_dir = Path(out_dir)
     _check_out_dir(out_dir, force)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # one prepare per --out at a time: a second one stops here, naming the first, before writing anything
+    with dirlock.acquire(out_dir.parent / f".{out_dir.name}.lock", f"{out_dir} (being prepared)",
+                         unlink_on_release=True):
+        _check_out_dir(out_dir, force)  # again: a prepare that held the lock until now may have filled it
+        return _prepare_locked(kind, paths, tokenizer, out_dir, val_fraction, workers, skip_invalid, force, log,
+                               chunk_bytes, max_shard_tokens, started)
+
+
+def _prepare_locked(kind, paths, tokenizer, out_dir: Path, val_fraction, workers, skip_invalid, force, log,
+                    chunk_bytes, max_shard_tokens, started) -> dict:
     workers = workers or os.cpu_count() or 1
     # no more processes than chunks: starting a worker costs ~0.5 s, more than a small input takes
     workers = max(1, min(workers, math.ceil(sum(p.stat().st_size for p in paths) / chunk_bytes)))
@@ -110,7 +122,6 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     writers = {}
     try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()

@@ -12,8 +12,9 @@ from typing import Any, Sequence
 
 import torch
 
-from nanoforge.config import (ConfigError, ModelConfig, TrainConfig, build_config, config_dicts, config_to_toml,
-                              load_toml)
+from nanoforge import dirlock
+from nanoforge.config import (MODEL_FIELDS, PRESETS, ConfigError, ModelConfig, TrainConfig, build_config,
+                              config_dicts, config_to_toml, load_toml)
 from nanoforge.errors import NanoforgeError
 from nanoforge.plan import fit_micro_batch
 from nanoforge.train import checkpoint as ckpt
@@ -21,9 +22,16 @@ from nanoforge.train.loop import Stage, TrainingInterrupted, train
 from nanoforge.train.objectives import causal_lm_loss
 
 
+RUN_LOCK = ".lock"  # in a run directory: held by the one process training into it (nanoforge/dirlock.py)
+
+
 def fresh_run_guard(stage_fn):
-    """Nothing half-written: if a stage fails before training began (bad data, a wrong --init, a config
-    error) in a run directory this call created, remove the directory again."""
+    """One training process per run directory, and nothing half-written.
+
+    Before anything else the stage takes the run directory's lock (under torchrun only rank 0 takes it, once
+    for the run), so a second process on the same --out stops at once, naming the holder, with nothing changed.
+    If the stage then fails before training began (bad data, a wrong --init, a config error) in a run
+    directory that was empty when this call took it, the directory is removed again."""
     import functools
 
     from nanoforge.train.distributed import is_main
@@ -31,14 +39,26 @@ def fresh_run_guard(stage_fn):
     @functools.wraps(stage_fn)
     def guarded(*args, **kwargs):
         out = Path(kwargs["out"] if "out" in kwargs else args[list(inspect.signature(stage_fn).parameters).index("out")])
-        existed = out.exists() and any(out.iterdir())
+        lock = lock_run_directory(out) if is_main() else None
+        existed = out.is_dir() and any(p.name != RUN_LOCK for p in out.iterdir())
         try:
             return stage_fn(*args, **kwargs)
         except BaseException:
             if is_main() and not existed and out.is_dir() and not (out / "metrics.jsonl").exists():
                 shutil.rmtree(out, ignore_errors=True)
             raise
+        finally:
+            if lock is not None:
+                lock.release()
     return guarded
+
+
+def lock_run_directory(out: Path) -> dirlock.DirLock:
+    """Create `out` if needed and take its lock (DirectoryBusy names the process that holds it)."""
+    if out.exists() and not out.is_dir():
+        raise NanoforgeError(f"{out}: exists and is not a directory; choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    return dirlock.acquire(out / RUN_LOCK, f"run directory {out}")
 
 
 def open_run(out: str | Path, resume: bool, preset: str | None, config_file: str | None,
@@ -51,10 +71,8 @@ def open_run(out: str | Path, resume: bool, preset: str | None, config_file: str
         if not (run_dir / "config.toml").is_file():
             raise NanoforgeError(f"--resume: {run_dir} is not a run directory (no config.toml)")
         saved = load_toml(run_dir / "config.toml")
-        changed = [k for k in overrides if k in saved.get("model", {}) and overrides[k] != saved["model"][k]]
-        if changed or preset:
-            raise NanoforgeError(f"--resume: the model shape of {run_dir} is fixed; drop "
-                                 + ", ".join(f"--{k.replace('_', '-')}" for k in changed or ["preset"]))
+        check_resume_shape(run_dir, saved.get("model", {}), preset, config_file, overrides)
+        preset = None  # it asked for the saved shape; its [train] defaults must not undo the run's own settings
     elif ckpt.list_checkpoints(run_dir):  # (a kill during the first save leaves only .tmp-*: a fresh start)
         raise NanoforgeError(f"{run_dir} already holds a run; add --resume to continue it, or choose another --out")
     mcfg, tcfg = build_config(preset, config_file, overrides, base=saved)
@@ -62,6 +80,68 @@ def open_run(out: str | Path, resume: bool, preset: str | None, config_file: str
     if config_file:
         explicit |= set(load_toml(config_file).get("model", {}))
     return run_dir, mcfg, tcfg, (saved or {}).get("run", {}), explicit
+
+
+# Model fields a preset's defaults do not pin on --resume: a fresh run fits vocab_size to the tokenizer, and the
+# others do not change the shape. Given explicitly (a flag or a [model] key) they are compared like the rest.
+FITTED_OR_REGULARISING = {"vocab_size", "dropout", "moe_aux_weight", "init_std"}
+
+
+def check_resume_shape(run_dir: Path, saved_model: dict[str, Any], preset: str | None, config_file: str | None,
+                       overrides: dict[str, Any]) -> None:
+    """--resume accepts the command that started the run: a --preset, a --config [model] or a model flag that
+    asks for the saved shape is fine; each real difference is named with its saved and requested values."""
+    requested = requested_model_fields(preset, config_file, overrides)
+    diffs = [f"{key} saved {saved_model[key]!r}, requested {value!r} (by {source})"
+             for key, (value, source) in requested.items() if key in saved_model and saved_model[key] != value]
+    if diffs:
+        raise NanoforgeError(f"--resume: {run_dir} was trained with another model shape than this command asks "
+                             f"for: {'; '.join(diffs)}. A run's shape is fixed: drop or correct those options "
+                             "(--resume alone uses the saved config), or choose another --out")
+
+
+def requested_model_fields(preset: str | None, config_file: str | None,
+                           overrides: dict[str, Any]) -> dict[str, tuple[Any, str]]:
+    """The model fields a command line asks for, each with the option that asked: a preset stands for its whole
+    shape (defaults included), then the --config file's [model], then the flags."""
+    import dataclasses
+    fields: dict[str, tuple[Any, str]] = {}
+    if preset:
+        explicit = PRESETS[preset]["model"] if preset in PRESETS else {}
+        for key, value in dataclasses.asdict(build_config(preset)[0]).items():
+            if key in explicit or key not in FITTED_OR_REGULARISING:
+                fields[key] = (value, f"--preset {preset}")
+    if config_file:
+        fields.update({k: (v, f"--config {config_file}") for k, v in load_toml(config_file).get("model", {}).items()})
+    fields.update({k: (v, f"--{k.replace('_', '-')}") for k, v in overrides.items() if k in MODEL_FIELDS})
+    return fields
+
+
+def check_same_origin(run_dir: Path, flag: str, given: str | None, saved: str | None) -> None:
+    """--resume with the --init (or --teacher) that started the run. The run saved the checkpoint it resolved
+    then; the same run directory given again may hold newer checkpoints since, and still names that one."""
+    if not given or not saved:
+        return
+    if saved.startswith("preset:"):
+        same = given == saved.split(":", 1)[1]
+    else:
+        given_path, saved_path = Path(given).resolve(), Path(saved)
+        same = given_path == saved_path or given_path in saved_path.parents
+    if not same:
+        raise NanoforgeError(f"--resume: {run_dir} started from {flag} {saved} (its config.toml), but this command "
+                             f"gives {flag} {given}; drop {flag} (the run keeps its own) or give the same one")
+
+
+def check_resume_options(run_dir: Path, requested: dict[str, tuple[str, Any]]) -> None:
+    """--resume with the stage's own options ({[run] key: (flag, value)}; None where the flag was not given):
+    the saved value is kept, an equal one is fine, a different one is an error naming both."""
+    path = Path(run_dir) / "config.toml"
+    saved = load_toml(path).get("run", {}) if path.is_file() else {}
+    diffs = [f"{flag} saved {saved[key]!r}, requested {value!r}" for key, (flag, value) in requested.items()
+             if value is not None and key in saved and saved[key] != value]
+    if diffs:
+        raise NanoforgeError(f"--resume: {run_dir} was started with other options: {'; '.join(diffs)}. A run keeps "
+                             "its own: drop them (--resume alone uses the saved ones), or choose another --out")
 
 
 def fit_vocab(mcfg: ModelConfig, tokenizer, explicit: set[str]) -> None:
@@ -370,6 +450,7 @@ def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str |
         run_dir, mcfg, tcfg, saved_run, _ = open_run(out, True, None, config_file, overrides)
         if saved_run.get("stage") != stage:
             raise NanoforgeError(f"--resume: {run_dir} is a {saved_run.get('stage')!r} run, not {stage}")
+        check_same_origin(run_dir, "--init", init, saved_run.get("init"))
         init_path, tokenizer_dir = Path(saved_run["init"]), run_dir / "tokenizer"
         run_info = saved_run
     else:
@@ -477,12 +558,13 @@ def lora_merge(run: str | Path, out: str | Path, force: bool = False) -> Path:
 
 # MiniMind's DPO default (lr 4e-8) leaves the loss at log 2 (its users' reports); measured on the tiny preset,
 # held-out margin and accuracy move from lr 1e-4 up (see docs/perf.md). The SFT rate is a safe middle here.
+DPO_BETA = 0.1  # strength of the pull towards the reference
 DPO_DEFAULTS = {**SFT_DEFAULTS, "lr": 5e-5, "warmup_steps": 10, "max_steps": 300, "batch_size": 8}
 
 
 @fresh_run_guard
 def dpo(init: str | None, data: Sequence[str], out: str | Path, config_file: str | None = None,
-        overrides: dict[str, Any] | None = None, resume: bool = False, beta: float = 0.1,
+        overrides: dict[str, Any] | None = None, resume: bool = False, beta: float | None = None,
         quiet: bool = False) -> dict[str, Any]:
     """`nanoforge dpo`: direct preference optimisation on chosen/rejected pairs. The reference model is the
     --init model; its log-probabilities are computed once, before training, and cached in the run."""
@@ -494,7 +576,9 @@ def dpo(init: str | None, data: Sequence[str], out: str | Path, config_file: str
     from nanoforge.train.objectives import dpo_loss
 
     if resume and (Path(out) / "config.toml").is_file():
+        check_resume_options(Path(out), {"beta": ("--beta", beta)})
         beta = load_toml(Path(out) / "config.toml").get("run", {}).get("beta", beta)
+    beta = DPO_BETA if beta is None else beta
     if beta <= 0:
         raise NanoforgeError(f"--beta {beta} must be > 0")
     run_dir, mcfg, tcfg, run_info, init_path, tok, data_dir = finetune_setup(
@@ -531,13 +615,15 @@ def dpo(init: str | None, data: Sequence[str], out: str | Path, config_file: str
     return train_and_report(stage, model, mcfg, tcfg, run_dir, resume, quiet)
 
 
+DISTILL_TEMPERATURE, DISTILL_ALPHA = 1.5, 0.5  # softening of both distributions; weight of the data's own loss
+
+
 @fresh_run_guard
 def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str | Path,
             config_file: str | None = None, overrides: dict[str, Any] | None = None, resume: bool = False,
-            temperature: float = 1.5, alpha: float = 0.5, quiet: bool = False) -> dict[str, Any]:
+            temperature: float | None = None, alpha: float | None = None, quiet: bool = False) -> dict[str, Any]:
     """`nanoforge distill`: train a student (a run, or a fresh model of a preset) to match a teacher's
     softened distributions on the data's supervised positions, mixed with the data's own cross-entropy."""
-    from nanoforge.config import PRESETS
     from nanoforge.model.gpt import GPT
     from nanoforge.train import checkpoint as ckpt
     from nanoforge.train.objectives import make_distill_loss
@@ -545,8 +631,12 @@ def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str
     overrides = dict(overrides or {})
     if resume:
         saved = load_toml(Path(out) / "config.toml").get("run", {}) if (Path(out) / "config.toml").is_file() else {}
+        check_same_origin(Path(out), "--teacher", teacher, saved.get("teacher"))
+        check_resume_options(Path(out), {"temperature": ("--temperature", temperature), "alpha": ("--alpha", alpha)})
         teacher = saved.get("teacher", teacher)
         temperature, alpha = saved.get("temperature", temperature), saved.get("alpha", alpha)
+    temperature = DISTILL_TEMPERATURE if temperature is None else temperature
+    alpha = DISTILL_ALPHA if alpha is None else alpha
     if not teacher:
         raise NanoforgeError("--teacher is required: the run or checkpoint to distill from")
     if temperature <= 0 or not 0 <= alpha <= 1:
