@@ -151,7 +151,7 @@ def naive_loop(model: torch.nn.Module, source, steps: int, device: torch.device,
 def bench_naive(mcfg, tcfg, steps: int, warmup: int) -> dict[str, Any]:
     """The naive loop on the same model shape and micro-batch; medians over the last `steps`."""
     from nanoforge.model.gpt import GPT
-    from nanoforge.train.loop import resolve_device
+    from nanoforge.device import resolve_device
     from nanoforge.train.metrics import peak_memory_bytes
 
     device = resolve_device(tcfg.device)

@@ -313,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"merged model written to {lora_merge(args.run, args.out)}")
             return 0
         from nanoforge.model.lora import LoraConfig
-        from nanoforge.train.stages import check_resume_options
+        from nanoforge.train.rundir import check_resume_options
         given = {k: v for k, v in dict(rank=args.rank, alpha=args.alpha, dropout=args.dropout,
                                        targets=args.targets).items() if v is not None}
         lcfg = LoraConfig(**given)

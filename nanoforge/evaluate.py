@@ -67,7 +67,7 @@ def own_validation_data(run) -> Path | None:
 def _load_run(run, device: str):
     """`run` is a run/checkpoint/HF directory, or an already loaded (model, tokenizer) pair (tests, training)."""
     from nanoforge.train.checkpoint import load_model
-    from nanoforge.train.loop import resolve_device
+    from nanoforge.device import resolve_device
 
     dev = resolve_device(device)
     if isinstance(run, tuple):
@@ -203,7 +203,7 @@ def _score_rows(model, rows: Iterable[tuple[np.ndarray, np.ndarray]], batch_size
     """Sum of next-token NLL over all labelled positions of `rows` (right-padded into batches; padding comes
     after the real tokens, so causal attention never sees it). Returns the totals and whether max_tokens cut
     the data short."""
-    from nanoforge.train.loop import autocast_context
+    from nanoforge.device import autocast_context
 
     totals = _Totals()
     batch: list[tuple[np.ndarray, np.ndarray]] = []
@@ -267,7 +267,7 @@ def evaluate_data(run, data_paths, batch_size: int = 8, seq_len: int | None = No
     `log` and returns the numbers.
     """
     from nanoforge.data.shards import TokenShards, check_tokenizer, prepare_dataset, read_manifest
-    from nanoforge.train.stages import data_kind
+    from nanoforge.train.rundir import data_kind
 
     _check_precision(precision)
     if batch_size < 1:
@@ -559,7 +559,7 @@ def _option_logprobs(model, sequences: list[tuple[list[int], list[int]]], batch_
                      precision: str, progress: _Progress) -> list[float]:
     """Sum of log p(option tokens | context) for each (context ids, option ids). Sequences longer than the
     model's window lose their oldest context tokens (the option is always kept whole when it fits)."""
-    from nanoforge.train.loop import autocast_context
+    from nanoforge.device import autocast_context
 
     window = _context_length(model)
     prepared = []

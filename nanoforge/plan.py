@@ -163,7 +163,7 @@ def fit_micro_batch(mcfg: ModelConfig, tcfg: TrainConfig, log=print, rows_per_it
         why = "as given by --micro-batch"
     else:
         from nanoforge.train import distributed
-        from nanoforge.train.loop import resolve_device
+        from nanoforge.device import resolve_device
         device = distributed.setup(resolve_device(tcfg.device))  # under torchrun: this rank's GPU
         if device.type == "cuda":
             micro, why = probe_cuda(mcfg, tcfg, device, global_batch, rows_per_item, loss_fn)
@@ -192,7 +192,7 @@ def largest_divisor_at_most(n: int, limit: int) -> int:
 
 def _probe_step(model, optimizer, tcfg: TrainConfig, device: torch.device, batch: int, loss_fn=None) -> None:
     """One real training step at `batch`: forward under the run's precision, backward, optimizer step."""
-    from nanoforge.train.loop import autocast_context
+    from nanoforge.device import autocast_context
     from nanoforge.train.objectives import causal_lm_loss
     ids = torch.randint(0, model.cfg.vocab_size, (batch, tcfg.seq_len + 1), device=device)  # (B, T+1)
     with autocast_context(device, tcfg.precision):

@@ -249,3 +249,37 @@ def test_lora_runs_through_the_training_loop_with_adapter_only_checkpoints(tmp_p
     save_file(base_model(seed=5).state_dict_for_save(), str(other))
     with pytest.raises(NanoforgeError, match="adapter was trained on base"):
         load_adapter_checkpoint(tmp_path / "straight", base=other)
+
+
+def test_lora_run_recomputes_blocks_under_activation_checkpointing(tmp_path):
+    """The loop's --activation-checkpointing reaches the GPT inside the LoRA wrapper: every block runs twice per
+    step (forward, then the recompute in backward), and the adapters end equal to a run without it."""
+    base = base_model()
+    base_file = tmp_path / "base.safetensors"
+    save_file(base.state_dict_for_save(), str(base_file))
+    calls, adapters = {}, {}
+    for on in (False, True):
+        mcfg = ModelConfig(**TINY)
+        tcfg = TrainConfig(max_steps=2, seq_len=16, batch_size=2, lr=1e-2, warmup_steps=1, precision="fp32",
+                           device="cpu", eval_every=0, log_every=1, save_every=0, tensorboard=False,
+                           activation_checkpointing=on)
+        torch.manual_seed(0)  # the same adapter initialisation both times
+        gpt = GPT(mcfg)
+        gpt.load_weights(load_file(str(base_file)))
+        model = LoraModel(gpt, LoraConfig(rank=4, dropout=0.1))
+        count = []
+        gpt.model.layers[0].register_forward_pre_hook(lambda *a: count.append(1))  # recompute re-enters it
+        train(Stage("lora", ToyBatches(mcfg.vocab_size), causal_lm_loss), model, mcfg, tcfg, tmp_path / str(on),
+              quiet=True)
+        calls[on], adapters[on] = len(count), lora_state_dict(model)
+    assert calls == {False: 2, True: 4}
+    for k, v in adapters[False].items():
+        torch.testing.assert_close(adapters[True][k], v, rtol=0, atol=1e-6)
+
+
+def test_a_model_without_the_training_interface_is_refused(tmp_path):
+    mcfg = ModelConfig(**TINY)
+    tcfg = TrainConfig(max_steps=1, seq_len=16, batch_size=2, device="cpu", tensorboard=False)
+    with pytest.raises(NanoforgeError, match="Linear cannot be trained by this loop: a model must offer "
+                                             "activation_checkpointing, flops_per_token"):
+        train(Stage("x", ToyBatches(mcfg.vocab_size), causal_lm_loss), torch.nn.Linear(2, 2), mcfg, tcfg, tmp_path)

@@ -96,7 +96,7 @@ def compute_reference_logps(model: nn.Module, shards: TokenShards, batch_size: i
     """(num_docs,) float32: for every conversation of `shards`, the sum of log-probabilities the model gives
     its final reply (the masked tokens). NaN for the documents of pairs that do not fit seq_len (never used).
     Conversations go through the model `batch_size` at a time, sorted by length so padding stays small."""
-    from nanoforge.train.loop import autocast_context
+    from nanoforge.device import autocast_context
 
     _check_dpo_shards(shards)
     device = torch.device(device)

@@ -190,7 +190,7 @@ def run_chat(run_dir, temperature: float = DEFAULT_TEMPERATURE, top_k: int = DEF
     """`nanoforge chat RUN`: load the run's latest checkpoint (or a checkpoint directory) and chat on the
     terminal; with piped standard input, answer it once and return."""
     from nanoforge.train.checkpoint import load_model
-    from nanoforge.train.loop import resolve_device
+    from nanoforge.device import resolve_device
 
     cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                          max_new_tokens=max_new_tokens, seed=seed)
@@ -215,7 +215,7 @@ def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, tempe
     of a document (after <|endoftext|>). Streams each of num_samples continuations to `out`, the prompt first."""
     from nanoforge.infer.generate import stream
     from nanoforge.train.checkpoint import load_model
-    from nanoforge.train.loop import resolve_device
+    from nanoforge.device import resolve_device
 
     input_stream, out = input_stream or sys.stdin, out or sys.stdout
     if num_samples < 1 or max_new_tokens < 1:

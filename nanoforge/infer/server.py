@@ -597,7 +597,7 @@ def run_server(run_dir, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_
 
     from nanoforge.infer.chat import resolve_precision
     from nanoforge.train.checkpoint import load_model
-    from nanoforge.train.loop import resolve_device
+    from nanoforge.device import resolve_device
 
     if not isinstance(port, int) or not 1 <= port <= 65535:
         raise NanoforgeError(f"--port {port} must be between 1 and 65535")

@@ -333,6 +333,14 @@ class LoraModel(nn.Module):
     def cfg(self):
         return self.gpt.cfg
 
+    @property
+    def activation_checkpointing(self) -> bool:  # the GPT's own switch: its blocks are what is recomputed
+        return self.gpt.activation_checkpointing
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, on: bool) -> None:
+        self.gpt.activation_checkpointing = on
+
     def forward(self, *args, **kwargs) -> torch.Tensor:
         return self.gpt(*args, **kwargs)
 

@@ -14,57 +14,29 @@ batch B train exactly like one with batch N*B (train/distributed.py has the wrap
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
-from nanoforge import __version__
 from nanoforge.config import ModelConfig, TrainConfig, config_dicts
+from nanoforge.device import autocast_context, resolve_device
 from nanoforge.errors import NanoforgeError
+from nanoforge.model.interface import TRAINABLE_INTERFACE, TrainableModel
 from nanoforge.train import checkpoint as ckpt
 from nanoforge.train import distributed
+from nanoforge.train.guard import NonFiniteGuard
 from nanoforge.train.metrics import MetricsLog, observed_peak, peak_flops, peak_memory_bytes, progress_line
-from nanoforge.train.optim import build_optimizer, lr_at, set_lr
+from nanoforge.train.optim import build_optimizer, lr_at
+from nanoforge.train.stage import Batch, LossFn, Stage
+from nanoforge.train.state import Run, RunState, resume as resume_run, rollback, save
 
-Batch = dict[str, torch.Tensor]
-# (sum of per-token losses, number of supervised tokens, extra scalars to log)
-LossFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
-
-
-class BatchSource(Protocol):
-    def next_batch(self) -> Batch: ...
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-@dataclass
-class Stage:
-    """What makes a stage a stage: where batches come from and what loss they are trained on."""
-    name: str
-    train_batches: BatchSource
-    loss_fn: LossFn
-    # returns a fresh iterable of validation batches each time it is called; None disables validation
-    val_batches: Callable[[], Iterable[Batch]] | None = None
-    # UTF-8 bytes per token of the validation text, for bits per byte; None leaves val_bpb out
-    val_bytes_per_token: float | None = None
-    # extra sections saved in config.toml and state.json (data paths, tokenizer, stage options)
-    run_info: dict[str, Any] = field(default_factory=dict)
-    # what the step's loss is normalised by: supervised tokens for LM losses, pairs for DPO
-    count_fn: Callable[[Batch], torch.Tensor] = None  # type: ignore[assignment]
-    # called as sampler(model, step, log) every tcfg.sample_every steps on rank 0 with the plain (unwrapped,
-    # uncompiled) model in eval mode: generates and logs text samples
-    sampler: Callable[[nn.Module, int, Any], None] | None = None
-
-    def __post_init__(self):
-        if self.count_fn is None:
-            self.count_fn = count_supervised
+__all__ = ["Stage", "TrainingInterrupted", "evaluate", "train", "autocast_context", "resolve_device"]
 
 
 class TrainingInterrupted(NanoforgeError):
@@ -74,40 +46,6 @@ class TrainingInterrupted(NanoforgeError):
         self.signum = signum
         super().__init__(f"{signal.Signals(signum).name} received: checkpoint written to {checkpoint}; "
                          f"continue with --resume")
-
-
-def count_supervised(batch: Batch) -> torch.Tensor:
-    return (batch["labels"] != -100).sum()
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise NanoforgeError(f"--device {name!r} is not a device (auto, cpu, cuda, cuda:N, mps)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise NanoforgeError("--device cuda was asked for but CUDA is not available on this machine")
-    return device
-
-
-def autocast_context(device: torch.device, precision: str):
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def fallback_precision(device: torch.device) -> str:
-    """Where fp16 keeps overflowing: bf16 has fp32's range; fall back to fp32 where bf16 is not supported."""
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
-        return "fp32"
-    return "bf16"
 
 
 def parse_injections(spec: str) -> dict[str, set[int]]:
@@ -180,343 +118,305 @@ class _SignalFlag:
             signal.signal(sig, handler)
 
 
-def train(stage: Stage, model: nn.Module, mcfg: ModelConfig, tcfg: TrainConfig, run_dir: str | Path,
+@dataclass
+class _Window:
+    """What the progress line averages over the steps since it was last printed."""
+    loss: torch.Tensor
+    steps: torch.Tensor | int = 0  # steps whose loss counts (skipped ones do not)
+    tokens: int = 0
+    supervised: torch.Tensor | int = 0
+    n: int = 0
+    time: float = 0.0
+    phases: dict[str, float] = field(default_factory=lambda: {"data": 0.0, "fwd_bwd": 0.0, "optim": 0.0})
+
+
+class _Throughput:
+    """Loss, tokens/s, MFU and where the time went, over the steps since the last progress line."""
+
+    def __init__(self, device: torch.device, flops_per_token: float, peak: float):
+        self.device, self.flops_per_token, self.peak = device, flops_per_token, peak
+        self.window = _Window(torch.zeros((), device=device))
+        self.step_times: list[float] = []
+
+    def add(self, kept_loss, kept_steps, n_tokens: int, n_supervised, clock: _PhaseClock) -> None:
+        w = self.window
+        if kept_loss is not None:
+            w.loss += kept_loss
+            w.steps += kept_steps
+        dt = clock.total()
+        self.step_times.append(dt)
+        w.tokens, w.supervised, w.time, w.n = w.tokens + n_tokens, w.supervised + n_supervised, w.time + dt, w.n + 1
+        for phase, seconds in clock.phases.items():
+            w.phases[phase] += seconds
+
+    def take(self, run: Run) -> dict[str, Any]:
+        """The window's figures; starts a new window."""
+        w = self.window
+        tokens_per_s = w.tokens / max(w.time, 1e-9)
+        achieved = self.flops_per_token * tokens_per_s / run.world.world_size  # one process's, as the peak is
+        if self.peak and achieved > self.peak:  # the peak was under-measured: see observed_peak
+            run.log.print(f"step {run.state.step}: {achieved / 1e9:,.0f} GFLOP/s, above the measured peak of "
+                          f"{self.peak / 1e9:,.0f}; taking it as the peak")
+            self.peak = observed_peak(self.device, run.state.precision, self.peak, achieved)
+        values = {"loss": (w.loss / max(int(w.steps), 1)).item(), "tokens_per_s": tokens_per_s,
+                  "supervised_tokens_per_s": int(w.supervised) / max(w.time, 1e-9),
+                  "mfu": achieved / self.peak if self.peak else 0.0,  # never above 1: see observed_peak
+                  # where a step's time goes, ms per step (exact on CUDA only with --sync-timing)
+                  **{f"{k}_ms": 1e3 * v / w.n for k, v in w.phases.items()}}
+        self.window = _Window(torch.zeros((), device=self.device))
+        return values
+
+    def seconds_left(self, steps_left: int) -> float:
+        recent = sorted(self.step_times[-50:])
+        return recent[len(recent) // 2] * steps_left
+
+
+@dataclass
+class _Step:
+    """What one optimizer step leaves for the progress line and the stop decision."""
+    lr: float
+    grad_norm: torch.Tensor
+    extras: dict[str, torch.Tensor]
+    signum: int | None
+
+
+def train(stage: Stage, model: TrainableModel, mcfg: ModelConfig, tcfg: TrainConfig, run_dir: str | Path,
           resume: bool = False, quiet: bool = False) -> dict[str, Any]:
     """Run (or resume) a stage to tcfg.max_steps. Returns a summary of the run."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # Under torchrun: join the process group, this rank's device, and the model wrapped in DDP or FSDP2.
-    # `model` is what forward/backward run through; `raw` is the model itself (saved, measured, loaded).
-    world = distributed.world()
-    device = distributed.setup(resolve_device(tcfg.device))
-    quiet = quiet or not world.is_main
-    torch.manual_seed(tcfg.seed)
-    raw = model
-    raw.to(device)
-    raw.train()
-    if device.type == "cuda":
-        # fp32 matmuls (the fp32 parts of autocast too) on tensor cores, or not: set both ways, since an earlier
-        # run in this process may have turned them on
-        torch.backends.cuda.matmul.allow_tf32 = tcfg.tf32
-        torch.backends.cudnn.allow_tf32 = tcfg.tf32
-        # peak_mem_gb is this run's: not --micro-batch auto's probe (which ran up to out-of-memory) or DPO's
-        # reference pass, earlier in this process
-        torch.cuda.reset_peak_memory_stats(device)
-    if hasattr(raw, "activation_checkpointing"):
-        raw.activation_checkpointing = tcfg.activation_checkpointing
-    model = distributed.wrap(raw, device, fsdp=tcfg.fsdp)
-    fsdp = distributed.is_fsdp(model)
-    # What forward/backward run through. Compiled when asked; evaluation and sampling use the plain model,
-    # which shares the parameters, so they never trigger a recompile for their shapes.
-    forward_model = torch.compile(model) if tcfg.compile else model
-    optimizer = build_optimizer(raw, tcfg, device)  # after wrapping: FSDP2 replaces parameters by shards
-    params = [p for p in raw.parameters() if p.requires_grad]
-    injections = parse_injections(tcfg.inject_nonfinite)
-
-    # Mutable run state: everything here goes into state.json, so a resumed run continues exactly.
-    st: dict[str, Any] = dict(step=0, precision=tcfg.precision, lr_scale=1.0, skipped_steps=0, rollbacks=0,
-                              best_val_loss=None, evals_since_best=0, tokens_seen=0)
-    scaler = torch.amp.GradScaler(device.type, enabled=st["precision"] == "fp16")
-
-    if resume:
-        last = ckpt.latest_checkpoint(run_dir)
-        if last is None:
-            raise NanoforgeError(f"--resume: {run_dir} has no checkpoint to resume from "
-                                 f"(looked in {run_dir / 'checkpoints'})")
-        saved = _restore(last, model, optimizer, stage)
-        st.update(saved["run_state"])
-        scaler = torch.amp.GradScaler(device.type, enabled=st["precision"] == "fp16")
-        if "scaler" in saved["trainer"] and scaler.is_enabled():
-            scaler.load_state_dict(saved["trainer"]["scaler"])
-        ckpt.set_rng_states(saved["trainer"]["rng"])
-        if not quiet:
-            print(f"resuming {stage.name} from {last} (step {st['step']})", flush=True)
-
-    config = config_dicts(mcfg, tcfg)
-    log = MetricsLog(run_dir, tensorboard=tcfg.tensorboard, wandb_project=tcfg.wandb_project,
-                     resume_step=st["step"], config=config, quiet=quiet) if world.is_main else _NoLog()
-    n_params = sum(p.numel() for p in raw.parameters())
-    flops_per_token = raw.flops_per_token(tcfg.seq_len) if hasattr(raw, "flops_per_token") else 0
-    peak = peak_flops(device, st["precision"]) if flops_per_token else 0.0
-    log.print(f"{stage.name}: {n_params / 1e6:.2f}M parameters on {device}, {st['precision']}, "
-              f"{tcfg.batch_size}x{tcfg.seq_len} x {tcfg.grad_accum} accum"
-              + (f" x {world.world_size} processes ({'FSDP2' if fsdp else 'DDP'})" if world.distributed else "")
-              + f", {tcfg.max_steps} steps -> {run_dir}")
-    if tcfg.warmup_steps >= tcfg.max_steps and st["step"] == 0:
-        log.print(f"note: warmup_steps={tcfg.warmup_steps} covers the whole run of {tcfg.max_steps} steps: the "
-                  f"learning rate never gets past its warmup to the peak {tcfg.lr:g} (lower --warmup-steps)")
-
-    def save(step: int) -> Path:
-        weights = raw.state_dict_for_save() if hasattr(raw, "state_dict_for_save") else raw.state_dict()
-        if fsdp:  # gather full weights and optimizer state on rank 0, so any world size can resume
-            weights = distributed.full_state_dict(model, list(weights))
-            optimizer_state = distributed.full_optimizer_state(model, optimizer)
-        else:
-            optimizer_state = optimizer.state_dict()
-        path = run_dir / "checkpoints" / ckpt.step_dir_name(step)
-        if world.is_main:
-            trainer = {"optimizer": optimizer_state, "rng": ckpt.rng_states()}
-            if scaler.is_enabled():
-                trainer["scaler"] = scaler.state_dict()
-            state = {"stage": stage.name, "run_state": {**st, "step": step},
-                     "data": stage.train_batches.state_dict(), "config": config, "run": stage.run_info,
-                     "versions": _versions()}
-            path = ckpt.save_checkpoint(run_dir, step, weights, trainer, state, keep_last=tcfg.keep_last)
-        distributed.barrier()  # no rank reads or rolls back to a checkpoint before it is complete
-        return path
-
-    def rollback(reason: str) -> None:
-        last = ckpt.latest_checkpoint(run_dir)
-        if last is None:
-            raise NanoforgeError(f"{reason} for {tcfg.nonfinite_patience} consecutive steps at step {st['step']}, "
-                                 f"and there is no checkpoint to roll back to yet; lower --lr or use "
-                                 f"--precision bf16/fp32")
-        data_state = stage.train_batches.state_dict()  # keep moving forward: the bad batches stay behind us
-        saved = _restore(last, model, optimizer, stage)
-        stage.train_batches.load_state_dict(data_state)
-        st["lr_scale"] *= tcfg.rollback_lr_factor
-        st["rollbacks"] += 1
-        new_precision = fallback_precision(device) if st["precision"] == "fp16" else st["precision"]
-        log.print(f"step {st['step']}: {reason} {tcfg.nonfinite_patience} times in a row; rolled back to "
-                  f"{last.name} (step {saved['run_state']['step']}), lr scale now {st['lr_scale']:g}"
-                  + (f", precision {st['precision']} -> {new_precision}" if new_precision != st["precision"] else ""))
-        st["precision"] = new_precision
-        log.log(st["step"], {"event": "rollback", "to_step": saved["run_state"]["step"],
-                             "lr_scale": st["lr_scale"], "precision": st["precision"]})
-
-    # Bookkeeping of non-finite steps without reading the device every step: where the optimizer can skip an
-    # update on a device flag (fused AdamW's found_inf), the flags accumulate on the device and are read only
-    # at steps that log, evaluate, sample or save. Elsewhere (fp16's scaler, distributed runs, optimizers
-    # without the flag) each step reads them, as it must to decide.
-    dev = _NonfiniteCounters(device)
-    step_times: list[float] = []
-    consecutive_bad = 0
-    window = _new_window(device)
-    timing = tcfg.sync_timing and device.type == "cuda"
-    last_saved: Path | None = None
+    run = _start(stage, model, mcfg, tcfg, Path(run_dir), resume, quiet)
+    flops_per_token = model.flops_per_token(tcfg.seq_len)
+    meter = _Throughput(run.device, flops_per_token,
+                        peak_flops(run.device, run.state.precision) if flops_per_token else 0.0)
+    _print_header(run)
     summary: dict[str, Any] = {}
-    stop_reason = "max_steps"
+    last_saved, stop_reason = None, "max_steps"
     try:
         with _SignalFlag() as flag:
-            while st["step"] < tcfg.max_steps:
-                step = st["step"]
-                t0 = time.perf_counter()
-                micro = [_to_device(stage.train_batches.next_batch(), device) for _ in range(tcfg.grad_accum)]
-                t_data = _clock(timing, device)
-                # The whole step's supervised tokens on ALL ranks. DDP/FSDP average gradients over ranks, so each
-                # rank's loss is its token-loss sum / global count x world size: the mean of the ranks'
-                # gradients is then exactly the gradient of one process's loss on the global batch.
-                local_count = torch.as_tensor(sum(stage.count_fn(b) for b in micro), device=device)
-                n_supervised = distributed.all_reduce_sum(local_count).clamp(min=1)
-                step_loss = torch.zeros((), device=device)
-                extras: dict[str, torch.Tensor] = {}
-                for i, batch in enumerate(micro):
-                    # no gradient all-reduce until the last micro-batch
-                    with distributed.gradient_sync(model, i == len(micro) - 1):
-                        with autocast_context(device, st["precision"]):
-                            loss_sum, _, extra = stage.loss_fn(forward_model, batch)
-                        loss = loss_sum.float() / n_supervised * world.world_size
-                        if step in injections["loss"]:
-                            loss = loss * float("inf")
-                        scaler.scale(loss).backward()
-                    step_loss += loss.detach() / world.world_size
-                    for k, v in extra.items():
-                        extras[k] = extras.get(k, 0) + v.detach() / tcfg.grad_accum
-                if world.distributed:  # the logged loss (and extras) are global means
-                    keys = sorted(extras)
-                    reduced = distributed.all_reduce_sum(torch.stack([step_loss, *(extras[k].float() for k in keys)]))
-                    step_loss = reduced[0]
-                    extras = {k: reduced[j + 1] / world.world_size for j, k in enumerate(keys)}
-                if step in injections["grad"]:
-                    next(iter(params)).grad.view(-1)[0] = float("nan")
-                t_fwd_bwd = _clock(timing, device)
-                scaler.unscale_(optimizer)
-                max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else math.inf
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-                if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
-                    grad_norm = grad_norm.full_tensor()
-                lr = lr_at(step, tcfg) * st["lr_scale"]
-                n_tokens = sum(b["input_ids"].numel() for b in micro) * world.world_size  # ranks' batches: same shape
-                if not world.distributed and not scaler.is_enabled() and _skips_on_flag(optimizer):
-                    # Decided on the device: the fused optimizer skips the update when found_inf is set, and the
-                    # count is read at the next step that logs, evaluates, samples or saves.
-                    bad = ~(torch.isfinite(step_loss) & torch.isfinite(grad_norm))
-                    set_lr(optimizer, lr)
-                    optimizer.found_inf = bad.float()
-                    optimizer.step()
-                    dev.add(bad)
-                    window["loss"] += torch.where(bad, 0.0, step_loss)
-                    window["steps"] += (~bad).int()
-                    signum = flag.signum
-                else:
-                    loss_ok, grads_ok = bool(torch.isfinite(step_loss)), bool(torch.isfinite(grad_norm))
-                    signum = flag.signum
-                    if world.distributed:
-                        # Every rank must take the same branch (skip, roll back, stop), so the flags are agreed on.
-                        flags = distributed.all_reduce_sum(torch.tensor(
-                            [not loss_ok, not grads_ok, flag.signum is not None], dtype=torch.float32, device=device))
-                        loss_ok, grads_ok = bool(flags[0] == 0), bool(flags[1] == 0)
-                        signum = (flag.signum or signal.SIGTERM) if flags[2] > 0 else None
-                    if loss_ok and grads_ok:
-                        set_lr(optimizer, lr)
-                        scaler.step(optimizer)
-                        scaler.update()
-                        consecutive_bad = 0
-                        window["loss"] += step_loss
-                        window["steps"] += 1
-                    else:
-                        st["skipped_steps"] += 1
-                        # Under fp16 an overflowing gradient is routine while the scaler finds its level (it halves
-                        # the scale and we skip); it only counts towards a rollback once the scale is down to 1,
-                        # where scaling can no longer be the cause.
-                        scaler_routine = scaler.is_enabled() and loss_ok and scaler.get_scale() > 1.0
-                        if scaler.is_enabled():
-                            scaler.update()  # sees the inf recorded by unscale_ and backs off
-                        if not scaler_routine:
-                            consecutive_bad += 1
-                            log.print(f"step {step}: non-finite {'loss' if not loss_ok else 'gradients'}, "
-                                      f"update skipped")
-                optimizer.zero_grad(set_to_none=True)
-                t_optim = _clock(timing, device)
-                st["step"] = step = step + 1
-                st["tokens_seen"] += n_tokens
-                if dev.pending and _sync_due(step, tcfg, stage, signum):
-                    bad_steps, longest = dev.read_and_reset()
-                    st["skipped_steps"] += bad_steps
-                    if bad_steps:
-                        log.print(f"step {step}: {bad_steps} update(s) skipped since the last report "
-                                  f"(non-finite loss or gradients)")
-                    consecutive_bad = longest
-                if consecutive_bad >= tcfg.nonfinite_patience:
-                    rollback("non-finite loss or gradients")
-                    consecutive_bad = 0
-                    dev.reset()
-                    scaler = torch.amp.GradScaler(device.type, enabled=st["precision"] == "fp16")
-
-                dt = time.perf_counter() - t0
-                step_times.append(dt)
-                window["tokens"] += n_tokens
-                window["supervised"] += n_supervised
-                window["time"] += dt
-                window["data"] += t_data - t0
-                window["fwd_bwd"] += t_fwd_bwd - t_data
-                window["optim"] += t_optim - t_fwd_bwd
-                window["n"] += 1
-
-                if step % tcfg.log_every == 0 or step == tcfg.max_steps:
-                    tokens_per_s = window["tokens"] / max(window["time"], 1e-9)
-                    # FLOP/s of one process, as the peak is one device's (tokens_per_s counts all ranks' tokens)
-                    achieved = flops_per_token * tokens_per_s / world.world_size
-                    if peak and achieved > peak:  # the peak was under-measured: see observed_peak
-                        log.print(f"step {step}: {achieved / 1e9:,.0f} GFLOP/s, above the measured peak of "
-                                  f"{peak / 1e9:,.0f}; taking it as the peak")
-                        peak = observed_peak(device, st["precision"], peak, achieved)
-                    values: dict[str, Any] = {
-                        "loss": (window["loss"] / max(int(window["steps"]), 1)).item(),
-                        "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s,
-                        "supervised_tokens_per_s": int(window["supervised"]) / max(window["time"], 1e-9),
-                        "mfu": achieved / peak if peak else 0.0,  # never above 1: see observed_peak
-                        "peak_mem_gb": peak_memory_bytes(device) / 1e9, "skipped_steps": st["skipped_steps"],
-                        # where a step's time goes, ms per step (exact on CUDA only with --sync-timing)
-                        **{f"{k}_ms": 1e3 * window[k] / window["n"] for k in ("data", "fwd_bwd", "optim")},
-                    }
-                    values.update({k: float(v) for k, v in extras.items()})
-                    if scaler.is_enabled():
-                        values["loss_scale"] = scaler.get_scale()
-                    recent = sorted(step_times[-50:])[len(step_times[-50:]) // 2]
-                    log.log(step, values)
-                    log.print(progress_line(step, tcfg.max_steps, values, recent * (tcfg.max_steps - step)))
-                    window = _new_window(device)
-
-                evaluated = False
-                if stage.val_batches and tcfg.eval_every and (step % tcfg.eval_every == 0 or step == tcfg.max_steps):
-                    evaluated = True
-                    # Every rank evaluates the same batches (so all agree on early stopping); under DDP on the model
-                    # itself, since a forward through the wrapper alone on one rank would wait for the others.
-                    val_loss, val_count, val_extras = evaluate(model if fsdp else raw, stage.val_batches(),
-                                                               stage.loss_fn, device, st["precision"])
-                    if world.distributed:  # GPU kernels need not agree to the last bit across ranks: average, so
-                        # every rank takes the same early-stopping decision (one that differed would hang the rest)
-                        val_loss = distributed.all_reduce_sum(
-                            torch.tensor(val_loss, dtype=torch.float64, device=device)).item() / world.world_size
-                    # val_count: what the mean is over (supervised tokens; pairs for DPO), so runs whose validation
-                    # covered different amounts (eval_batches x batch_size windows) can be told apart
-                    values = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "val_count": val_count,
-                              **{f"val_{k}": v for k, v in val_extras.items()}}
-                    if stage.val_bytes_per_token:
-                        values["val_bpb"] = val_loss / math.log(2) / stage.val_bytes_per_token
-                    log.log(step, values)
-                    log.print(f"step {step}: val loss {val_loss:.4f} | ppl {values['val_ppl']:.2f}"
-                              + (f" | bpb {values['val_bpb']:.4f}" if "val_bpb" in values else ""))
-                    summary.update(values)
-                    if st["best_val_loss"] is None or val_loss < st["best_val_loss"]:
-                        st["best_val_loss"], st["evals_since_best"] = val_loss, 0
-                    else:
-                        st["evals_since_best"] += 1
-
-                if (stage.sampler and tcfg.sample_every and world.is_main and not fsdp
-                        and (step % tcfg.sample_every == 0 or step == tcfg.max_steps)):
-                    raw.eval()
-                    try:
-                        stage.sampler(raw, step, log)
-                    finally:
-                        raw.train()
-
+            while run.state.step < tcfg.max_steps:
+                result = _train_step(run, flag, meter)  # accumulate, clip, step (or skip), count
+                step = run.state.step
+                if _due(step, tcfg.log_every, tcfg):
+                    _log_progress(run, result, meter)
+                evaluated = bool(stage.val_batches) and _due(step, tcfg.eval_every, tcfg)
+                if evaluated:
+                    summary.update(_validate(run))
+                if stage.sampler and run.world.is_main and not run.fsdp and _due(step, tcfg.sample_every, tcfg):
+                    _sample(run)
                 if tcfg.save_every and step % tcfg.save_every == 0:
-                    last_saved = save(step)
-                if signum is not None or (not world.distributed and flag.signum is not None):
-                    last_saved = save(step)
-                    raise TrainingInterrupted(signum or flag.signum, last_saved)
-                if evaluated and tcfg.early_stop_patience and st["evals_since_best"] >= tcfg.early_stop_patience:
-                    log.print(f"step {step}: validation loss has not improved for {tcfg.early_stop_patience} "
-                              f"evaluations (best {st['best_val_loss']:.4f}); stopping early")
+                    last_saved = save(run)
+                signum = result.signum if run.world.distributed else (result.signum or flag.signum)
+                if signum is not None:
+                    raise TrainingInterrupted(signum, save(run))
+                if evaluated and _early_stop(run):
                     stop_reason = "early_stop"
                     break
-            if dev.pending:  # a run stopped between reports (early stop, signal) still counts its skips
-                st["skipped_steps"] += dev.read_and_reset()[0]
-            if last_saved is None or last_saved.name != ckpt.step_dir_name(st["step"]):
-                last_saved = save(st["step"])
+            run.guard.flush()
+            if last_saved is None or last_saved.name != ckpt.step_dir_name(run.state.step):
+                last_saved = save(run)
     finally:
-        log.close()
-    summary.update(step=st["step"], checkpoint=str(last_saved), stop_reason=stop_reason,
-                   skipped_steps=st["skipped_steps"], rollbacks=st["rollbacks"])
+        run.log.close()
+    summary.update(step=run.state.step, checkpoint=str(last_saved), stop_reason=stop_reason,
+                   skipped_steps=run.state.skipped_steps, rollbacks=run.state.rollbacks)
     return summary
 
 
-class _NonfiniteCounters:
-    """Skipped steps and the longest run of consecutive ones, kept on the device between reads."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.reset()
-
-    def reset(self) -> None:
-        self.skipped = torch.zeros((), dtype=torch.int64, device=self.device)
-        self.run = torch.zeros((), dtype=torch.int64, device=self.device)
-        self.longest = torch.zeros((), dtype=torch.int64, device=self.device)
-        self.pending = False
-
-    def add(self, bad: torch.Tensor) -> None:
-        bad = bad.long()
-        self.skipped += bad
-        self.run = (self.run + 1) * bad
-        self.longest = torch.maximum(self.longest, self.run)
-        self.pending = True
-
-    def read_and_reset(self) -> tuple[int, int]:
-        """(skipped steps, longest run of bad steps) since the last read; the current run carries over."""
-        skipped, longest = int(self.skipped), int(self.longest)
-        self.skipped.zero_()
-        self.longest.copy_(self.run)
-        self.pending = False
-        return skipped, longest
+def _due(step: int, every: int, tcfg: TrainConfig) -> bool:
+    """Every `every` steps (0: never), and at the last step."""
+    return bool(every) and (step % every == 0 or step == tcfg.max_steps)
 
 
-def _skips_on_flag(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether optimizer.step() honours a `found_inf` tensor (skips the update on the device when it is 1)."""
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return bool(optimizer.defaults.get("fused"))
-    return bool(getattr(optimizer, "supports_found_inf", False))
+def _train_step(run: Run, flag: _SignalFlag, meter: _Throughput) -> _Step:
+    """One optimizer step: grad_accum micro-batches, clip, the guarded update, the bookkeeping."""
+    tcfg, state, device = run.tcfg, run.state, run.device
+    clock = _PhaseClock(tcfg.sync_timing and device.type == "cuda", device)
+    micro = [_to_device(run.stage.train_batches.next_batch(), device) for _ in range(tcfg.grad_accum)]
+    clock.lap("data")
+    loss, extras, n_supervised = _accumulate(run, micro)
+    clock.lap("fwd_bwd")
+    grad_norm = _clip(run)
+    lr = lr_at(state.step, tcfg) * state.lr_scale
+    kept_loss, kept_steps, signum = run.guard.step(loss, grad_norm, lr, flag.signum)
+    run.optimizer.zero_grad(set_to_none=True)
+    clock.lap("optim")
+    n_tokens = sum(b["input_ids"].numel() for b in micro) * run.world.world_size  # ranks' batches: same shape
+    state.step += 1
+    state.tokens_seen += n_tokens
+    if run.guard.settle(_sync_due(state.step, tcfg, run.stage, signum)):
+        rollback(run, "non-finite loss or gradients")
+    meter.add(kept_loss, kept_steps, n_tokens, n_supervised, clock)
+    return _Step(lr, grad_norm, extras, signum)
+
+
+def _accumulate(run: Run, micro: list[Batch]) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """Forward and backward over the step's micro-batches; returns the step's loss, extras and global count.
+
+    The whole step's supervised tokens on ALL ranks: DDP/FSDP average gradients over ranks, so each rank's loss
+    is its token-loss sum / global count x world size, and the mean of the ranks' gradients is then exactly the
+    gradient of one process's loss on the global batch."""
+    stage, world, step = run.stage, run.world, run.state.step
+    local_count = torch.as_tensor(sum(stage.count_fn(b) for b in micro), device=run.device)
+    n_supervised = distributed.all_reduce_sum(local_count).clamp(min=1)
+    step_loss = torch.zeros((), device=run.device)
+    extras: dict[str, torch.Tensor] = {}
+    for i, batch in enumerate(micro):
+        with distributed.gradient_sync(run.model, i == len(micro) - 1):  # all-reduce on the last one only
+            with autocast_context(run.device, run.state.precision):
+                loss_sum, _, extra = stage.loss_fn(run.forward_model, batch)
+            loss = loss_sum.float() / n_supervised * world.world_size
+            if step in run.injections["loss"]:
+                loss = loss * float("inf")
+            run.guard.scaler.scale(loss).backward()
+        step_loss += loss.detach() / world.world_size
+        for k, v in extra.items():
+            extras[k] = extras.get(k, 0) + v.detach() / run.tcfg.grad_accum
+    if world.distributed:  # the logged loss (and extras) are global means
+        keys = sorted(extras)
+        reduced = distributed.all_reduce_sum(torch.stack([step_loss, *(extras[k].float() for k in keys)]))
+        step_loss = reduced[0]
+        extras = {k: reduced[j + 1] / world.world_size for j, k in enumerate(keys)}
+    if step in run.injections["grad"]:
+        next(p for p in run.raw.parameters() if p.requires_grad).grad.view(-1)[0] = float("nan")
+    return step_loss, extras, n_supervised
+
+
+def _clip(run: Run) -> torch.Tensor:
+    """Unscale (fp16) and clip the global gradient norm; returns the norm before clipping."""
+    run.guard.scaler.unscale_(run.optimizer)
+    params = [p for p in run.raw.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, run.tcfg.grad_clip if run.tcfg.grad_clip > 0 else math.inf)
+    return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
+
+
+def _log_progress(run: Run, result: _Step, meter: _Throughput) -> None:
+    """The progress record (metrics.jsonl, TensorBoard, the console) over the steps since the last one."""
+    step, tcfg = run.state.step, run.tcfg
+    values: dict[str, Any] = {**meter.take(run), "lr": result.lr, "grad_norm": result.grad_norm.item(),
+                              "peak_mem_gb": peak_memory_bytes(run.device) / 1e9,
+                              "skipped_steps": run.state.skipped_steps}
+    values.update({k: float(v) for k, v in result.extras.items()})
+    if run.guard.scaler.is_enabled():
+        values["loss_scale"] = run.guard.scaler.get_scale()
+    run.log.log(step, values)
+    run.log.print(progress_line(step, tcfg.max_steps, values, meter.seconds_left(tcfg.max_steps - step)))
+
+
+def _validate(run: Run) -> dict[str, Any]:
+    """Validation loss (and ppl, bpb, the objective's extras); updates the best loss for early stopping.
+
+    Every rank evaluates the same batches, so all agree on early stopping; under DDP on the model itself, since
+    a forward through the wrapper alone on one rank would wait for the others."""
+    stage, state = run.stage, run.state
+    val_loss, val_count, val_extras = evaluate(run.model if run.fsdp else run.raw, stage.val_batches(),
+                                               stage.loss_fn, run.device, state.precision)
+    if run.world.distributed:  # GPU kernels need not agree to the last bit across ranks: average, so every rank
+        # takes the same early-stopping decision (one that differed would hang the rest)
+        val_loss = distributed.all_reduce_sum(
+            torch.tensor(val_loss, dtype=torch.float64, device=run.device)).item() / run.world.world_size
+    # val_count: what the mean is over (supervised tokens; pairs for DPO), so runs whose validation covered
+    # different amounts (eval_batches x batch_size windows) can be told apart
+    values = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "val_count": val_count,
+              **{f"val_{k}": v for k, v in val_extras.items()}}
+    if stage.val_bytes_per_token:
+        values["val_bpb"] = val_loss / math.log(2) / stage.val_bytes_per_token
+    run.log.log(state.step, values)
+    run.log.print(f"step {state.step}: val loss {val_loss:.4f} | ppl {values['val_ppl']:.2f}"
+                  + (f" | bpb {values['val_bpb']:.4f}" if "val_bpb" in values else ""))
+    if state.best_val_loss is None or val_loss < state.best_val_loss:
+        state.best_val_loss, state.evals_since_best = val_loss, 0
+    else:
+        state.evals_since_best += 1
+    return values
+
+
+def _early_stop(run: Run) -> bool:
+    patience, state = run.tcfg.early_stop_patience, run.state
+    if not patience or state.evals_since_best < patience:
+        return False
+    run.log.print(f"step {state.step}: validation loss has not improved for {patience} evaluations "
+                  f"(best {state.best_val_loss:.4f}); stopping early")
+    return True
+
+
+def _sample(run: Run) -> None:
+    """The stage's text samples, from the plain model in eval mode."""
+    run.raw.eval()
+    try:
+        run.stage.sampler(run.raw, run.state.step, run.log)
+    finally:
+        run.raw.train()
+
+
+def _start(stage: Stage, model: TrainableModel, mcfg: ModelConfig, tcfg: TrainConfig, run_dir: Path,
+           resume: bool, quiet: bool) -> Run:
+    """The device, the (wrapped, compiled) model, the optimizer, the resumed state and the log of a run."""
+    if not isinstance(model, TrainableModel):
+        raise NanoforgeError(f"{type(model).__name__} cannot be trained by this loop: a model must offer "
+                             f"{', '.join(TRAINABLE_INTERFACE)} (nanoforge/model/interface.py)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    world = distributed.world()
+    device = distributed.setup(resolve_device(tcfg.device))  # under torchrun: join the group, this rank's device
+    torch.manual_seed(tcfg.seed)
+    model.to(device)
+    model.train()
+    _configure_cuda(device, tcfg)
+    model.activation_checkpointing = tcfg.activation_checkpointing
+    wrapped = distributed.wrap(model, device, fsdp=tcfg.fsdp)
+    # Compiled when asked; evaluation and sampling use the plain model, which shares the parameters, so they
+    # never trigger a recompile for their shapes.
+    forward_model = torch.compile(wrapped) if tcfg.compile else wrapped
+    optimizer = build_optimizer(model, tcfg, device)  # after wrapping: FSDP2 shards the parameters
+    state, log = RunState(precision=tcfg.precision), _NoLog()
+    guard = NonFiniteGuard(optimizer, device, tcfg.precision, tcfg.nonfinite_patience, state, log)
+    run = Run(stage, tcfg, run_dir, world, device, model, wrapped, forward_model, optimizer, state, log, guard,
+              config=config_dicts(mcfg, tcfg), injections=parse_injections(tcfg.inject_nonfinite))
+    if resume:
+        resume_run(run, quiet or not world.is_main)
+    if world.is_main:
+        run.log = guard.log = MetricsLog(run_dir, tensorboard=tcfg.tensorboard, wandb_project=tcfg.wandb_project,
+                                         resume_step=state.step, config=run.config, quiet=quiet)
+    return run
+
+
+def _configure_cuda(device: torch.device, tcfg: TrainConfig) -> None:
+    if device.type != "cuda":
+        return
+    # fp32 matmuls (the fp32 parts of autocast too) on tensor cores, or not: set both ways, since an earlier run
+    # in this process may have turned them on
+    torch.backends.cuda.matmul.allow_tf32 = tcfg.tf32
+    torch.backends.cudnn.allow_tf32 = tcfg.tf32
+    # peak_mem_gb is this run's: not --micro-batch auto's probe (which ran up to out-of-memory) or DPO's reference
+    # pass, earlier in this process
+    torch.cuda.reset_peak_memory_stats(device)
+
+
+def _print_header(run: Run) -> None:
+    tcfg, world = run.tcfg, run.world
+    n_params = sum(p.numel() for p in run.raw.parameters())
+    run.log.print(f"{run.stage.name}: {n_params / 1e6:.2f}M parameters on {run.device}, {run.state.precision}, "
+                  f"{tcfg.batch_size}x{tcfg.seq_len} x {tcfg.grad_accum} accum"
+                  + (f" x {world.world_size} processes ({'FSDP2' if run.fsdp else 'DDP'})" if world.distributed
+                     else "") + f", {tcfg.max_steps} steps -> {run.run_dir}")
+    if tcfg.warmup_steps >= tcfg.max_steps and run.state.step == 0:
+        run.log.print(f"note: warmup_steps={tcfg.warmup_steps} covers the whole run of {tcfg.max_steps} steps: "
+                      f"the learning rate never gets past its warmup to the peak {tcfg.lr:g} (lower --warmup-steps)")
+
+
+class _PhaseClock:
+    """Where a step's time goes: data, forward+backward, optimizer (exact on CUDA only when it syncs)."""
+
+    def __init__(self, sync_cuda: bool, device: torch.device):
+        self.sync_cuda, self.device = sync_cuda, device
+        self.start = self.last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        if self.sync_cuda:
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.phases[phase], self.last = now - self.last, now
+
+    def total(self) -> float:
+        return time.perf_counter() - self.start
 
 
 def _sync_due(step: int, tcfg: TrainConfig, stage: Stage, signum: int | None) -> bool:
@@ -528,12 +428,6 @@ def _sync_due(step: int, tcfg: TrainConfig, stage: Stage, signum: int | None) ->
             or (stage.sampler is not None and due(tcfg.sample_every)))
 
 
-def _new_window(device: torch.device) -> dict[str, Any]:
-    """What the progress line averages over the steps since it was last printed."""
-    return {"loss": torch.zeros((), device=device), "steps": 0, "tokens": 0, "supervised": 0, "time": 0.0,
-            "data": 0.0, "fwd_bwd": 0.0, "optim": 0.0, "n": 0}
-
-
 def _to_device(batch: Batch, device: torch.device) -> Batch:
     """Host batch -> device. On CUDA through pinned memory, so the copy is asynchronous and overlaps the
     work already queued."""
@@ -542,41 +436,3 @@ def _to_device(batch: Batch, device: torch.device) -> Batch:
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def _clock(sync_cuda: bool, device: torch.device | None = None) -> float:
-    if sync_cuda:
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-def _restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, stage: Stage) -> dict[str, Any]:
-    """Load weights, optimizer state and data position from a checkpoint into live objects. Checkpoints hold
-    full weights and optimizer state, so any world size (DDP or FSDP2) resumes any other's."""
-    state = ckpt.load_state(path)
-    weights = ckpt.load_weights_file(path)
-    fsdp = distributed.is_fsdp(model)
-    raw = distributed.unwrap(model)
-    if fsdp:
-        if hasattr(raw, "state_dict_for_save"):  # the same strict key and shape check as load_weights
-            expected = {k: tuple(v.shape) for k, v in raw.state_dict_for_save().items()}
-            if {k: tuple(v.shape) for k, v in weights.items() if k in expected} != expected:
-                raise NanoforgeError(f"{path}: weights do not match this model")
-        distributed.load_full_weights(model, weights)
-    elif hasattr(raw, "load_weights"):
-        raw.load_weights(weights)
-    else:
-        raw.load_state_dict(weights)
-    trainer = ckpt.load_trainer_file(path)
-    try:
-        if fsdp:
-            distributed.load_full_optimizer_state(model, optimizer, trainer["optimizer"])
-        else:
-            optimizer.load_state_dict(trainer["optimizer"])
-    except (ValueError, KeyError) as e:
-        raise NanoforgeError(f"{path}: optimizer state does not match this model/stage: {e}") from None
-    stage.train_batches.load_state_dict(state["data"])
-    return {"run_state": state["run_state"], "trainer": trainer}
-
-
-def _versions() -> dict[str, str]:
-    import tokenizers
-    return {"nanoforge": __version__, "torch": torch.__version__, "tokenizers": tokenizers.__version__}
