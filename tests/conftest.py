@@ -2,6 +2,8 @@
 
 The data lives in ../shared/data (see its README.md); it is never copied into the repo. Tests that need it
 skip with the reason when it is absent, unless NANOFORGE_REQUIRE_SHARED=1 (CI sets it) makes that a failure.
+NANOFORGE_HIDE_SHARED=1 makes every test see the suite as a fresh clone does, as if ../shared/data were absent
+(it wins over NANOFORGE_REQUIRE_SHARED: those tests skip). Every lookup goes through `shared_data_dir()`.
 """
 from __future__ import annotations
 
@@ -11,7 +13,26 @@ from pathlib import Path
 
 import pytest
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+_REAL_SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def shared_hidden() -> bool:
+    """NANOFORGE_HIDE_SHARED=1: behave exactly as a fresh clone without ../shared does."""
+    return os.environ.get("NANOFORGE_HIDE_SHARED") == "1"
+
+
+def shared_data_dir() -> Path | None:
+    """../shared/data, or None when it is absent or hidden (NANOFORGE_HIDE_SHARED=1). The one lookup every test
+    uses: a test with its own fallback takes that on None; one that needs the data calls _missing_shared_data."""
+    if shared_hidden() or not _REAL_SHARED_DATA.is_dir():
+        return None
+    return _REAL_SHARED_DATA
+
+
+# Where the shared data is looked for; when hidden, a path that never exists, so that even a plain
+# `SHARED_DATA.is_dir()` or `(SHARED_DATA / ...).is_file()` sees it absent. Prefer shared_data_dir().
+SHARED_DATA = (_REAL_SHARED_DATA.with_name("data-hidden-by-NANOFORGE_HIDE_SHARED") if shared_hidden()
+               else _REAL_SHARED_DATA)
 _SESSION_CACHE: str | None = None
 
 
@@ -33,7 +54,9 @@ def pytest_unconfigure(config):
 
 def _missing_shared_data(what: str = "this test") -> None:
     """Skip (or fail under NANOFORGE_REQUIRE_SHARED=1) because ../shared/data is not there."""
-    reason = (f"{what} needs the shared test data at {SHARED_DATA} (a checkout of the project's shared/ "
+    if shared_hidden():
+        pytest.skip(f"{what} needs the shared test data at {_REAL_SHARED_DATA}; NANOFORGE_HIDE_SHARED=1 hides it")
+    reason = (f"{what} needs the shared test data at {_REAL_SHARED_DATA} (a checkout of the project's shared/ "
               "folder beside the repo); it is absent")
     if os.environ.get("NANOFORGE_REQUIRE_SHARED") == "1":
         pytest.fail(reason + " and NANOFORGE_REQUIRE_SHARED=1 is set")
@@ -42,10 +65,12 @@ def _missing_shared_data(what: str = "this test") -> None:
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    """Path to ../shared/data; skips the test when it is absent (fails when NANOFORGE_REQUIRE_SHARED=1)."""
-    if not SHARED_DATA.is_dir():
+    """Path to ../shared/data; skips the test when it is absent or hidden (fails when NANOFORGE_REQUIRE_SHARED=1
+    and it is absent)."""
+    found = shared_data_dir()
+    if found is None:
         _missing_shared_data()
-    return SHARED_DATA
+    return found
 
 
 # A few lines of our own, so tokenizer-dependent tests still run on a machine without ../shared.
@@ -73,6 +98,15 @@ def _write_fallback_corpus(directory: Path) -> list[Path]:
     return [pretrain, sft]
 
 
+def tiny_corpus(directory: Path) -> list[Path]:
+    """[pretraining JSONL, SFT JSONL]: ../shared/data/tiny's files, or (absent or hidden) the small fallback corpus
+    written into directory."""
+    shared = shared_data_dir()
+    if shared is not None:
+        return [shared / "tiny" / "pretrain_tiny.jsonl", shared / "tiny" / "sft_tiny.jsonl"]
+    return _write_fallback_corpus(directory)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     """Directory of a vocab-512 byte-level BPE tokenizer trained on ../shared/data/tiny/*.jsonl (or, without
@@ -80,9 +114,10 @@ def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     from nanoforge.tokenizer import train_tokenizer
 
     work = tmp_path_factory.mktemp("tiny_tokenizer")
-    if SHARED_DATA.is_dir():
-        files = sorted((SHARED_DATA / "tiny").glob("*.jsonl"))
-    elif os.environ.get("NANOFORGE_REQUIRE_SHARED") == "1":
+    shared = shared_data_dir()
+    if shared is not None:
+        files = sorted((shared / "tiny").glob("*.jsonl"))
+    elif os.environ.get("NANOFORGE_REQUIRE_SHARED") == "1" and not shared_hidden():
         _missing_shared_data("tiny_tokenizer")
     else:
         files = _write_fallback_corpus(work)

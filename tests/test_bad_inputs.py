@@ -126,12 +126,10 @@ GOOD_CASES = [
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tiny_tokenizer_dir):
     """A small pretrained run, one of another shape, prepared data, and data prepared with another tokenizer."""
-    from conftest import SHARED_DATA, _write_fallback_corpus
+    from conftest import tiny_corpus
     from nanoforge.tokenizer import train_tokenizer
     work = tmp_path_factory.mktemp("bad_inputs_world")
-    corpus = _write_fallback_corpus(work)
-    if SHARED_DATA.is_dir():
-        corpus = [SHARED_DATA / "tiny" / "pretrain_tiny.jsonl", SHARED_DATA / "tiny" / "sft_tiny.jsonl"]
+    corpus = tiny_corpus(work)
     quiet = lambda *a: None  # noqa: E731
     prepare_dataset("pretrain", [corpus[0]], tiny_tokenizer_dir, work / "pre", val_fraction=0.1, workers=1, log=quiet)
     prepare_dataset("sft", [corpus[1]], tiny_tokenizer_dir, work / "sft", val_fraction=0.1, workers=1, log=quiet)

@@ -16,10 +16,9 @@ FAST = {"tensorboard": False, "log_every": 1, "eval_every": 0, "precision": "fp3
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, tiny_tokenizer):
-    from conftest import SHARED_DATA, _write_fallback_corpus
+    from conftest import tiny_corpus
     work = tmp_path_factory.mktemp("cpt")
-    files = ([SHARED_DATA / "tiny" / "pretrain_tiny.jsonl"] if SHARED_DATA.is_dir()
-             else _write_fallback_corpus(work)[:1])
+    files = tiny_corpus(work)[:1]
     prepare_dataset("pretrain", files, tiny_tokenizer, work / "pre", val_fraction=0.1, workers=1, log=lambda *a: None)
     pretrain([str(work / "pre")], work / "base", preset="tiny", overrides={**FAST, "max_steps": 4}, quiet=True)
     return work

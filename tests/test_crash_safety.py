@@ -50,12 +50,9 @@ runpy.run_module("nanoforge", run_name="__main__", alter_sys=True)
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory, tiny_tokenizer_dir):
     """Prepared pretraining and SFT data (the shared tiny files, or a small corpus written here)."""
-    from conftest import SHARED_DATA, _write_fallback_corpus
+    from conftest import tiny_corpus
     work = tmp_path_factory.mktemp("crash_data")
-    if SHARED_DATA.is_dir():
-        pre_src, sft_src = SHARED_DATA / "tiny" / "pretrain_tiny.jsonl", SHARED_DATA / "tiny" / "sft_tiny.jsonl"
-    else:
-        pre_src, sft_src = _write_fallback_corpus(work)
+    pre_src, sft_src = tiny_corpus(work)
     quiet = lambda *a: None  # noqa: E731
     prepare_dataset("pretrain", [pre_src], tiny_tokenizer_dir, work / "pre", val_fraction=0.1, workers=1, log=quiet)
     prepare_dataset("sft", [sft_src], tiny_tokenizer_dir, work / "sft", val_fraction=0.1, workers=1, log=quiet)

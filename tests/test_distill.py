@@ -15,10 +15,9 @@ FAST = {"tensorboard": False, "log_every": 5, "eval_every": 0, "precision": "fp3
 
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory, tiny_tokenizer):
-    from conftest import SHARED_DATA, _write_fallback_corpus
+    from conftest import tiny_corpus
     root = tmp_path_factory.mktemp("teacher")
-    files = ([SHARED_DATA / "tiny" / "pretrain_tiny.jsonl"] if SHARED_DATA.is_dir()
-             else _write_fallback_corpus(root)[:1])
+    files = tiny_corpus(root)[:1]
     prepare_dataset("pretrain", files, tiny_tokenizer, root / "data", val_fraction=0.1, workers=1,
                     log=lambda *a: None)
     pretrain([str(root / "data")], root / "run", preset="tiny",

@@ -45,9 +45,10 @@ def _fallback_dpo(directory: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def dpo_file(tmp_path_factory) -> Path:
-    from conftest import SHARED_DATA
-    if SHARED_DATA.is_dir():
-        return SHARED_DATA / "tiny" / "dpo_tiny.jsonl"
+    from conftest import shared_data_dir
+    shared = shared_data_dir()
+    if shared is not None:
+        return shared / "tiny" / "dpo_tiny.jsonl"
     return _fallback_dpo(tmp_path_factory.mktemp("dpo_corpus"))
 
 
@@ -286,9 +287,10 @@ def test_dpo_loss_matches_a_hand_computed_example():
 @pytest.fixture(scope="module")
 def hh_dir(tmp_path_factory, tiny_tokenizer):
     """English harmlessness pairs (Anthropic hh-rlhf test split, 2,299 pairs), most of them short."""
-    from conftest import SHARED_DATA, _missing_shared_data
-    path = SHARED_DATA / "minimind" / "dpo_en_hh_rlhf_harmless_test.jsonl"
-    if not path.is_file():
+    from conftest import _missing_shared_data, shared_data_dir
+    shared = shared_data_dir()
+    path = shared / "minimind" / "dpo_en_hh_rlhf_harmless_test.jsonl" if shared is not None else None
+    if path is None or not path.is_file():
         _missing_shared_data("the DPO training test")
     out = tmp_path_factory.mktemp("hh") / "prep"
     prepare_dataset("dpo", [path], tiny_tokenizer, out, val_fraction=0.1, workers=1, **QUIET)

@@ -32,10 +32,11 @@ def one_thread():
 
 def _line_pairs() -> list[tuple[str, str]]:
     """(line, next line) pairs of Shakespeare verse, or of made-up lines without ../shared."""
-    from conftest import SHARED_DATA
+    from conftest import shared_data_dir
 
-    path = SHARED_DATA / "text" / "tinyshakespeare.txt"
-    if path.is_file():
+    shared = shared_data_dir()
+    path = shared / "text" / "tinyshakespeare.txt" if shared is not None else None
+    if path is not None and path.is_file():
         lines = path.read_text(encoding="utf-8").splitlines()
         pairs = []
         for a, b in zip(lines, lines[1:]):
@@ -43,9 +44,16 @@ def _line_pairs() -> list[tuple[str, str]]:
                 pairs.append((a.strip(), b.strip()))
         pairs = pairs[::7]  # spread out: not all from one speech
     else:
+        # Made-up lines of 3 words from 64: short enough that a question and its answer share the memorising
+        # run's 64-token windows (the fallback tokenizer splits these words into several tokens each), and
+        # distinct enough to be told apart (6 words from 16 were not: 42% accuracy, 4 of 48 answers recalled;
+        # these: 100%, 44 of 48).
         rng = random.Random(0)
-        words = "red blue king queen sea stone night day fire crown sword rose river moon star gold".split()
-        pairs = [(" ".join(rng.choice(words) for _ in range(6)), " ".join(rng.choice(words) for _ in range(6)))
+        words = ("red blue king queen sea stone night day fire crown sword rose river moon star gold owl fox bell "
+                 "ship oak wolf hill rain snow wind salt iron bread milk lamp door key road tower cloud horse ring "
+                 "bird tree wall boat drum harp leaf seed frost glass silk coal pearl reed swan deer bear frog crow "
+                 "lake mill").split()
+        pairs = [(" ".join(rng.choice(words) for _ in range(3)), " ".join(rng.choice(words) for _ in range(3)))
                  for _ in range(200)]
     seen, out = set(), []
     for a, b in pairs:

@@ -22,13 +22,12 @@ CHAT = [{"role": "system", "content": "You are terse."},
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, tiny_tokenizer):
     """A real tiny run: prepared data and a few fp32 pretraining steps."""
-    from conftest import SHARED_DATA, _write_fallback_corpus
+    from conftest import tiny_corpus
     from nanoforge.data.shards import prepare_dataset
     from nanoforge.train.stages import pretrain
 
     root = tmp_path_factory.mktemp("export_run")
-    files = ([SHARED_DATA / "tiny" / "pretrain_tiny.jsonl"] if SHARED_DATA.is_dir()
-             else _write_fallback_corpus(root)[:1])
+    files = tiny_corpus(root)[:1]
     prepare_dataset("pretrain", files, tiny_tokenizer, root / "data", val_fraction=0.1, workers=1,
                     log=lambda *a: None)
     pretrain([str(root / "data")], root / "run", preset="tiny", quiet=True,

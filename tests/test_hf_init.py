@@ -14,9 +14,8 @@ FAST = {"tensorboard": False, "log_every": 1, "eval_every": 0, "precision": "fp3
 
 
 def test_sft_from_an_hf_directory_and_export_cli(tmp_path, tiny_tokenizer):
-    from conftest import SHARED_DATA, _write_fallback_corpus
-    files = ([SHARED_DATA / "tiny" / "pretrain_tiny.jsonl", SHARED_DATA / "tiny" / "sft_tiny.jsonl"]
-             if SHARED_DATA.is_dir() else _write_fallback_corpus(tmp_path))
+    from conftest import tiny_corpus
+    files = tiny_corpus(tmp_path)
     prepare_dataset("pretrain", files[:1], tiny_tokenizer, tmp_path / "pre", val_fraction=0.1, workers=1,
                     log=lambda *a: None)
     prepare_dataset("sft", files[1:], tiny_tokenizer, tmp_path / "sft", val_fraction=0.1, workers=1,

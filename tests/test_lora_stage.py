@@ -16,13 +16,10 @@ FAST = {"tensorboard": False, "log_every": 1, "eval_every": 0, "precision": "fp3
 
 @pytest.fixture(scope="module")
 def base_and_data(tmp_path_factory, tiny_tokenizer):
-    from conftest import SHARED_DATA, _write_fallback_corpus
+    from conftest import tiny_corpus
     root = tmp_path_factory.mktemp("lora")
-    if SHARED_DATA.is_dir():
-        pre, chat = [SHARED_DATA / "tiny" / "pretrain_tiny.jsonl"], [SHARED_DATA / "tiny" / "sft_tiny.jsonl"]
-    else:
-        files = _write_fallback_corpus(root)
-        pre, chat = files[:1], files[1:]
+    files = tiny_corpus(root)
+    pre, chat = files[:1], files[1:2]
     prepare_dataset("pretrain", pre, tiny_tokenizer, root / "pre", val_fraction=0.1, workers=1, log=lambda *a: None)
     prepare_dataset("sft", chat, tiny_tokenizer, root / "sft", val_fraction=0.1, workers=1, log=lambda *a: None)
     pretrain([str(root / "pre")], root / "base", preset="tiny", overrides={**FAST, "max_steps": 5, "seq_len": 128},

@@ -85,10 +85,9 @@ def test_probe_sizes_double_and_divide_the_global_batch():
 
 @pytest.fixture(scope="module")
 def pretrain_dir(tmp_path_factory, tiny_tokenizer):
-    from conftest import SHARED_DATA, _write_fallback_corpus
+    from conftest import tiny_corpus
     work = tmp_path_factory.mktemp("microbatch")
-    files = ([SHARED_DATA / "tiny" / "pretrain_tiny.jsonl"] if SHARED_DATA.is_dir()
-             else _write_fallback_corpus(work)[:1])
+    files = tiny_corpus(work)[:1]
     prepare_dataset("pretrain", files, tiny_tokenizer, work / "pre", val_fraction=0.1, workers=1,
                     log=lambda *a: None)
     return work / "pre"

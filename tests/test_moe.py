@@ -77,11 +77,10 @@ def test_active_flops_count_only_routed_experts():
 
 
 def test_moe_model_trains_and_logs_aux_loss(tmp_path, tiny_tokenizer):
-    from conftest import SHARED_DATA, _write_fallback_corpus
+    from conftest import tiny_corpus
     from nanoforge.data.shards import prepare_dataset
     from nanoforge.train.stages import pretrain
-    files = ([SHARED_DATA / "tiny" / "pretrain_tiny.jsonl"] if SHARED_DATA.is_dir()
-             else _write_fallback_corpus(tmp_path)[:1])
+    files = tiny_corpus(tmp_path)[:1]
     prepare_dataset("pretrain", files, tiny_tokenizer, tmp_path / "data", val_fraction=0.1, workers=1,
                     log=lambda *a: None)
     pretrain([str(tmp_path / "data")], tmp_path / "run", preset="tiny",

@@ -22,12 +22,9 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory, tiny_tokenizer):
-    from conftest import SHARED_DATA, _write_fallback_corpus
+    from conftest import tiny_corpus
     work = tmp_path_factory.mktemp("report_data")
-    if SHARED_DATA.is_dir():
-        files = [SHARED_DATA / "tiny" / "pretrain_tiny.jsonl"]
-    else:
-        files = _write_fallback_corpus(work)[:1]
+    files = tiny_corpus(work)[:1]
     out = work / "pre"
     prepare_dataset("pretrain", files, tiny_tokenizer, out, val_fraction=0.1, workers=1, log=lambda *a: None)
     return out

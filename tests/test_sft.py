@@ -18,12 +18,53 @@ QUIET = dict(log=lambda *a: None)
 FAST = {"tensorboard": False, "log_every": 1, "eval_every": 0, "precision": "fp32", "warmup_steps": 2}
 
 
+# Words for the conversations this module writes itself when ../shared is absent (or hidden).
+_EN_WORDS = ("apple river lantern quiet garden market winter candle harbor violin pebble meadow thunder basket "
+             "compass orchard ladder silver forest kettle blanket mirror sparrow window bridge pepper island "
+             "journey marble feather canyon cottage whistle velvet glacier meadowlark tulip copper engine "
+             "puzzle harvest blossom anchor pillow chimney saddle valley").split()
+_ZH_WORDS = ("山川 河流 花园 灯笼 市场 冬天 蜡烛 港口 小提琴 石子 草地 雷声 篮子 指南针 果园 梯子 银色 森林 水壶 "
+             "毯子 镜子 麻雀 窗户 桥梁 胡椒 岛屿 旅途 羽毛 峡谷 小屋 口哨 冰川 郁金香 铜器 发动机 拼图 收获 "
+             "花朵 船锚 枕头 烟囱 马鞍 山谷").split()
+
+
+def _own_sft_corpus(directory: Path, n: int = 360, seed: int = 0) -> list[Path]:
+    """Multi-turn conversations written here (seeded): English and Chinese, some with a system prompt, most
+    of a few turns and about one in five of 6 to 10 turns, long enough that a 512-token window cuts them (with
+    the vocab-512 test tokenizer); each opens with a numbered user turn, so no two renderings share a start."""
+    import random
+    rng = random.Random(seed)
+
+    def sentence(zh: bool, lo: int, hi: int) -> str:
+        words = rng.choices(_ZH_WORDS if zh else _EN_WORDS, k=rng.randint(lo, hi))
+        return ("".join(words) + "。") if zh else (" ".join(words).capitalize() + ".")
+
+    path = directory / "own_sft.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(n):
+            zh = rng.random() < 0.5
+            conv = []
+            if rng.random() < 0.3:
+                conv.append({"role": "system", "content": sentence(zh, 3, 8)})
+            exchanges = rng.randint(6, 10) if rng.random() < 0.2 else rng.randint(1, 3)
+            for t in range(exchanges):
+                question = sentence(zh, 3, 12)
+                conv.append({"role": "user", "content": f"#{i}: {question}" if t == 0 else question})
+                conv.append({"role": "assistant", "content": " ".join(sentence(zh, 4, 12)
+                                                                      for _ in range(rng.randint(1, 2)))})
+            f.write(json.dumps({"conversations": conv}, ensure_ascii=False) + "\n")
+    return [path]
+
+
 @pytest.fixture(scope="module")
 def sft_files(tmp_path_factory):
-    from conftest import SHARED_DATA, _write_fallback_corpus
-    if SHARED_DATA.is_dir():
-        return [SHARED_DATA / "minimind" / "sft_zh_kdconv.jsonl", SHARED_DATA / "tiny" / "sft_tiny.jsonl"]
-    return _write_fallback_corpus(tmp_path_factory.mktemp("corpus"))[1:]
+    """Real multi-turn conversations from ../shared/data (KdConv's 10 to 32 turns, and the tiny mix), or,
+    without it, conversations of the same kind written here: the packing and mask tests run on both."""
+    from conftest import shared_data_dir
+    shared = shared_data_dir()
+    if shared is not None:
+        return [shared / "minimind" / "sft_zh_kdconv.jsonl", shared / "tiny" / "sft_tiny.jsonl"]
+    return _own_sft_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")
@@ -147,10 +188,9 @@ def test_pretrain_data_is_refused(tmp_path, tiny_tokenizer):
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory, tiny_tokenizer, sft_files):
-    from conftest import SHARED_DATA, _write_fallback_corpus
+    from conftest import tiny_corpus
     root = tmp_path_factory.mktemp("pre")
-    files = ([SHARED_DATA / "tiny" / "pretrain_tiny.jsonl"] if SHARED_DATA.is_dir()
-             else _write_fallback_corpus(root)[:1])
+    files = tiny_corpus(root)[:1]
     prepare_dataset("pretrain", files, tiny_tokenizer, root / "data", val_fraction=0.1, workers=1, **QUIET)
     pretrain([str(root / "data")], root / "run", preset="tiny",
              overrides={**FAST, "max_steps": 20, "seq_len": 128}, quiet=True)

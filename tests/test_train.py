@@ -39,10 +39,8 @@ def pretrain_dir(tmp_path_factory, tiny_tokenizer, corpus_files):
 def corpus_files(tmp_path_factory):
     """Real text from ../shared/data when it is there; otherwise a small corpus written here, so the loop's
     tests still run on a fresh clone."""
-    from conftest import SHARED_DATA, _write_fallback_corpus
-    if SHARED_DATA.is_dir():
-        return [SHARED_DATA / "tiny" / "pretrain_tiny.jsonl"]
-    return _write_fallback_corpus(tmp_path_factory.mktemp("corpus"))[:1]
+    from conftest import tiny_corpus
+    return tiny_corpus(tmp_path_factory.mktemp("corpus"))[:1]
 
 
 def weights(run_dir):
