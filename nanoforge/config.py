@@ -229,11 +229,12 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "model": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128),
         "train": dict(seq_len=64, batch_size=4, warmup_steps=10, lr=3e-3, eval_every=50, save_every=100),
     },
-    # `nanoforge demo`: a few million parameters that learn visibly in ~3 minutes on a 2-core CPU (sized by
-    # measuring validation loss after a fixed time; see nanoforge/demo.py)
+    # `nanoforge demo`: a million parameters that memorise a thousand short answers in ~2 minutes on a 2-core
+    # CPU, with the CPU speedrun's recipe (Muon, WSD, batch 8; docs/perf.md); see nanoforge/demo.py
     "demo": {
         "model": dict(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256),
-        "train": dict(seq_len=256, batch_size=16, lr=3e-3, warmup_steps=30, min_lr_ratio=0.1, eval_every=50,
+        "train": dict(seq_len=256, batch_size=8, optimizer="muon", muon_lr=0.01, lr=6e-3, schedule="wsd",
+                      decay_fraction=0.4, min_lr_ratio=0.0, warmup_steps=20, weight_decay=0.1, eval_every=100,
                       eval_batches=8, log_every=10, save_every=0, keep_last=1),
     },
     # MiniMind's 26M reference: d_model 512, 8 layers, 8 heads, 2 KV heads, vocab 6400

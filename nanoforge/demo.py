@@ -1,20 +1,25 @@
-"""`nanoforge demo`: the whole pipeline, on the CPU, in a few minutes, on a corpus every machine already has.
+"""`nanoforge demo`: the whole pipeline, on the CPU, in under five minutes, on a corpus every machine already has.
 
-The corpus is documentation that ships with Python and with nanoforge's own dependencies, written by their
-authors, not by us: the docstrings of the standard library, numpy, jinja2 and torch (read with `ast` from
-the .py files; nothing is imported, since importing runs code and would take longer than the whole walk), and
-the language-reference topics in `pydoc_data/topics.py` (the text behind `help("assert")`). It becomes:
+The corpus is the documentation of 52 well-known pure-Python standard-library modules (json, os, shutil,
+textwrap, statistics, ...), written by their authors, not by us: their docstrings, read with `ast` from the
+.py files (nothing is imported). It becomes:
 
-    pretraining  {"text": "json.dumps(obj, *, skipkeys=False, ...)\\n\\nSerialize ``obj`` to a JSON ..."}
-    SFT          {"conversations": [{"role": "user", "content": "What does json.dumps do?"},
-                                    {"role": "assistant", "content": "Serialize ``obj`` to a JSON ..."}]}
+    pretraining  {"text": "textwrap.fill(text, width=70, **kwargs)\\n\\nFill a single paragraph of text, ..."}
+    SFT          {"conversations": [{"role": "user", "content": "What does textwrap.fill do?"},
+                                    {"role": "assistant", "content": "Fill a single paragraph of text, ..."}]}
+                 {"conversations": [{"role": "user", "content": "How do I call textwrap.fill?"},
+                                    {"role": "assistant", "content": "textwrap.fill(text, width=70, **kwargs)"}]}
 
-SFT answers are the first paragraph of a docstring, short enough for a small model to learn to finish them
-with <|im_end|>. A fixed set of questions is kept out of SFT (their docstrings stay in pretraining) and asked
-at the end, next to a few questions SFT did see.
+What a model of about a million parameters learns in three minutes of two CPU cores shapes all of it: the
+corpus is small (about 450 KB), so pretraining reads it several times over; an answer is one sentence (the
+docstring's first) or a signature; and the SFT set is a thousand of them, trained on for many epochs, so
+they are memorised. At the end the model is asked questions from its SFT set, scored by exact match, and
+questions about things no SFT conversation mentions (their docstrings are in pretraining only), scored by
+whether the reply names the module or an argument, next to the same score of the replies paired with the
+wrong questions (what chance gives).
 
-Then: train a tokenizer, prepare both sets, pretrain, fine-tune, ask the questions, write the report. The
-training steps are sized from a measured step time so the whole run fits `minutes` on the machine at hand.
+Then: train a tokenizer, prepare both sets, pretrain, fine-tune, ask the questions, score, write the report.
+The training steps are sized from a measured step time so the whole run fits `minutes` on the machine at hand.
 """
 from __future__ import annotations
 
@@ -29,7 +34,6 @@ import sysconfig
 import time
 import zlib
 from dataclasses import dataclass
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Iterator
 
@@ -42,30 +46,37 @@ from nanoforge.errors import NanoforgeError
 # pip's bundled wheels, installed third-party packages, build configuration.
 STDLIB_SKIP_DIRS = {"test", "tests", "idlelib", "turtledemo", "ensurepip", "site-packages", "lib-dynload",
                     "lib2to3", "__pycache__"}
-# nanoforge's dependencies whose Python sources carry real docstrings, in the order they are read. Parsing
-# costs about 1 s per MB of docstrings here (torch: 650 files, 2.6 MB, 3.5 s), so all of them fit in the
-# corpus budget; tokenizers and safetensors are compiled and document themselves in .pyi stubs we skip.
-DEPENDENCIES = ("numpy", "jinja2", "torch")
-# numpy.distutils is numpy's deprecated build tooling, not numpy's documentation
-DEPENDENCY_SKIP_DIRS = {"test", "tests", "testing", "benchmarks", "distutils", "__pycache__"}
+# The modules (with their submodules) whose docstrings are the corpus: ~450 KB, 1,430 documents, 2,038
+# questions with answers on Python 3.11 (posixpath is os.path). The whole standard library (4.6 MB with the
+# reference topics) is more than a million parameters take in within three minutes: read once, little sticks;
+# read ten times over, the names, signatures and first sentences do, and SFT can ask for them.
+DEMO_MODULES = ("json", "os", "posixpath", "shutil", "glob", "fnmatch", "tempfile", "pathlib", "textwrap",
+                "string", "re", "difflib", "heapq", "bisect", "copy", "statistics", "fractions", "random",
+                "calendar", "datetime", "base64", "csv", "gzip", "zipfile", "tarfile", "collections",
+                "functools", "operator", "contextlib", "argparse", "subprocess", "html", "urllib", "logging",
+                "typing", "inspect", "threading", "configparser", "traceback", "ipaddress", "uuid", "pprint",
+                "enum", "dataclasses", "abc", "numbers", "socket", "queue", "shlex", "locale", "platform",
+                "timeit")
+MIN_ANSWER_CHARS, MAX_ANSWER_CHARS = 15, 160  # a first sentence outside these is not an SFT answer
+MAX_SIGNATURE_CHARS = 100  # "How do I call X?" is asked only about functions with a signature this short
 
-MAX_ANSWER_CHARS = 240  # longer first paragraphs are cut at a sentence end, or left out of SFT
-MIN_ANSWER_CHARS = 20
-TOPIC_CHUNK_CHARS = 2000  # reference topics run to 30 KB; cut into documents of about this size
-
-# Asked after fine-tuning. HELD_OUT are kept out of SFT (their docstrings are in pretraining only), so a right
-# answer shows SFT taught the model to *use* what pretraining put there; SEEN were in the SFT set.
-HELD_OUT = ("json.dumps", "textwrap.dedent", "shutil.copyfile", "heapq.nlargest", "statistics.median",
-            "glob.glob")
-SEEN = ("json.loads", "shutil.rmtree", "os.walk")
+# Asked at the end: (name, "what" | "call"). IN_SET questions are in the SFT set, so the expected reply is
+# their answer exactly. Nothing about a HELD_OUT name is in the SFT set (its docstring is in pretraining only):
+# a reply shows what SFT taught the model to do with what pretraining put there.
+IN_SET = (("json.loads", "what"), ("shutil.rmtree", "what"), ("os.walk", "what"), ("heapq.heappush", "what"),
+          ("statistics.mean", "what"), ("textwrap.wrap", "what"), ("calendar.isleap", "what"),
+          ("copy.deepcopy", "what"), ("textwrap.fill", "call"), ("bisect.bisect_left", "call"),
+          ("tempfile.mkdtemp", "call"), ("difflib.get_close_matches", "call"), ("shutil.move", "call"))
+HELD_OUT = (("json.dumps", "what"), ("textwrap.dedent", "what"), ("statistics.median", "what"),
+            ("shutil.copyfile", "call"), ("heapq.nlargest", "call"), ("glob.glob", "call"))
 
 
 @dataclass(frozen=True)
 class DocEntry:
     """One documented thing: `name` is qualified (json.JSONEncoder.encode), `signature` the unparsed
-    arguments without self/cls ("" for modules, topics and properties), `doc` the cleaned docstring."""
+    arguments without self/cls ("" for modules and properties), `doc` the cleaned docstring."""
     name: str
-    kind: str  # module | class | function | topic
+    kind: str  # module | class | function
     signature: str
     doc: str
 
@@ -133,175 +144,158 @@ def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef, in_class: bool) -> 
     return f"({ast.unparse(args)})"
 
 
-def reference_topics(stdlib: Path) -> list[DocEntry]:
-    """The language reference topics in pydoc_data/topics.py (a dict literal: read with ast, not imported).
-    Each becomes one or more entries named by its heading, cut at paragraph ends into ~2 KB pieces."""
-    path = stdlib / "pydoc_data" / "topics.py"
-    if not path.is_file():
-        return []  # some distributions strip it; the docstrings alone are still a corpus
-    topics = {}
-    for node in ast.parse(path.read_text(encoding="utf-8")).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "topics" for t in node.targets):
-            topics = ast.literal_eval(node.value)
-    out = []
-    for key in sorted(topics):
-        text = topics[key].strip()
-        title = text.split("\n", 1)[0].strip()
-        for piece in _paragraph_chunks(text, TOPIC_CHUNK_CHARS):
-            out.append(DocEntry(title, "topic", "", piece))
-    return out
+def argument_names(signature: str) -> list[str]:
+    """["src", "dst", "follow_symlinks"] for "(src, dst, *, follow_symlinks=True)"."""
+    if not signature:
+        return []
+    args = ast.parse(f"def f{signature}: pass").body[0].args
+    return [a.arg for a in args.posonlyargs + args.args + [args.vararg] + args.kwonlyargs + [args.kwarg] if a]
 
 
-def _paragraph_chunks(text: str, size: int) -> list[str]:
-    chunks, current = [], ""
-    for paragraph in text.split("\n\n"):
-        if current and len(current) + len(paragraph) > size:
-            chunks.append(current.strip())
-            current = ""
-        current += paragraph + "\n\n"
-    if current.strip():
-        chunks.append(current.strip())
-    return chunks
-
-
-def collect_docs(max_chars: int) -> list[DocEntry]:
-    """Every entry, in a fixed order (stdlib, reference topics, dependencies), until max_chars of docstrings."""
+def collect_docs(modules: tuple[str, ...] = DEMO_MODULES) -> list[DocEntry]:
+    """Every documented entry of the standard-library `modules` (and their submodules), in walk order."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    roots: list[tuple[Path, str, set[str]]] = [(stdlib, "", STDLIB_SKIP_DIRS)]
-    for package in DEPENDENCIES:
-        spec = find_spec(package)  # locates the package without running its __init__
-        if spec is not None and spec.submodule_search_locations:
-            roots.append((Path(list(spec.submodule_search_locations)[0]), package, DEPENDENCY_SKIP_DIRS))
-    entries: list[DocEntry] = []
-    total = 0
-    seen: set[tuple[str, str]] = set()
-
-    def add(items: list[DocEntry]) -> bool:
-        nonlocal total
-        for entry in items:
-            if (entry.name, entry.doc) in seen:  # a module found twice (os.path = posixpath) etc.
-                continue
-            seen.add((entry.name, entry.doc))
-            entries.append(entry)
-            total += len(entry.doc)
-            if total >= max_chars:
-                return False
-        return True
-
-    for i, (root, package, skip) in enumerate(roots):
-        for module, path in python_files(root, package, skip):
-            try:
-                source = path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError):
-                continue
-            if not add(module_docs(module, source)):
-                return entries
-        if i == 0 and not add(reference_topics(stdlib)):
-            return entries
+    entries, seen = [], set()
+    for module, path in python_files(stdlib, "", STDLIB_SKIP_DIRS):
+        if module.split(".")[0] not in modules:
+            continue
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        for entry in module_docs(module, source):
+            if (entry.name, entry.doc) not in seen:  # the same module found twice
+                seen.add((entry.name, entry.doc))
+                entries.append(entry)
     return entries
 
 
 def pretrain_text(entry: DocEntry) -> str:
     """How an entry reads in pretraining: the name as one would call it, a blank line, the documentation."""
-    if entry.kind == "topic":
-        return entry.doc
     head = {"module": f"module {entry.name}", "class": f"class {entry.name}{entry.signature}"}.get(
         entry.kind, f"{entry.name}{entry.signature}")
     return f"{head}\n\n{entry.doc}"
 
 
-def first_paragraph(doc: str, max_chars: int = MAX_ANSWER_CHARS) -> str | None:
-    """The docstring's first paragraph on one line, if it makes a short prose answer; else None.
+def first_sentence(doc: str, max_chars: int = MAX_ANSWER_CHARS) -> str | None:
+    """The docstring's first sentence on one line, if it makes a short prose answer; else None.
 
-    Cut at the last sentence end within max_chars rather than mid-sentence: the model is to learn that an
-    answer ends, and an answer cut off mid-word teaches the opposite. Paragraphs that are a signature, a
-    doctest or reST markup are left out; they are not answers to "what does it do?"."""
+    A sentence ends at a period before a capital letter or the paragraph's end ("e.g." ends none). One that
+    is a signature ("makedirs(name [, mode=0o777])"), a doctest or reST markup answers no "what does it do?"."""
     paragraph = " ".join(doc.strip().split("\n\n", 1)[0].split())
-    if len(paragraph) > max_chars:
-        cut = paragraph.rfind(". ", 0, max_chars)
-        paragraph = paragraph[:cut + 1] if cut > 0 else ""
-    if len(paragraph) < MIN_ANSWER_CHARS or not paragraph[0].isalpha() or not paragraph.endswith((".", ")")):
+    end = re.search(r"(?<!\be\.g)(?<!\bi\.e)\.(?=\s+[A-Z(`'\"]|$)", paragraph)
+    sentence = paragraph[:end.end()] if end else ""
+    if not MIN_ANSWER_CHARS <= len(sentence) <= max_chars or not sentence[0].isalpha():
         return None
-    if any(mark in paragraph for mark in (">>>", "->", "::", "..", "|", "{", "==")):
+    if any(mark in sentence for mark in (">>>", "::", "|", "{", "==")) or re.match(r"[\w.]+\(", sentence):
         return None
-    if re.match(r"[\w.]+\(", paragraph):  # "makedirs(name [, mode=0o777])": a signature, not prose
-        return None
-    return paragraph
+    return sentence
 
 
-_QUESTIONS = {
-    "function": ("What does {} do?", "What is {} used for?", "Explain the function {}."),
-    "class": ("What is {}?", "What is the class {} for?", "Explain the class {}."),
-    "module": ("What is the {} module?", "What is the Python module {} for?"),
-    "topic": ("Explain {} in Python.",),
-}
+_WHAT = {"function": "What does {} do?", "class": "What is {}?", "module": "What is the {} module?"}
 
 
-def _pick(options: tuple[str, ...], key: str) -> str:
-    # crc32, not hash(): str hashes are salted per process, and the corpus must be the same every run
-    return options[zlib.crc32(key.encode("utf-8")) % len(options)]
-
-
-def sft_conversations(entry: DocEntry) -> list[list[dict]]:
-    """Questions about one entry with its documentation's first paragraph as the answer; functions with a
-    short signature also get "How do I call X?" answered by the signature (recalled from pretraining)."""
-    doc = entry.doc
-    if entry.kind == "topic":
-        # only a topic's first piece is asked about (the rest continue it); its answer follows the heading
-        heading, _, doc = doc.partition("\n\n")
-        if not heading.startswith(entry.name):
-            return []
-    answer = first_paragraph(doc)
-    if answer is None:
-        return []
-    subject = _topic_subject(entry.name) if entry.kind == "topic" else entry.name
-    out = [_conversation(_pick(_QUESTIONS[entry.kind], entry.name).format(subject), answer)]
-    if entry.kind == "function" and 2 < len(entry.signature) <= 80 and zlib.crc32(entry.name.encode()) % 3 == 0:
-        out.append(_conversation(f"How do I call {entry.name}?", f"{entry.name}{entry.signature}"))
+def qa_pairs(entry: DocEntry) -> dict[str, tuple[str, str]]:
+    """The questions about one entry, by kind, each with its answer: "what" answered by the docstring's first
+    sentence, and for a function with a short signature, "call" ("How do I call X?") answered by it."""
+    out = {}
+    answer = first_sentence(entry.doc)
+    if answer:
+        out["what"] = (_WHAT[entry.kind].format(entry.name), answer)
+    if entry.kind == "function" and 2 < len(entry.signature) <= MAX_SIGNATURE_CHARS:
+        out["call"] = (f"How do I call {entry.name}?", entry.name + entry.signature)
     return out
 
 
-def _topic_subject(title: str) -> str:
-    return title[0].lower() + title[1:] if title.startswith(("The ", "A ", "An ")) else title
+def _conversation(question: str, answer: str) -> dict:
+    return {"conversations": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
 
 
-def _conversation(question: str, answer: str) -> list[dict]:
-    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-
-
-def build_demo_corpus(out_dir: str | os.PathLike, max_mb: float = 8.0) -> tuple[Path, Path, list[dict]]:
+def build_demo_corpus(out_dir: str | os.PathLike, sft_size: int = 1000,
+                      modules: tuple[str, ...] = DEMO_MODULES) -> tuple[Path, Path, list[dict]]:
     """Write pretrain.jsonl and sft.jsonl into out_dir; return their paths and the questions to ask at the end.
 
-    max_mb caps the docstring text read (in the fixed order stdlib, reference topics, numpy, jinja2, torch).
-    Each question is {"name", "question", "expected", "held_out"}; held-out names appear in pretraining only.
+    Each question is {"name", "kind", "question", "expected", "held_out", "keywords"} (keywords: what a reply
+    that knows the thing names, see held_out_hit). The SFT set is the asked IN_SET pairs plus a fixed choice
+    of others, sft_size in all, none about a HELD_OUT name. The asked names' documents and conversations come
+    first in their files: `prepare` sends records 49, 99, ... to validation, and these must be trained on.
     The output is identical on every run on the same machine (sorted walk, no randomness).
     """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    entries = collect_docs(int(max_mb * 1e6))
+    entries = collect_docs(modules)
     if not entries:
         raise NanoforgeError(f"found no documentation in {sysconfig.get_paths()['stdlib']}; the demo needs the "
                              "Python standard library sources (.py files), which this installation lacks")
-    by_name = {e.name: e for e in entries if e.kind != "topic"}
-    questions = []
-    for name in HELD_OUT + SEEN:
-        entry = by_name.get(name)
-        for user, assistant in sft_conversations(entry) if entry else []:
-            questions.append({"name": name, "question": user["content"], "expected": assistant["content"],
-                              "held_out": name in HELD_OUT})
-    held_out = {q["name"] for q in questions if q["held_out"]}
+    by_name = {e.name: e for e in entries}
+    questions = asked_questions(by_name)
+    asked = [by_name[q["name"]] for q in questions]
+    held_names = {q["name"] for q in questions if q["held_out"]}
+    chosen = [(q["question"], q["expected"]) for q in questions if not q["held_out"]]
+    others = [pair for e in entries if e.name not in held_names for pair in qa_pairs(e).values()
+              if pair not in chosen]
+    others.sort(key=lambda pair: zlib.crc32(pair[0].encode("utf-8")))  # a fixed, well-mixed choice
+    chosen += others[:max(0, sft_size - len(chosen))]
 
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     pretrain_path, sft_path = out_dir / "pretrain.jsonl", out_dir / "sft.jsonl"
-    with open(pretrain_path, "w", encoding="utf-8") as f:
-        for entry in entries:
-            f.write(json.dumps({"text": pretrain_text(entry)}, ensure_ascii=False) + "\n")
-    with open(sft_path, "w", encoding="utf-8") as f:
-        for entry in entries:
-            if entry.name in held_out:
-                continue
-            for conversation in sft_conversations(entry):
-                f.write(json.dumps({"conversations": conversation}, ensure_ascii=False) + "\n")
+    documents = list(dict.fromkeys(asked)) + [e for e in entries if e not in asked]
+    _write_jsonl(pretrain_path, [{"text": pretrain_text(e)} for e in documents])
+    _write_jsonl(sft_path, [_conversation(q, a) for q, a in chosen])
     return pretrain_path, sft_path, questions
+
+
+def asked_questions(by_name: dict[str, DocEntry]) -> list[dict]:
+    """IN_SET then HELD_OUT as {"name", "kind", "question", "expected", "held_out", "keywords"}. A Python
+    whose docstring of a name changed shape (no first sentence, say) asks one question fewer."""
+    questions = []
+    for (name, kind), held_out in [(q, False) for q in IN_SET] + [(q, True) for q in HELD_OUT]:
+        pair = qa_pairs(by_name[name]).get(kind) if name in by_name else None
+        if pair:
+            keywords = [a for a in argument_names(by_name[name].signature) if len(a) > 1 and a[0] != "_"]
+            keywords += [name.split(".")[0]] if kind == "what" else []
+            questions.append({"name": name, "kind": kind, "question": pair[0], "expected": pair[1],
+                              "held_out": held_out, "keywords": keywords})
+    return questions
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# scoring
+
+def held_out_hit(reply: str, keywords: list[str]) -> bool:
+    """Whether the reply names one of the keywords as a word of its own, in any case ("JSON" names json).
+    A "what" question's keywords are the module and the arguments; a "call" question's only the arguments,
+    since its reply starts by repeating the name from the question. One-letter and private arguments ("s",
+    "_nil") are not keywords: they name nothing."""
+    return any(re.search(rf"(?<!\w){re.escape(k)}(?!\w)", reply, re.IGNORECASE) for k in keywords)
+
+
+def score_replies(samples: list[dict]) -> dict:
+    """in_set: replies equal to the expected answer (the first sentence or the signature, exactly).
+    held_out: replies that name a keyword of their question (held_out_hit), and held_out_exact.
+    chance: what held_out would be for replies that know nothing about their question, i.e. its expected
+    value over random pairings of the replies with the questions: for each held-out question, the share of
+    the other questions' replies that hit its keywords, summed."""
+    in_set = [s for s in samples if not s["held_out"]]
+    held = [s for s in samples if s["held_out"]]
+    chance = sum(sum(held_out_hit(o["reply"], s["keywords"]) for o in samples if o is not s) / (len(samples) - 1)
+                 for s in held) if len(samples) > 1 else 0.0
+    return {"in_set": sum(s["reply"] == s["expected"] for s in in_set), "in_set_n": len(in_set),
+            "held_out": sum(held_out_hit(s["reply"], s["keywords"]) for s in held), "held_out_n": len(held),
+            "held_out_exact": sum(s["reply"] == s["expected"] for s in held), "chance": chance}
+
+
+def score_line(score: dict) -> str:
+    """`in-set 9/13 exact first sentence or signature; held-out 5/6 name the module or an argument (chance
+    1.2/6), 1/6 exact`"""
+    return (f"in-set {score['in_set']}/{score['in_set_n']} exact first sentence or signature; held-out "
+            f"{score['held_out']}/{score['held_out_n']} name the module or an argument (chance "
+            f"{score['chance']:.1f}/{score['held_out_n']}), {score['held_out_exact']}/{score['held_out_n']} exact")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -310,22 +304,29 @@ def build_demo_corpus(out_dir: str | os.PathLike, max_mb: float = 8.0) -> tuple[
 # How big each part of a run is. "full" is what `nanoforge demo` runs; "test" is the same pipeline shrunk to
 # finish in well under a minute (the end-to-end test). Steps of None are sized from the time budget.
 SCALES = {
-    "full": dict(max_mb=8.0, vocab_size=4096, preset="demo", precision=None, pretrain_steps=None,
-                 sft_steps=None, sft_lr=1e-3, max_new_tokens=96),
-    "test": dict(max_mb=0.4, vocab_size=512, preset="tiny", precision="fp32", pretrain_steps=60, sft_steps=30,
-                 sft_lr=3e-3, max_new_tokens=24),
+    "full": dict(sft_size=1000, vocab_size=2048, preset="demo", precision=None, pretrain_steps=None,
+                 sft_steps=None, sft_lr=3e-3, max_new_tokens=64),
+    "test": dict(sft_size=120, vocab_size=512, preset="tiny", precision="fp32", pretrain_steps=60, sft_steps=40,
+                 sft_lr=3e-3, max_new_tokens=32),
 }
-VAL_FRACTION = 0.02  # of documents and of conversations: ~200 each, enough for a steady validation loss
-# Share of the training time for pretraining. SFT needs a couple of hundred steps to move from one generic
-# reply for every question ("Return the given value.", what 50 steps gave) to replies about the question.
+VAL_FRACTION = 0.02  # of documents and of conversations (every 50th; the asked ones come first and stay in)
+# Share of the training time for pretraining when the budget, not MAX_*_EPOCHS, limits the run; SFT gets the
+# rest. SFT on a well-pretrained model is quick to memorise its answers (its training loss is below 0.3 within
+# 50 steps), while the names and signatures it asks for have to be read many times in pretraining first.
 PRETRAIN_SHARE = 0.65
 # A step inside the training loop costs more than the bare step measure_step_seconds times: batches read from
-# the shards, gradient clipping, logging, the start-up of the stage. Measured here: 0.40 s vs 0.32 s.
+# the shards, gradient clipping, logging, the start-up of the stage. Measured here: 660 pretraining steps in
+# 79 s, 0.120 s each, against 0.100 s bare.
 LOOP_OVERHEAD = 1.25
 # Seconds kept back from the budget for what follows training: loading, the chat replies, the report, and
 # each stage's start-up (TensorBoard, the MFU matmul probe, the final checkpoint). Measured: ~20 s here.
 RESERVE_S = 20.0
-MIN_STEPS, MAX_PRETRAIN_STEPS, MAX_SFT_STEPS = 50, 4000, 1500
+MIN_STEPS = 50
+# Enough (measured by step count, the machine's load aside): pretraining 600 steps (~9 epochs) then SFT 300
+# (~14 epochs) answered 13/13 in-set questions exactly and named the module or an argument in 6/6 held-out
+# replies; 1200 + 650 steps scored no better (13/13, 5/6) and only overfitted more; 300 + 150 steps, what a
+# busy machine may leave, still 11/13 and 4/6. A quiet machine stops at these caps, well under the budget.
+MAX_PRETRAIN_EPOCHS, MAX_SFT_EPOCHS = 10, 15
 DEMO_MARKER = ".nanoforge-demo"  # marks a directory the demo made, and may therefore wipe
 
 
@@ -403,29 +404,62 @@ def measure_step_seconds(mcfg, tcfg, precision: str, steps: int = 5, warmup: int
 @dataclass
 class Plan:
     precision: str
+    threads: int  # torch's intra-op threads for the training stages
+    step_s: float  # the bare step time of that precision on that many threads, measured (0: not measured)
     pretrain_steps: int
     note: str  # what was measured, for the log and the report
+    thread_options: tuple[int, ...]  # the thread counts to choose from: all of torch's, and one
 
 
-def plan_pretraining(mcfg, tcfg, budget_s: float, precision: str | None, steps: int | None) -> Plan:
-    """Pick the faster precision by measurement (bf16 autocast wins on CPUs with AVX512-BF16 or AMX and loses
-    badly on older ones) and size pretraining to its share of budget_s. What the scale fixes is kept."""
+def plan_pretraining(mcfg, tcfg, budget_s: float, precision: str | None, steps: int | None,
+                     most: float = 10**6) -> Plan:
+    """Pick the faster precision and thread count by measurement and size pretraining to its share of budget_s
+    (at most `most` steps). What the scale fixes is kept."""
+    import torch
+
+    options = tuple(dict.fromkeys((torch.get_num_threads(), 1)))
     if precision and steps:
-        return Plan(precision, steps, "steps and precision fixed by the scale")
-    candidates = (precision,) if precision else ("fp32", "bf16")
-    timings = {p: measure_step_seconds(mcfg, tcfg, p) for p in candidates}
-    precision = min(timings, key=timings.get)
+        return Plan(precision, options[0], 0.0, steps, "steps and precision fixed by the scale", options)
+    precisions = (precision,) if precision else ("fp32", "bf16")
+    precision, threads, step_s, note = fastest_setting(mcfg, tcfg, precisions, options)
     # validation costs about a third of a training step per batch (forward only), every eval_every steps
     eval_share = tcfg.eval_batches / (3 * tcfg.eval_every)
-    step_s = timings[precision] * LOOP_OVERHEAD * (1 + eval_share)
     if steps is None:
-        steps = _round_steps(PRETRAIN_SHARE * budget_s / step_s, MAX_PRETRAIN_STEPS)
-    note = ", ".join(f"{t:.2f} s/step in {p}" for p, t in timings.items()) + f" -> {precision}"
-    return Plan(precision, steps, note)
+        steps = _round_steps(PRETRAIN_SHARE * budget_s / (step_s * LOOP_OVERHEAD * (1 + eval_share)), most)
+    return Plan(precision, threads, step_s, steps, note, options)
 
 
-def _round_steps(steps: float, most: int) -> int:
-    return int(min(most, max(MIN_STEPS, steps // 10 * 10)))
+def fastest_setting(mcfg, tcfg, precisions: tuple[str, ...], thread_options: tuple[int, ...]):
+    """(precision, threads, seconds per step, a note of every timing) of the fastest measured combination.
+
+    bf16 autocast wins on CPUs with AVX512-BF16 or AMX and loses badly on older ones. One thread wins when
+    other programs keep the cores busy, since two threads then wait for each other at every operation (on this
+    2-core machine with other programs running: 2.5 s per step on two threads, 0.26-0.5 s on one); all of
+    them win on a quiet machine (0.11 s against 0.18 s)."""
+    timings = {(p, n): _step_seconds_with_threads(mcfg, tcfg, p, n) for p in precisions for n in thread_options}
+    precision, threads = min(timings, key=timings.get)
+    note = (", ".join(f"{t:.2f} s/step in {p} on {_threads(n)}" for (p, n), t in timings.items())
+            + f" -> {precision} on {_threads(threads)}")
+    return precision, threads, timings[precision, threads], note
+
+
+def _step_seconds_with_threads(mcfg, tcfg, precision: str, threads: int) -> float:
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return measure_step_seconds(mcfg, tcfg, precision)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _threads(n: int) -> str:
+    return f"{n} thread" + ("s" if n > 1 else "")
+
+
+def _round_steps(steps: float, most: float) -> int:
+    return int(max(MIN_STEPS, min(most, steps) // 10 * 10))
 
 
 def initial_val_loss(data_dir: Path, mcfg, tcfg, precision: str) -> float:
@@ -484,123 +518,224 @@ def ask(run_dir: Path, questions: list[dict], max_new_tokens: int) -> list[dict]
 
 def _print_replies(samples: list[dict], quiet: bool) -> None:
     for s in samples:
-        origin = "held out of SFT" if s["held_out"] else "in the SFT set"
-        _say(f"\n  Q ({origin}): {s['question']}\n  A: {s['reply']}\n     [{s['finish_reason']}, "
-             f"{s['tokens']} tokens]  docstring: {s['expected']}", quiet)
+        if s["held_out"]:
+            verdict = "held out of SFT: " + ("names " + ", ".join(_named(s)) if _named(s) else "names nothing asked")
+        else:
+            verdict = "in the SFT set: " + ("exact" if s["reply"] == s["expected"] else "not exact")
+        _say(f"\n  Q ({verdict}): {s['question']}\n  A: {s['reply']}\n     [{s['finish_reason']}, "
+             f"{s['tokens']} tokens]  expected: {s['expected']}", quiet)
 
 
-def _val_losses(run_dir: Path) -> list[float]:
-    out = []
+def _named(sample: dict) -> list[str]:
+    return [k for k in sample["keywords"] if held_out_hit(sample["reply"], [k])]
+
+
+def _losses(run_dir: Path, start: float) -> dict:
+    """The run's validation loss before (`start`), at the end and at its lowest (with the step), and its last
+    logged training loss, from metrics.jsonl."""
+    val, train = [], []
     with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
         for line in f:
             record = json.loads(line)
             if "val_loss" in record:
-                out.append(record["val_loss"])
-    return out
+                val.append((record["val_loss"], record["step"]))
+            if "loss" in record:
+                train.append(record["loss"])
+    return {"start": start, "end": val[-1][0], "best": min(val), "train": train[-1]}
+
+
+def _loss_note(losses: dict) -> str:
+    return (f"{losses['start']:.3f} -> {losses['end']:.3f} (lowest {losses['best'][0]:.3f} at step "
+            f"{losses['best'][1]}; training loss {losses['train']:.3f})")
 
 
 def run_demo(work_dir: str | os.PathLike = "runs/demo", minutes: float = 5.0, quiet: bool = False,
              scale: str = "full") -> Path:
-    """`nanoforge demo`: corpus -> tokenizer -> prepare -> pretrain -> SFT -> chat replies -> report.
+    """`nanoforge demo`: corpus -> tokenizer -> prepare -> pretrain -> SFT -> questions and score -> report.
 
     work_dir is wiped first if an earlier demo made it (a marker file says so); any other non-empty
     directory is an error. `minutes` is the budget for the whole run: the training steps are sized from a
     measured step time to fit it. scale="test" shrinks everything to run in well under a minute. Returns the
     path of report.md."""
-    from nanoforge.config import build_config
-    from nanoforge.data.shards import prepare_dataset
-    from nanoforge.report import write_report
-    from nanoforge.tokenizer import train_tokenizer
-    from nanoforge.train.metrics import format_duration
-    from nanoforge.train.stages import pretrain, sft
+    import torch
 
     if scale not in SCALES:
         raise NanoforgeError(f"unknown demo scale {scale!r}; choose one of {', '.join(SCALES)}")
     if minutes <= 0:
         raise NanoforgeError(f"minutes={minutes} must be > 0")
-    s = SCALES[scale]
-    work_dir = Path(work_dir)
     deadline = time.perf_counter() + minutes * 60
-    clock = _Clock(7, quiet)
-    log = (lambda *a: None) if quiet else (lambda text: print(f"    {text}", flush=True))
-    fresh_work_dir(work_dir, quiet)
+    fresh_work_dir(Path(work_dir), quiet)
     _say(f"nanoforge demo in {work_dir}: budget {minutes:g} min, CPU only, nothing downloaded", quiet)
+    threads = torch.get_num_threads()
+    try:
+        return _run_stages(Path(work_dir), SCALES[scale], deadline, quiet)
+    finally:
+        torch.set_num_threads(threads)  # the plan may have chosen fewer for training
 
-    clock.stage("corpus", f"building the corpus from the documentation installed with Python "
-                          f"{sys.version.split()[0]}, {', '.join(DEPENDENCIES)}")
-    pretrain_jsonl, sft_jsonl, questions = build_demo_corpus(work_dir / "corpus", max_mb=s["max_mb"])
-    n_docs, n_convs = _count_lines(pretrain_jsonl), _count_lines(sft_jsonl)
-    corpus_mb = pretrain_jsonl.stat().st_size / 1e6
-    clock.done(f"{n_docs} documents ({corpus_mb:.1f} MB), {n_convs} question/answer conversations")
+
+def _run_stages(work_dir: Path, s: dict, deadline: float, quiet: bool) -> Path:
+    from nanoforge.tokenizer import train_tokenizer
+
+    clock = _Clock(7, quiet)
+    clock.stage("corpus", f"building the corpus from the docstrings of {len(DEMO_MODULES)} standard-library "
+                          f"modules of Python {sys.version.split()[0]} ({', '.join(DEMO_MODULES[:6])}, ...)")
+    pretrain_jsonl, sft_jsonl, questions = build_demo_corpus(work_dir / "corpus", s["sft_size"])
+    facts = {"docs": _count_lines(pretrain_jsonl), "kb": pretrain_jsonl.stat().st_size / 1e3,
+             "convs": _count_lines(sft_jsonl)}
+    clock.done(f"{facts['docs']} documents ({facts['kb']:.0f} KB), {facts['convs']} question/answer conversations")
 
     clock.stage("tokenizer", f"training a {s['vocab_size']}-token byte-level BPE tokenizer on the documents")
     tokenizer = train_tokenizer([pretrain_jsonl], vocab_size=s["vocab_size"], out_dir=work_dir / "tokenizer")
     clock.done()
 
-    clock.stage("prepare", "tokenizing both sets into shards (2% of each held out for validation), then timing "
-                           "a few training steps to size the run")
-    pre_data, sft_data = work_dir / "data" / "pretrain", work_dir / "data" / "sft"
-    prepare_dataset("pretrain", [pretrain_jsonl], tokenizer, pre_data, val_fraction=VAL_FRACTION, log=log)
-    prepare_dataset("sft", [sft_jsonl], tokenizer, sft_data, val_fraction=VAL_FRACTION, log=log)
-    mcfg, tcfg = build_config(s["preset"], overrides={"vocab_size": tokenizer.vocab_size, "device": "cpu"})
-    budget = deadline - time.perf_counter() - RESERVE_S
-    plan = plan_pretraining(mcfg, tcfg, budget, s["precision"], s["pretrain_steps"])
-    start_loss = initial_val_loss(pre_data, mcfg, tcfg, plan.precision)
-    clock.done(f"measured {plan.note}")
+    mcfg, tcfg, plan = _prepare_stage(clock, work_dir, s, tokenizer, deadline, facts, quiet)
+    pre_run = _pretrain_stage(clock, work_dir, s, mcfg, tcfg, plan, facts, quiet)
+    sft_run = _sft_stage(clock, work_dir, s, pre_run, mcfg, tcfg, plan, deadline, facts, quiet)
 
-    clock.stage("pretrain", f"pretraining a {s['preset']}-preset GPT for {plan.pretrain_steps} steps "
-                            f"(validation loss before training: {start_loss:.3f})")
-    pre_run, sft_run = work_dir / "pretrain", work_dir / "sft"
-    common = {"device": "cpu", "precision": plan.precision}
-    pretrain([str(pre_data)], pre_run, preset=s["preset"], quiet=quiet,
-             overrides={**common, "vocab_size": tokenizer.vocab_size, "max_steps": plan.pretrain_steps})
-    end_loss = _val_losses(pre_run)[-1]
-    clock.done(f"validation loss {start_loss:.3f} -> {end_loss:.3f}")
-
-    sft_start = sft_val_loss_before(pre_run, sft_data, tcfg, plan.precision)
-    sft_steps = s["sft_steps"]
-    if sft_steps is None:
-        # Pretraining took what it took (a busy machine is slower than the measurement, an idle one faster):
-        # SFT gets the time that is left, at pretraining's real pace (evaluations included), so the run ends on
-        # time. Its steps cost about what pretraining's do: measured 0.37 s against 0.34-0.40 s here.
-        left = deadline - time.perf_counter() - RESERVE_S
-        sft_steps = _round_steps(left / (clock.timings["pretrain"] / plan.pretrain_steps), MAX_SFT_STEPS)
-    clock.stage("sft", f"fine-tuning on the question/answer conversations for {sft_steps} steps (validation "
-                       f"loss on the answers before fine-tuning: {sft_start:.3f})")
-    sft(str(pre_run), [str(sft_data)], sft_run, quiet=quiet,
-        overrides={**common, "max_steps": sft_steps, "lr": s["sft_lr"], "warmup_steps": min(20, sft_steps // 5),
-                   "eval_every": tcfg.eval_every, "eval_batches": tcfg.eval_batches,
-                   "batch_size": tcfg.batch_size, "save_every": 0, "keep_last": 1})
-    sft_end = _val_losses(sft_run)[-1]
-    clock.done(f"validation loss on the answers {sft_start:.3f} -> {sft_end:.3f}")
-
-    clock.stage("chat", f"asking {len(questions)} questions (greedy decoding, stop at <|im_end|>)")
+    clock.stage("chat", f"asking {len(questions)} questions (greedy decoding, stop at <|im_end|>) and scoring "
+                        "the replies")
     samples = ask(sft_run, questions, s["max_new_tokens"])
     _print_replies(samples, quiet)
-    closed = sum(x["finish_reason"] == "stop" for x in samples)
-    clock.done(f"{closed}/{len(samples)} replies ended with <|im_end|>")
+    facts["score"] = score_line(score_replies(samples))
+    facts["closed"] = sum(x["finish_reason"] == "stop" for x in samples)
+    clock.done(f"{facts['closed']}/{len(samples)} replies ended with <|im_end|>")
 
     clock.stage("report", "writing the report")
-    summary = (f"The whole pipeline on this machine's CPU: {n_docs} documents ({corpus_mb:.1f} MB) of "
-               f"docstrings and reference text installed with Python {sys.version.split()[0]} and "
-               f"{', '.join(DEPENDENCIES)}, and {n_convs} question/answer conversations made from them.\n\n"
-               f"- Pretraining validation loss: **{start_loss:.3f}** before training (ln(vocab) = "
-               f"{math.log(mcfg.vocab_size):.3f} is a uniform guess) -> **{end_loss:.3f}** after "
-               f"{plan.pretrain_steps} steps.\n"
-               f"- SFT validation loss (answer tokens of held-out conversations): **{sft_start:.3f}** for the "
-               f"pretrained model -> **{sft_end:.3f}** after {sft_steps} steps of fine-tuning.\n"
-               f"- Replies that closed with <|im_end|> (greedy, at most {s['max_new_tokens']} tokens): "
-               f"**{closed}/{len(samples)}**.\n"
-               f"- Precision {plan.precision}: {plan.note}.\n"
-               f"- Stage times: " + ", ".join(f"{k} {v:.0f} s" for k, v in clock.timings.items()) +
-               f"; total {format_duration(clock.elapsed())}.")
-    report = write_report([pre_run, sft_run], work_dir / "report.md", samples=samples, title="nanoforge demo",
-                          preamble=summary)
+    report = _write_demo_report(work_dir, [pre_run, sft_run], samples, mcfg, plan, s, facts, clock)
     clock.done()
-    _say(f"\npretraining validation loss {start_loss:.3f} -> {end_loss:.3f}; SFT {sft_start:.3f} -> {sft_end:.3f}; "
-         f"{closed}/{len(samples)} replies closed with "
-         f"<|im_end|>; whole demo {format_duration(clock.elapsed())}\nreport: {report}", quiet)
+    pre, post = facts["pre_loss"], facts["sft_loss"]
+    _say(f"\nscore: {facts['score']}\npretraining validation loss {pre['start']:.3f} -> {pre['end']:.3f}; SFT "
+         f"{post['start']:.3f} -> {post['end']:.3f}; {facts['closed']}/{len(samples)} replies closed with "
+         f"<|im_end|>; whole demo "
+         f"{_duration(clock.elapsed())}\nreport: {report}", quiet)
     return report
+
+
+def _prepare_stage(clock: _Clock, work_dir: Path, s: dict, tokenizer, deadline: float, facts: dict, quiet: bool):
+    """Both sets tokenized into shards, the configs, and the pretraining plan (measured; its thread count is
+    set for the rest of the run)."""
+    import torch
+
+    from nanoforge.config import build_config
+    from nanoforge.data.shards import TokenShards, prepare_dataset
+
+    clock.stage("prepare", "tokenizing both sets into shards (2% of each held out for validation), then timing "
+                           "a few training steps to size the run")
+    log = (lambda *a: None) if quiet else (lambda text: print(f"    {text}", flush=True))
+    for kind in ("pretrain", "sft"):
+        corpus = work_dir / "corpus" / f"{kind}.jsonl"
+        prepare_dataset(kind, [corpus], tokenizer, work_dir / "data" / kind, val_fraction=VAL_FRACTION, log=log)
+    mcfg, tcfg = build_config(s["preset"], overrides={"vocab_size": tokenizer.vocab_size, "device": "cpu"})
+    budget = deadline - time.perf_counter() - RESERVE_S
+    epoch = TokenShards(work_dir / "data" / "pretrain", "train").num_tokens / (tcfg.batch_size * tcfg.seq_len)
+    plan = plan_pretraining(mcfg, tcfg, budget, s["precision"], s["pretrain_steps"], MAX_PRETRAIN_EPOCHS * epoch)
+    torch.set_num_threads(plan.threads)
+    facts["params"] = _parameter_count(mcfg)
+    clock.done(f"measured {plan.note}")
+    return mcfg, tcfg, plan
+
+
+def _pretrain_stage(clock: _Clock, work_dir: Path, s: dict, mcfg, tcfg, plan: Plan, facts: dict,
+                    quiet: bool) -> Path:
+    from nanoforge.data.shards import TokenShards
+    from nanoforge.train.stages import pretrain
+
+    pre_data, pre_run = work_dir / "data" / "pretrain", work_dir / "pretrain"
+    start = initial_val_loss(pre_data, mcfg, tcfg, plan.precision)
+    epochs = plan.pretrain_steps * tcfg.batch_size * tcfg.seq_len / TokenShards(pre_data, "train").num_tokens
+    facts["pre_epochs"] = epochs
+    clock.stage("pretrain", f"pretraining a {facts['params'] / 1e6:.2f}M-parameter GPT ({s['preset']} preset, "
+                            f"{plan.precision}, {tcfg.optimizer}) for {plan.pretrain_steps} steps (~{epochs:.1f} "
+                            f"epochs; validation loss before training: {start:.3f})")
+    pretrain([str(pre_data)], pre_run, preset=s["preset"], quiet=quiet,
+             overrides={"device": "cpu", "precision": plan.precision, "vocab_size": mcfg.vocab_size,
+                        "max_steps": plan.pretrain_steps})
+    facts["pre_loss"] = _losses(pre_run, start)
+    clock.done(f"validation loss {_loss_note(facts['pre_loss'])}")
+    return pre_run
+
+
+def _sft_stage(clock: _Clock, work_dir: Path, s: dict, pre_run: Path, mcfg, tcfg, plan: Plan, deadline: float,
+               facts: dict, quiet: bool) -> Path:
+    """Fine-tune with pretraining's optimizer, schedule and batch shape, for the time that is left."""
+    import torch
+
+    from nanoforge.train.stages import sft
+
+    sft_data, sft_run = work_dir / "data" / "sft", work_dir / "sft"
+    start = sft_val_loss_before(pre_run, sft_data, tcfg, plan.precision)
+    steps, rows = s["sft_steps"], _sft_rows(sft_data, tcfg)
+    measured = ""
+    if steps is None:
+        # SFT gets the time that is left. Its pace: a fresh measurement (the thread count chosen again, since a
+        # program that started meanwhile makes two threads many times slower than one) times the loop's
+        # overhead over the bare step that pretraining showed (at least LOOP_OVERHEAD). Same batch shape, so
+        # the same cost per step (measured: 0.122 s in SFT against 0.120 s in pretraining).
+        _, threads, bare, measured = fastest_setting(mcfg, tcfg, (plan.precision,), plan.thread_options)
+        torch.set_num_threads(threads)
+        pace = clock.timings["pretrain"] / plan.pretrain_steps
+        overhead = max(LOOP_OVERHEAD, pace / plan.step_s) if plan.step_s else LOOP_OVERHEAD
+        left = deadline - time.perf_counter() - RESERVE_S
+        steps = _round_steps(left / (bare * overhead), MAX_SFT_EPOCHS * rows / tcfg.batch_size)
+        measured = f"; measured again: {measured}"
+    epochs = steps * tcfg.batch_size / rows
+    clock.stage("sft", f"fine-tuning on the {facts['convs']} question/answer conversations for {steps} steps "
+                       f"(~{epochs:.1f} epochs; validation loss on the answers before: {start:.3f}{measured})")
+    keep = ("optimizer", "muon_lr", "schedule", "decay_fraction", "min_lr_ratio", "batch_size", "eval_every",
+            "eval_batches")
+    sft(str(pre_run), [str(sft_data)], sft_run, quiet=quiet,
+        overrides={**{k: getattr(tcfg, k) for k in keep}, "device": "cpu", "precision": plan.precision,
+                   "max_steps": steps, "lr": s["sft_lr"], "warmup_steps": min(20, steps // 5), "save_every": 0,
+                   "keep_last": 1})
+    facts["sft_loss"], facts["sft_steps"], facts["sft_epochs"] = _losses(sft_run, start), steps, epochs
+    facts["sft_measured"] = measured
+    clock.done(f"validation loss on the answers {_loss_note(facts['sft_loss'])}")
+    return sft_run
+
+
+def _sft_rows(data_dir: Path, tcfg) -> int:
+    """Packed rows in one epoch of the SFT set's training split."""
+    from nanoforge.data.batches import SFTBatches
+    from nanoforge.data.shards import TokenShards
+    return SFTBatches(TokenShards(data_dir, "train"), tcfg.batch_size, tcfg.seq_len).sequences_per_epoch
+
+
+def _parameter_count(mcfg) -> int:
+    from nanoforge.model.gpt import GPT
+    return sum(p.numel() for p in GPT(mcfg).parameters())
+
+
+def _write_demo_report(work_dir: Path, runs: list[Path], samples: list[dict], mcfg, plan: Plan, s: dict,
+                       facts: dict, clock: _Clock) -> Path:
+    from nanoforge.report import write_report
+
+    summary = (f"The whole pipeline on this machine's CPU: {facts['docs']} documents ({facts['kb']:.0f} KB) of "
+               f"docstrings of {len(DEMO_MODULES)} standard-library modules of Python {sys.version.split()[0]}, "
+               f"and {facts['convs']} question/answer conversations made from them; a "
+               f"{facts['params'] / 1e6:.2f}M-parameter GPT.\n\n"
+               f"- **Score: {facts['score']}.** In-set questions are in the SFT set, and a reply counts when it "
+               f"equals the answer trained on. Held-out questions are about things no SFT conversation mentions "
+               f"(their docstrings are in pretraining only), and a reply counts when it names an argument of the "
+               f"function asked about or, for a what-does question, its module; chance is that score for the "
+               f"replies to the other questions (its mean over all pairings).\n"
+               f"- Pretraining validation loss after {plan.pretrain_steps} steps: {_loss_note(facts['pre_loss'])};"
+               f" ln(vocab) = {math.log(mcfg.vocab_size):.3f} is a uniform guess. The corpus is read "
+               f"~{facts['pre_epochs']:.1f} times: a training loss below the validation loss is the model "
+               f"memorising it, which is what the questions ask of it.\n"
+               f"- SFT validation loss (answer tokens of conversations held out of SFT) after "
+               f"{facts['sft_steps']} steps (~{facts['sft_epochs']:.1f} epochs): {_loss_note(facts['sft_loss'])}"
+               f"{facts['sft_measured']}.\n"
+               f"- Replies that closed with <|im_end|> (greedy, at most {s['max_new_tokens']} tokens): "
+               f"**{facts['closed']}/{len(samples)}**.\n"
+               f"- Precision and threads, by measurement: {plan.note}.\n"
+               f"- Stage times: " + ", ".join(f"{k} {v:.0f} s" for k, v in clock.timings.items()) +
+               f"; total {_duration(clock.elapsed())}.")
+    return write_report(runs, work_dir / "report.md", samples=samples, title="nanoforge demo", preamble=summary)
+
+
+def _duration(seconds: float) -> str:
+    from nanoforge.train.metrics import format_duration
+    return format_duration(seconds)
 
 
 def _count_lines(path: Path) -> int:

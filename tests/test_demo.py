@@ -1,5 +1,5 @@
-"""`nanoforge demo`: the corpus it builds from the documentation on this machine, and the whole pipeline
-end to end at a shrunk scale."""
+"""`nanoforge demo`: the corpus it builds from the documentation on this machine, the scoring of its replies,
+and the whole pipeline end to end at a shrunk scale."""
 import json
 import math
 import re
@@ -12,12 +12,15 @@ from nanoforge.data.jsonl import validate_record
 from nanoforge.errors import NanoforgeError
 from nanoforge.tokenizer import load_tokenizer
 
-SMALL_MB = 1.6  # the standard library and the reference topics, not the dependencies: a few seconds
+SFT_SIZE = 300
+# what score_line prints: "in-set 9/13 exact ...; held-out 4/6 name ... (chance 0.3/6), 0/6 exact"
+SCORE_LINE = re.compile(r"in-set (\d+)/(\d+) exact first sentence or signature; held-out (\d+)/(\d+) name the "
+                        r"module or an argument \(chance (\d+\.\d)/(\d+)\), (\d+)/(\d+) exact")
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    return demo.build_demo_corpus(tmp_path_factory.mktemp("corpus"), max_mb=SMALL_MB)
+    return demo.build_demo_corpus(tmp_path_factory.mktemp("corpus"), sft_size=SFT_SIZE)
 
 
 def read_jsonl(path):
@@ -34,29 +37,38 @@ def test_corpus_records_are_valid_and_sized(corpus):
         user, assistant = record["conversations"]
         assert (user["role"], assistant["role"]) == ("user", "assistant")
         assert assistant["content"] == assistant["content"].strip()  # leading whitespace breaks the loss mask
-        assert len(assistant["content"]) <= demo.MAX_ANSWER_CHARS + 100  # signatures may run a little longer
-    text_mb = sum(len(r["text"]) for r in docs) / 1e6
-    assert SMALL_MB <= text_mb <= 1.5 * SMALL_MB  # docstrings up to the cap, plus names and signatures
-    assert len(docs) > 1000 and len(convs) > 1000
+        assert len(assistant["content"]) <= max(demo.MAX_ANSWER_CHARS, 60 + demo.MAX_SIGNATURE_CHARS)
+    assert len(convs) == SFT_SIZE and len({r["conversations"][0]["content"] for r in convs}) == SFT_SIZE
+    assert 100_000 <= sum(len(r["text"]) for r in docs) <= 1_000_000 and len(docs) > 500
     assert any(r["text"].startswith("json.dumps(obj, *, skipkeys=False") for r in docs)
-    assert any(r["text"].startswith('The "assert" statement') for r in docs)  # pydoc_data reference topics
+    modules = {r["text"].split()[1] for r in docs if r["text"].startswith("module ")}
+    assert {m.split(".")[0] for m in modules} <= set(demo.DEMO_MODULES)
 
 
-def test_held_out_questions_are_in_pretraining_only(corpus):
+def test_questions_asked_in_set_and_held_out(corpus):
     pretrain_path, sft_path, questions = corpus
-    assert {q["name"] for q in questions} == set(demo.HELD_OUT + demo.SEEN)
-    docs = pretrain_path.read_text(encoding="utf-8")
-    asked = {json.loads(line)["conversations"][0]["content"] for line in sft_path.read_text().splitlines()}
+    assert [(q["name"], q["kind"]) for q in questions] == list(demo.IN_SET + demo.HELD_OUT)
+    docs = read_jsonl(pretrain_path)
+    pairs = [(r["conversations"][0]["content"], r["conversations"][1]["content"]) for r in read_jsonl(sft_path)]
+    every_val = round(1 / demo.VAL_FRACTION)  # prepare sends records every_val-1, 2*every_val-1, ... to val
     for q in questions:
-        assert q["expected"] and q["question"].endswith(("?", "."))
-        assert json.dumps(q["name"])[1:-1] in docs  # its documentation was in pretraining
-        assert (q["question"] in asked) == (not q["held_out"])
+        assert q["expected"] and q["question"].endswith("?") and q["keywords"]
+        position = next(i for i, r in enumerate(docs) if r["text"].startswith(q["name"]))
+        assert position < every_val - 1  # its documentation is in pretraining's training split
         mentions = re.compile(re.escape(q["name"]) + r"(?![\w.])")
-        assert any(mentions.search(a) for a in asked) == (not q["held_out"])
+        if q["held_out"]:
+            assert not any(mentions.search(question + answer) for question, answer in pairs)
+        else:
+            assert pairs.index((q["question"], q["expected"])) < every_val - 1  # trained on, exactly
+    json_dumps = next(q for q in questions if q["name"] == "json.dumps")
+    assert json_dumps["kind"] == "what" and {"json", "obj", "indent"} <= set(json_dumps["keywords"])
+    copyfile = next(q for q in questions if q["name"] == "shutil.copyfile")
+    assert copyfile["expected"] == "shutil.copyfile(src, dst, *, follow_symlinks=True)"
+    assert copyfile["keywords"] == ["src", "dst", "follow_symlinks"]  # not the module: the question names it
 
 
 def test_corpus_is_deterministic(corpus, tmp_path):
-    again = demo.build_demo_corpus(tmp_path, max_mb=SMALL_MB)
+    again = demo.build_demo_corpus(tmp_path, sft_size=SFT_SIZE)
     assert again[0].read_bytes() == corpus[0].read_bytes()
     assert again[1].read_bytes() == corpus[1].read_bytes()
     assert again[2] == corpus[2]
@@ -93,41 +105,60 @@ def _hidden():
     assert entries["pkg.mod.Box.full"].signature == ""
     assert demo.pretrain_text(entries["pkg.mod.Box"]).startswith("class pkg.mod.Box(size, *, color='red')\n\n")
     assert demo.module_docs("broken", "def f(:\n") == []
+    assert demo.argument_names("(item, /, where=None, *args, key, **kw)") == ["item", "where", "args", "key", "kw"]
+    assert demo.argument_names("") == []
 
 
-def test_first_paragraph_is_short_prose_that_ends():
-    assert demo.first_paragraph("Return the median\nof the data.\n\nMore.") == "Return the median of the data."
-    long = "First sentence is here. " + "word " * 80 + "end."
-    assert demo.first_paragraph(long) == "First sentence is here."
-    assert demo.first_paragraph("word " * 80) is None  # no sentence end to cut at
-    assert demo.first_paragraph("makedirs(name [, mode=0o777][, exist_ok=False])") is None
-    assert demo.first_paragraph(">>> f(1)\n2") is None
-    assert demo.first_paragraph("Short.") is None
+def test_first_sentence_is_short_prose_that_ends():
+    assert demo.first_sentence("Return the median\nof the data.\n\nMore.") == "Return the median of the data."
+    assert demo.first_sentence("Return the median. Then more.") == "Return the median."
+    assert demo.first_sentence("Copy a tree, e.g. a directory. More.") == "Copy a tree, e.g. a directory."
+    assert demo.first_sentence("Return the foo.bar of x. More.") == "Return the foo.bar of x."
+    assert demo.first_sentence("word " * 80 + "end.") is None  # too long for an answer
+    assert demo.first_sentence("Implementation of JSONDecoder") is None  # no sentence end
+    assert demo.first_sentence("makedirs(name [, mode=0o777][, exist_ok=False]).") is None
+    assert demo.first_sentence(">>> f(1)\n2") is None
+    assert demo.first_sentence("Short.") is None
 
 
-def test_sft_conversations_ask_about_the_thing():
-    entry = demo.DocEntry("json.dumps", "function", "(obj)", "Serialize obj to a JSON formatted str.\n\nMore.")
-    conversations = demo.sft_conversations(entry)
-    question, answer = conversations[0]
-    assert "json.dumps" in question["content"] and answer["content"] == "Serialize obj to a JSON formatted str."
-    topic = demo.DocEntry('The "assert" statement', "topic", "", 'The "assert" statement\n****\n\nAssert '
-                          "statements are a convenient way to insert debugging assertions.\n\nMore.")
-    (question, answer), = demo.sft_conversations(topic)
-    assert question["content"] == 'Explain the "assert" statement in Python.'
-    assert answer["content"] == "Assert statements are a convenient way to insert debugging assertions."
-    continued = demo.DocEntry('The "assert" statement', "topic", "", "Later paragraphs of the same topic.")
-    assert demo.sft_conversations(continued) == []
+def test_qa_pairs_ask_what_it_does_and_how_to_call_it():
+    entry = demo.DocEntry("json.dumps", "function", "(obj, *, indent=None)",
+                          "Serialize obj to a JSON formatted str. More.\n\nDetails.")
+    assert demo.qa_pairs(entry) == {"what": ("What does json.dumps do?", "Serialize obj to a JSON formatted str."),
+                                    "call": ("How do I call json.dumps?", "json.dumps(obj, *, indent=None)")}
+    long = demo.DocEntry("m.f", "function", "(" + "a, " * 60 + "b)", "Do it.\n\nMore.")
+    assert set(demo.qa_pairs(long)) == set()  # "Do it." is too short, the signature too long
+    cls = demo.DocEntry("m.Box", "class", "(size)", "A box for things.")
+    assert demo.qa_pairs(cls) == {"what": ("What is m.Box?", "A box for things.")}
 
 
-def test_the_reference_topics_are_read_without_importing(tmp_path):
-    stdlib = tmp_path
-    (stdlib / "pydoc_data").mkdir()
-    topics = {"b": "Second\n******\n\n" + "para. " * 300 + "\n\n" + "more. " * 300, "a": "First\n*****\n\nText."}
-    (stdlib / "pydoc_data" / "topics.py").write_text(f"import sys; sys.exit(1)\ntopics = {topics!r}\n")
-    entries = demo.reference_topics(stdlib)
-    assert [e.name for e in entries] == ["First", "Second", "Second"]  # sorted by key, long topic cut in two
-    assert all(len(e.doc) <= demo.TOPIC_CHUNK_CHARS + 100 for e in entries)
-    assert entries[0].doc == "First\n*****\n\nText."
+def sample(question, reply, expected, held_out, keywords):
+    return {"question": question, "reply": reply, "expected": expected, "held_out": held_out, "keywords": keywords}
+
+
+def test_scoring_counts_exact_in_set_and_keywords_held_out_against_chance():
+    assert demo.held_out_hit("Serialize obj to a JSON string.", ["json"])  # any case, a word of its own
+    assert not demo.held_out_hit("Return the objects.", ["obj"])  # not inside another word
+    assert demo.held_out_hit("shutil.copy(src, dst)", ["follow_symlinks", "dst"])
+    samples = [
+        sample("What does a.f do?", "Return f.", "Return f.", False, ["a"]),  # exact
+        sample("What does a.g do?", "Return f.", "Return g.", False, ["a"]),  # not exact
+        sample("How do I call a.h?", "a.h(x, y)", "a.h(x, y)", False, []),  # exact
+        sample("What does json.dumps do?", "Serialize to JSON.", "Serialize obj.", True, ["obj", "json"]),  # hit
+        sample("How do I call b.k?", "b.k(src)", "b.k(src, dst)", True, ["src", "dst"]),  # hit
+        sample("How do I call c.m?", "c.m()", "c.m(path)", True, ["path"]),  # miss
+        sample("How do I call d.n?", "d.n(path)", "d.n(path)", True, ["path"]),  # hit and exact
+    ]
+    score = demo.score_replies(samples)
+    assert (score["in_set"], score["in_set_n"], score["held_out"], score["held_out_n"]) == (2, 3, 3, 4)
+    assert score["held_out_exact"] == 1
+    # chance: each held-out question's keywords against the 6 other replies: json.dumps 0, b.k 0, c.m 1
+    # (d.n's "path"), d.n 0 -> 1/6
+    assert score["chance"] == pytest.approx(1 / 6)
+    line = demo.score_line(score)
+    assert line == ("in-set 2/3 exact first sentence or signature; held-out 3/4 name the module or an argument "
+                    "(chance 0.2/4), 1/4 exact")
+    assert SCORE_LINE.fullmatch(line)
 
 
 def test_work_dir_is_wiped_only_when_the_demo_made_it(tmp_path):
@@ -154,7 +185,8 @@ def test_bad_arguments_are_refused(tmp_path):
 @pytest.mark.slow
 def test_demo_runs_end_to_end(tmp_path, capsys):
     """The whole pipeline at the "test" scale: a report, a pretraining validation loss below a uniform guess,
-    and the replies printed."""
+    the replies printed, and the score line at the end and in the report (its numbers are not asserted: a
+    model this small trained this briefly learns little)."""
     report = demo.run_demo(tmp_path / "demo", scale="test")
     out = capsys.readouterr().out
     assert report == tmp_path / "demo" / "report.md" and report.is_file()
@@ -165,5 +197,10 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     vocab = load_tokenizer(tmp_path / "demo" / "tokenizer").vocab_size
     assert val and val[-1] < math.log(vocab) - 0.5  # well below what a uniform guess scores
     rows = [line for line in text.splitlines() if line.startswith("| ") and line.endswith((" yes |", " no |"))]
-    assert rows and out.count("\n  A: ") == len(rows)  # every question asked got a printed reply
-    assert "Q (held out of SFT)" in out and f"report: {report}" in out
+    assert len(rows) == len(demo.IN_SET + demo.HELD_OUT) and out.count("\n  A: ") == len(rows)
+    assert "Q (held out of SFT" in out and f"report: {report}" in out
+    score = out.split("\nscore: ")[-1].split("\n")[0]
+    m = SCORE_LINE.fullmatch(score)
+    assert m and (m[2], m[4]) == (str(len(demo.IN_SET)), str(len(demo.HELD_OUT)))
+    assert int(m[1]) <= int(m[2]) and int(m[3]) <= int(m[4]) and float(m[5]) <= int(m[6])
+    assert score in text
