@@ -301,6 +301,11 @@ def test_gguf_reads_back(run_dir, ours, tmp_path):
     assert field("llama.rope.freq_base") == pytest.approx(cfg.rope_theta)
     assert field("llama.attention.layer_norm_rms_epsilon") == pytest.approx(cfg.norm_eps)
     assert field("tokenizer.ggml.model") == "gpt2"
+    # what llama.cpp needs to tokenize and prompt as we do (benchmarks/gguf_llamacpp.py checks it in llama.cpp):
+    # the GPT-2 split regex of our ByteLevel pre-tokenizer, and no BOS inserted before a prompt
+    assert field("tokenizer.ggml.pre") == "gpt-2"
+    assert field("tokenizer.ggml.add_bos_token") is False
+    assert field("tokenizer.ggml.add_eos_token") is False
     tokens = field("tokenizer.ggml.tokens")
     assert tokens == [tokenizer.id_to_token(i) for i in range(tokenizer.vocab_size)]
     types = field("tokenizer.ggml.token_type")
