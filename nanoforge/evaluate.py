@@ -33,10 +33,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from nanoforge.data.batches import IGNORE
 from nanoforge.data.jsonl import DataError
 from nanoforge.errors import NanoforgeError
 
-IGNORE = -100
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
 

@@ -17,6 +17,8 @@ import torch
 from nanoforge.data.shards import TokenShards
 from nanoforge.errors import NanoforgeError
 
+IGNORE = -100  # the label of a position without loss (prompt, padding): the one definition, used by every loss
+
 
 def _check_positive(**values) -> None:
     for name, value in values.items():
@@ -143,8 +145,6 @@ def eval_batches(shards: TokenShards, batch_size: int, seq_len: int, max_batches
 
 
 # ---------------------------------------------------------------------------------------------- SFT packing
-
-IGNORE = -100  # label of positions without loss (prompt tokens, padding); matches train.objectives.IGNORE
 
 
 @dataclass

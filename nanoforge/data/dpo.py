@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoforge.data.batches import IGNORE
 from nanoforge.data.shards import TokenShards
 from nanoforge.errors import NanoforgeError
 
-IGNORE = -100  # matches train.objectives.IGNORE
 CACHE_VERSION = 1
 
 

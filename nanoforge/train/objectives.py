@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-IGNORE = -100  # label value of tokens that carry no loss (prompt, padding)
+from nanoforge.data.batches import IGNORE
 
 
 def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]):

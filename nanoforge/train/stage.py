@@ -11,6 +11,8 @@ from typing import Any, Callable, Iterable, Protocol
 import torch
 from torch import nn
 
+from nanoforge.data.batches import IGNORE
+
 Batch = dict[str, torch.Tensor]
 # (sum of per-token losses, number of supervised tokens, extra scalars to log)
 LossFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
@@ -46,4 +48,4 @@ class Stage:
 
 
 def count_supervised(batch: Batch) -> torch.Tensor:
-    return (batch["labels"] != -100).sum()
+    return (batch["labels"] != IGNORE).sum()
