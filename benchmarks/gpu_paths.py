@@ -28,9 +28,9 @@ TINY = ["--preset", "tiny", "--seq-len", "64", "--tensorboard", "false", "--log-
 
 
 def nanoforge(args: list[str], work: Path, launcher: list[str] | None = None, stdin: str | None = None,
-              timeout: int = 600) -> subprocess.CompletedProcess:
+              timeout: int = 600, inject_nonfinite: str = "") -> subprocess.CompletedProcess:
     cmd = (launcher or [sys.executable, "-m"]) + ["nanoforge", *args]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NANOFORGE_INJECT_NONFINITE": inject_nonfinite}
     return subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, input=stdin, timeout=timeout)
 
 
@@ -103,7 +103,7 @@ def main() -> int:
         # loss@4..6 non-finite: three skips in a row roll back to step 3's checkpoint; on CUDA with fused AdamW
         # the skip happens on the device and the host reads the counters only at logging/saving steps
         ok(nanoforge(["pretrain", "--data", "pre", "--out", "bf16", *TINY, *dev, "--precision", "bf16",
-                      "--max-steps", "20", "--save-every", "3", "--inject-nonfinite", "loss@4,loss@5,loss@6"], work))
+                      "--max-steps", "20", "--save-every", "3"], work, inject_nonfinite="loss@4,loss@5,loss@6"))
         st = run_state(work / "bf16")
         assert st["rollbacks"] == 1 and st["skipped_steps"] == 3, st
         peak = max(r.get("peak_mem_gb", 0) for r in records(work / "bf16"))

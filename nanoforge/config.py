@@ -130,8 +130,6 @@ class TrainConfig:
     # guard against non-finite loss or gradients
     nonfinite_patience: int = 3  # consecutive bad steps before rolling back to the last checkpoint
     rollback_lr_factor: float = 0.5  # lr multiplier after each rollback
-    # debugging: "loss@5,grad@7" makes step 5's loss and step 7's gradients non-finite (tests use it)
-    inject_nonfinite: str = ""
     # data
     val_fraction: float = 0.01  # held out when raw JSONL/text is prepared on the fly (a text file: its tail)
     workers: int = 0  # tokenization processes when preparing on the fly; 0 means all cores

@@ -8,6 +8,7 @@ import torch
 
 from nanoforge.config import ModelConfig
 from nanoforge.model.gpt import GPT
+from nanoforge.train.loop import INJECT_ENV
 from nanoforge.train.stages import pretrain
 
 from test_train import FAST, corpus_files, pretrain_dir, weights  # noqa: F401  (fixtures)
@@ -17,12 +18,12 @@ def records(run_dir):
     return [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_rare_reports_still_roll_back_before_the_next_checkpoint(pretrain_dir, tmp_path):
+def test_rare_reports_still_roll_back_before_the_next_checkpoint(pretrain_dir, tmp_path, monkeypatch):
     """With logging only at the end, non-finite steps are counted on the device and read when a checkpoint is
     due: three bad steps (5-7) roll back to step 4 before step 8 is saved, exactly as with per-step reads."""
+    monkeypatch.setenv(INJECT_ENV, "loss@5,loss@6,loss@7")
     s = pretrain([str(pretrain_dir)], tmp_path / "rb", preset="tiny",
-                 overrides={**FAST, "log_every": 100, "max_steps": 10, "save_every": 4,
-                            "inject_nonfinite": "loss@5,loss@6,loss@7"}, quiet=True)
+                 overrides={**FAST, "log_every": 100, "max_steps": 10, "save_every": 4}, quiet=True)
     assert s["skipped_steps"] == 3 and s["rollbacks"] == 1
     rb = [r for r in records(tmp_path / "rb") if r.get("event") == "rollback"]
     assert len(rb) == 1 and rb[0]["to_step"] == 4 and rb[0]["lr_scale"] == 0.5
@@ -30,9 +31,11 @@ def test_rare_reports_still_roll_back_before_the_next_checkpoint(pretrain_dir, t
         assert torch.isfinite(v).all()
 
 
-def test_skips_counted_between_reports_leave_weights_as_a_clean_run(pretrain_dir, tmp_path):
+def test_skips_counted_between_reports_leave_weights_as_a_clean_run(pretrain_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv(INJECT_ENV, "grad@2")
     s = pretrain([str(pretrain_dir)], tmp_path / "inj", preset="tiny",
-                 overrides={**FAST, "log_every": 50, "max_steps": 3, "inject_nonfinite": "grad@2"}, quiet=True)
+                 overrides={**FAST, "log_every": 50, "max_steps": 3}, quiet=True)
+    monkeypatch.delenv(INJECT_ENV)
     pretrain([str(pretrain_dir)], tmp_path / "clean", preset="tiny",
              overrides={**FAST, "log_every": 50, "max_steps": 2}, quiet=True)
     assert s["skipped_steps"] == 1

@@ -19,7 +19,7 @@ from nanoforge.data.shards import TokenShards, prepare_dataset
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.gpt import GPT
 from nanoforge.train import checkpoint as ckpt
-from nanoforge.train.loop import Stage, train
+from nanoforge.train.loop import INJECT_ENV, Stage, train
 from nanoforge.train.objectives import causal_lm_loss
 from nanoforge.train.stages import pretrain
 
@@ -138,10 +138,12 @@ def test_accumulation_normalises_over_whole_batch_with_uneven_masks(tmp_path, mo
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-7)
 
 
-def test_injected_inf_loss_skips_the_step_and_leaves_weights_intact(pretrain_dir, tmp_path):
+def test_injected_inf_loss_skips_the_step_and_leaves_weights_intact(pretrain_dir, tmp_path, monkeypatch):
     # step index 2 gets an inf loss: its update is skipped, so the weights equal a clean 2-step run's
+    monkeypatch.setenv(INJECT_ENV, "loss@2")
     s = pretrain([str(pretrain_dir)], tmp_path / "inj", preset="tiny",
-                 overrides={**FAST, "max_steps": 3, "inject_nonfinite": "loss@2"}, quiet=True)
+                 overrides={**FAST, "max_steps": 3}, quiet=True)
+    monkeypatch.delenv(INJECT_ENV)
     pretrain([str(pretrain_dir)], tmp_path / "clean", preset="tiny", overrides={**FAST, "max_steps": 2}, quiet=True)
     assert s["skipped_steps"] == 1
     a, b = weights(tmp_path / "inj"), weights(tmp_path / "clean")
@@ -151,9 +153,10 @@ def test_injected_inf_loss_skips_the_step_and_leaves_weights_intact(pretrain_dir
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_nonfinite_gradients_skip_the_step(pretrain_dir, tmp_path, precision):
+def test_nonfinite_gradients_skip_the_step(pretrain_dir, tmp_path, precision, monkeypatch):
+    monkeypatch.setenv(INJECT_ENV, "grad@1,grad@2")
     s = pretrain([str(pretrain_dir)], tmp_path / "g", preset="tiny",
-                 overrides={**FAST, "precision": precision, "max_steps": 4, "inject_nonfinite": "grad@1,grad@2"},
+                 overrides={**FAST, "precision": precision, "max_steps": 4},
                  quiet=True)
     assert s["skipped_steps"] == 2 and s["rollbacks"] == 0
     for v in weights(tmp_path / "g").values():
@@ -161,10 +164,10 @@ def test_nonfinite_gradients_skip_the_step(pretrain_dir, tmp_path, precision):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_repeated_nonfinite_rolls_back_with_lower_lr(pretrain_dir, tmp_path, precision):
+def test_repeated_nonfinite_rolls_back_with_lower_lr(pretrain_dir, tmp_path, precision, monkeypatch):
+    monkeypatch.setenv(INJECT_ENV, "loss@5,loss@6,loss@7")
     s = pretrain([str(pretrain_dir)], tmp_path / "rb", preset="tiny",
-                 overrides={**FAST, "precision": precision, "max_steps": 10, "save_every": 4,
-                            "inject_nonfinite": "loss@5,loss@6,loss@7"}, quiet=True)
+                 overrides={**FAST, "precision": precision, "max_steps": 10, "save_every": 4}, quiet=True)
     assert s["skipped_steps"] == 3 and s["rollbacks"] == 1
     events = [json.loads(l) for l in (tmp_path / "rb" / "metrics.jsonl").read_text().splitlines()]
     rb = [e for e in events if e.get("event") == "rollback"]
@@ -175,10 +178,11 @@ def test_repeated_nonfinite_rolls_back_with_lower_lr(pretrain_dir, tmp_path, pre
         assert torch.isfinite(v).all()
 
 
-def test_nonfinite_before_any_checkpoint_is_a_clear_error(pretrain_dir, tmp_path):
+def test_nonfinite_before_any_checkpoint_is_a_clear_error(pretrain_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv(INJECT_ENV, "loss@0,loss@1,loss@2")
     with pytest.raises(NanoforgeError, match="no checkpoint to roll back to"):
         pretrain([str(pretrain_dir)], tmp_path / "x", preset="tiny",
-                 overrides={**FAST, "max_steps": 5, "inject_nonfinite": "loss@0,loss@1,loss@2"}, quiet=True)
+                 overrides={**FAST, "max_steps": 5}, quiet=True)
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path, pretrain_dir):

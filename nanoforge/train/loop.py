@@ -15,6 +15,7 @@ batch B train exactly like one with batch N*B (train/distributed.py has the wrap
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -48,12 +49,17 @@ class TrainingInterrupted(NanoforgeError):
                          f"continue with --resume")
 
 
+INJECT_ENV = "NANOFORGE_INJECT_NONFINITE"
+
+
 def parse_injections(spec: str) -> dict[str, set[int]]:
+    """Test hook, not a user option: NANOFORGE_INJECT_NONFINITE="loss@5,grad@7" makes step 5's loss and step 7's
+    gradients non-finite, to exercise the guard (in-process tests and subprocesses alike)."""
     out: dict[str, set[int]] = {"loss": set(), "grad": set()}
     for item in filter(None, (s.strip() for s in spec.split(","))):
         kind, _, step = item.partition("@")
         if kind not in out or not step.isdigit():
-            raise NanoforgeError(f"inject_nonfinite: {item!r} should look like loss@5 or grad@7")
+            raise NanoforgeError(f"{INJECT_ENV}: {item!r} should look like loss@5 or grad@7")
         out[kind].add(int(step))
     return out
 
@@ -368,7 +374,7 @@ def _start(stage: Stage, model: TrainableModel, mcfg: ModelConfig, tcfg: TrainCo
     state, log = RunState(precision=tcfg.precision), _NoLog()
     guard = NonFiniteGuard(optimizer, device, tcfg.precision, tcfg.nonfinite_patience, state, log)
     run = Run(stage, tcfg, run_dir, world, device, model, wrapped, forward_model, optimizer, state, log, guard,
-              config=config_dicts(mcfg, tcfg), injections=parse_injections(tcfg.inject_nonfinite))
+              config=config_dicts(mcfg, tcfg), injections=parse_injections(os.environ.get(INJECT_ENV, "")))
     if resume:
         resume_run(run, quiet or not world.is_main)
     if world.is_main:

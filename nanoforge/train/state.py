@@ -56,7 +56,7 @@ class Run:
     log: Any
     guard: NonFiniteGuard
     config: dict[str, Any] = field(default_factory=dict)  # config_dicts(mcfg, tcfg), saved in state.json
-    injections: dict[str, set[int]] = field(default_factory=dict)  # --inject-nonfinite, for tests
+    injections: dict[str, set[int]] = field(default_factory=dict)  # NANOFORGE_INJECT_NONFINITE, for tests
 
     @property
     def fsdp(self) -> bool:
