@@ -88,10 +88,6 @@ class PretrainBatches:
         mine = step_windows[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
         return _windows_batch(self.shards, mine, self.seq_len)
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        while True:
-            yield self.next_batch()
-
     def state_dict(self) -> dict:
         """Where we are in the data, as plain JSON-able values (goes into the checkpoint's state.json)."""
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "seq_len": self.seq_len,

@@ -262,10 +262,6 @@ class DPOBatches:
                 self.epoch, self.cursor = self.epoch + 1, 0
         return self.batch(step_pairs[self.rank * self.batch_size:(self.rank + 1) * self.batch_size])
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        while True:
-            yield self.next_batch()
-
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "seq_len": self.seq_len,
                 "pairs": int(self.num_pairs)}
