@@ -24,30 +24,18 @@ import os
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
+from nanoforge.chat_template import (CHAT_TEMPLATE, IM_END, ChatTemplateError, assistant_mask, check_message_shapes,
+                                     compile_template, locate_contents)
 from nanoforge.data.jsonl import DataError, check_input_file, detect_kind, parse_line
 from nanoforge.errors import NanoforgeError
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"<|reserved_{i}|>" for i in range(13)]
-EOS_TOKEN, IM_START, IM_END = SPECIAL_TOKENS[:3]
-
-# ChatML (as Qwen uses it). Whitespace matters: HF renders with trim_blocks/lstrip_blocks and the `{%-` marks
-# keep the template's own newlines out of the output, so only the quoted '\n's appear.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- endif %}"
-)
+EOS_TOKEN, IM_START = SPECIAL_TOKENS[:2]
 
 DEFAULT_MODEL_MAX_LENGTH = 32768
 PLAIN_TEXT_SUFFIXES = (".txt", ".text", ".md")
 _TEXT_BLOCK_BYTES = 1 << 20  # plain-text files are fed to the trainer in ~1 MB blocks cut at newlines
 
-
-class ChatTemplateError(NanoforgeError):
-    """The chat template and a conversation do not fit together (no ChatML tokens, unmaskable render)."""
 
 
 # ---------------------------------------------------------------------------------------------- class
@@ -163,7 +151,7 @@ class Tokenizer:
     def render_text(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
         """The conversation as text, exactly as HF `apply_chat_template(..., tokenize=False)` renders it."""
         if self._compiled_template is None:
-            self._compiled_template = _compile_template(self.chat_template)
+            self._compiled_template = compile_template(self.chat_template)
         names = self._template_names()
         try:
             return self._compiled_template.render(
@@ -202,13 +190,13 @@ class Tokenizer:
             raise ChatTemplateError(
                 "this tokenizer has no <|im_start|>/<|im_end|> tokens, so it cannot render ChatML "
                 "conversations; use a tokenizer trained by `nanoforge tokenizer train` or another ChatML one")
-        _check_message_shapes(messages)
+        check_message_shapes(messages)
         text, contents, assistant_spans = self._render_with_content_spans(messages, add_generation_prompt)
         encoding = self._tok.encode(text, add_special_tokens=False)
         ids, offsets = encoding.ids, encoding.offsets
         if self._special_token_inside(text, ids, offsets, contents):
             ids, offsets = self._encode_contents_as_plain_text(text, contents)
-        mask = _assistant_mask(ids, offsets, assistant_spans, self.im_end_id, text)
+        mask = assistant_mask(ids, offsets, assistant_spans, self.im_end_id, text)
         return ids, mask, text
 
     # ---- chat: keeping message contents plain text
@@ -308,18 +296,18 @@ class Tokenizer:
         """
         everything = [True] * len(messages)
         try:
-            return self._locate_contents(messages, add_generation_prompt, everything)
+            return locate_contents(self.render_text, messages, add_generation_prompt, everything)
         except ChatTemplateError:
             pass
         assistants = [m["role"] == "assistant" for m in messages]
-        located = self._locate_contents(messages, add_generation_prompt, assistants)  # today's errors, if any
+        located = locate_contents(self.render_text, messages, add_generation_prompt, assistants)  # its errors, if any
         specials = self._special_tokens()[1]
         risky = [i for i, m in enumerate(messages)
                  if not assistants[i] and any(s in m["content"] for s in specials)]
         if not risky:
             return located
         try:
-            return self._locate_contents(messages, add_generation_prompt,
+            return locate_contents(self.render_text, messages, add_generation_prompt,
                                          [a or i in risky for i, a in enumerate(assistants)])
         except ChatTemplateError:
             i, content = risky[0], messages[risky[0]]["content"]
@@ -329,128 +317,6 @@ class Tokenizer:
                 "template alters or repeats that content, so it cannot be kept as plain text (it would "
                 "become a control token); remove the special-token text from the message") from None
 
-    def _locate_contents(self, messages, add_generation_prompt, which: list[bool]):
-        """Each chosen content is replaced by a unique marker, the template renders, each marker is found
-        exactly once (searching the text for the content would be wrong: a user turn may repeat it), and
-        the contents are put back; re-rendering the real messages must give the same text, or the template
-        is doing something to a content that we cannot track (then we say so rather than guess)."""
-        tag = _marker_tag(messages)
-        marked = [{**m, "content": f"\ue000{tag}{i}\ue001"} if chosen else m
-                  for i, (m, chosen) in enumerate(zip(messages, which))]
-        template_text = self.render_text(marked, add_generation_prompt)
-        found = []
-        for i, chosen in enumerate(which):
-            if not chosen:
-                continue
-            marker = marked[i]["content"]
-            at = template_text.find(marker)
-            if at < 0 or template_text.find(marker, at + 1) >= 0:
-                raise ChatTemplateError(f"the chat template dropped, altered or repeated {messages[i]['role']} "
-                                        f"message {i}, so its loss mask cannot be computed")
-            found.append((at, i, marker))
-        found.sort()
-        pieces, contents, assistant_spans, cursor, out_len = [], [], [], 0, 0
-        for at, i, marker in found:
-            pieces.append(template_text[cursor:at])
-            out_len += at - cursor
-            start = out_len
-            pieces.append(messages[i]["content"])
-            out_len += len(messages[i]["content"])
-            cursor = at + len(marker)
-            contents.append((start, out_len))
-            if messages[i]["role"] == "assistant":
-                if not template_text.startswith(IM_END, cursor):
-                    raise ChatTemplateError(f"the chat template does not close assistant message {i} with "
-                                            f"{IM_END}; the loss mask needs that token right after the content")
-                assistant_spans.append((start, out_len + len(IM_END)))
-        pieces.append(template_text[cursor:])
-        text = "".join(pieces)
-        if text != self.render_text(messages, add_generation_prompt):
-            roles = sorted({messages[i]["role"] for i, chosen in enumerate(which) if chosen})
-            raise ChatTemplateError(f"the chat template changes {'/'.join(roles)} contents while rendering (e.g. "
-                                    "strips or splits them), so the loss mask cannot be computed from the template")
-        return text, contents, assistant_spans
-
-
-def _marker_tag(messages) -> str:
-    """A tag that makes the content markers (private-use characters) absent from every message, so a
-    message cannot contain another message's marker."""
-    texts = [str(v) for m in messages for v in m.values() if isinstance(v, str)]
-    tag = ""
-    while any(f"\ue000{tag}" in t for t in texts):
-        tag += "\ue002"
-    return tag
-
-
-def _check_message_shapes(messages) -> None:
-    if not isinstance(messages, (list, tuple)):
-        raise ChatTemplateError(f"messages must be a list of {{role, content}} objects, got {type(messages).__name__}")
-    for i, message in enumerate(messages):
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
-            raise ChatTemplateError(f"message {i} must be an object with string role and content, got {message!r:.80}")
-
-
-def _assistant_mask(ids, offsets, spans, im_end_id, text) -> list[int]:
-    """1 for tokens inside an assistant span, 0 outside; a token crossing a span edge is an error.
-
-    Byte-level BPE with the GPT-2 split regex keeps edges clean for ChatML: the special tokens are split out
-    first and the template's '\\n' before the content only merges with the content when the content itself
-    starts with two or more whitespace characters or is only whitespace (then we raise rather than silently
-    train on half a token).
-    """
-    mask = [0] * len(ids)
-    span_index = 0
-    for i, (start, end) in enumerate(offsets):
-        while span_index < len(spans) and spans[span_index][1] <= start:
-            span_index += 1
-        if span_index == len(spans):
-            break
-        lo, hi = spans[span_index]
-        if start < lo < end or start < hi < end:
-            edge = lo if start < lo < end else hi
-            raise ChatTemplateError(
-                f"token {i} ({text[start:end]!r}) crosses the edge of an assistant message at character {edge}, "
-                "so it cannot be masked cleanly; this happens when an assistant message starts with two or more "
-                "whitespace characters or is only whitespace; strip that whitespace from the data")
-        if lo <= start and end <= hi and end > start:
-            mask[i] = 1
-    _check_mask_closes_with_im_end(ids, mask, im_end_id, len(spans))
-    return mask
-
-
-def _check_mask_closes_with_im_end(ids, mask, im_end_id, num_spans) -> None:
-    """Every masked run must end on <|im_end|>: that is the token that teaches the model to stop."""
-    runs_closed = 0
-    for i, m in enumerate(mask):
-        if m and (i + 1 == len(mask) or not mask[i + 1]):
-            if ids[i] != im_end_id:
-                raise ChatTemplateError("an assistant message was not encoded with a closing <|im_end|> token")
-            runs_closed += 1
-    if runs_closed != num_spans:
-        raise ChatTemplateError(f"found {runs_closed} masked assistant runs for {num_spans} assistant messages")
-
-
-def _compile_template(source: str):
-    """Compile a chat template the way transformers does (sandboxed, trim_blocks, lstrip_blocks)."""
-    from jinja2 import TemplateError
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise ChatTemplateError(f"the chat template refused the conversation: {message}")
-
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    try:
-        return env.from_string(source)
-    except TemplateError as e:
-        raise ChatTemplateError(f"the chat template is not valid Jinja: {e}") from e
 
 
 def _canonical_json(text: str) -> str:
