@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from nanoforge.errors import NanoforgeError
+from nanoforge.train.metrics import format_duration
 
 NO_MATPLOTLIB = ("Plots were skipped: matplotlib is not installed. `pip install matplotlib` (or nanoforge's "
                  "`report` extra) and run `nanoforge report` again to get them.")
@@ -125,15 +126,6 @@ def fmt_number(value: Any) -> str:
     return f"{value:.6g}"
 
 
-def format_seconds(seconds: float) -> str:
-    seconds = max(0.0, seconds)
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes, s = divmod(int(round(seconds)), 60)
-    hours, m = divmod(minutes, 60)
-    return f"{hours}h{m:02d}m{s:02d}s" if hours else f"{m}m{s:02d}s"
-
-
 def tokens_per_step(run: RunMetrics) -> int:
     """Tokens in one optimizer step: from the checkpoint's count when there is one (it knows the number of
     processes), else batch x seq_len x grad_accum of the config."""
@@ -161,12 +153,12 @@ def time_rows(run: RunMetrics) -> list[tuple[str, str]]:
         first = min(timed, key=lambda r: r["time"])
         first_window = (first["step"] * per_step / first["tokens_per_s"]) if first.get("tokens_per_s") else 0.0
         wall = max(r["time"] for r in timed) - first["time"] + first_window
-        rows.append(("wall time", f"{format_seconds(wall)} (first to last log, including validation, samples "
+        rows.append(("wall time", f"{format_duration(wall)} (first to last log, including validation, samples "
                                   f"and checkpoints; a resumed run's pause counts too)"))
     else:
         rows.append(("wall time", "not recorded (metrics.jsonl has no \"time\" fields)"))
     if step_time:
-        rows.append(("time in training steps", format_seconds(step_time)))
+        rows.append(("time in training steps", format_duration(step_time)))
     seen = run.state.get("run_state", {}).get("tokens_seen")
     if seen and run.state.get("run_state", {}).get("step") == last_step:
         rows.append(("tokens seen", f"{seen:,} ({last_step} steps)"))

@@ -172,10 +172,13 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def format_duration(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+    """The one way a duration is printed (progress ETA, reports, the demo): 12.3 s, 4m05s, 1h02m03s."""
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, s = divmod(int(round(seconds)), 60)
+    hours, m = divmod(minutes, 60)
+    return f"{hours}h{m:02d}m{s:02d}s" if hours else f"{m}m{s:02d}s"
 
 
 class MetricsLog:
