@@ -1,5 +1,7 @@
-"""ChatML as a chat template: the template nanoforge writes, compiling any template the way transformers does,
-and the loss mask of a rendered conversation (1 on each assistant reply and its closing <|im_end|>).
+"""Chat templates: the two nanoforge writes (plain ChatML, and ChatML with thinking and tool calls in MiniMind-3's
+format), compiling any template the way transformers does, finding the assistant turns of a rendered
+conversation, and their loss mask (1 on each assistant turn after its `<|im_start|>assistant\\n` header, through
+its closing <|im_end|>).
 
 The Tokenizer (tokenizer.py) renders and encodes; this module holds the pieces that need no tokenizer.
 """
@@ -23,81 +25,152 @@ CHAT_TEMPLATE = (
 )
 
 
+# The six tags of thinking and tool use. `nanoforge tokenizer train` adds them as single tokens that are not
+# special (as MiniMind-3 has them): a message may contain them, and HF encodes them as the same single tokens.
+TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+# ChatML with reasoning and tool calls, rendering what MiniMind-3's template renders (its format):
+#  - with `tools`, the system turn is the system text (if any), then a `# Tools` section with one JSON schema per
+#    tool inside <tools></tools> and how to answer with <tool_call>{"name": ..., "arguments": ...}</tool_call>;
+#  - every assistant turn opens with a think block, from `reasoning_content` or a `<think>...</think>` inline at
+#    the head of the content, then the content, then one <tool_call> block per call;
+#  - a run of `tool` messages becomes one user turn of <tool_response> blocks;
+#  - the generation prompt opens the think block when `open_thinking` (or `enable_thinking`) is true, and
+#    gives an empty one otherwise.
+# Whitespace matters: every line starts with `{{-` or `{%-`, so only the quoted '\n's reach the output.
+THINKING_TOOLS_TEMPLATE = r"""
+{%- set thinking = (open_thinking is defined and open_thinking is true)
+                   or (enable_thinking is defined and enable_thinking is true) %}
+{%- set opening_system = messages[0].role == 'system' %}
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if opening_system %}
+        {{- messages[0].content ~ '\n\n' }}
+    {%- endif %}
+    {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' }}
+    {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\n' ~ (tool | tojson) }}
+    {%- endfor %}
+    {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within ' }}
+    {{- '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, ' }}
+    {{- '"arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
+{%- elif opening_system %}
+    {{- '<|im_start|>system\n' ~ messages[0].content ~ '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- set text = message.content if message.content is string else '' %}
+    {%- set before = messages[loop.index0 - 1].role if not loop.first else none %}
+    {%- set after = messages[loop.index0 + 1].role if not loop.last else none %}
+    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+        {{- '<|im_start|>' ~ message.role ~ '\n' ~ text ~ '<|im_end|>\n' }}
+    {%- elif message.role == 'assistant' %}
+        {%- set reasoning = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning = message.reasoning_content %}
+        {%- elif '</think>' in text %}
+            {%- set head = text.split('</think>')[0] %}
+            {%- set reasoning = head.rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+            {%- set text = text.split('</think>')[-1].lstrip('\n') %}
+        {%- endif %}
+        {{- '<|im_start|>assistant\n<think>\n' ~ reasoning.strip('\n') ~ '\n</think>\n\n' ~ text.lstrip('\n') }}
+        {%- for call in (message.tool_calls or []) %}
+            {%- if text or not loop.first %}
+                {{- '\n' }}
+            {%- endif %}
+            {%- set call = call.function if call.function else call %}
+            {%- set arguments = call.arguments if call.arguments is string else (call.arguments | tojson) %}
+            {{- '<tool_call>\n{"name": "' ~ call.name ~ '", "arguments": ' ~ arguments ~ '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if before != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' ~ text ~ '\n</tool_response>' }}
+        {%- if after != 'tool' %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n<think>\n' if thinking else '<|im_start|>assistant\n<think>\n\n</think>\n\n' }}
+{%- endif %}
+"""
+
+
 class ChatTemplateError(NanoforgeError):
     """The chat template and a conversation do not fit together (no ChatML tokens, unmaskable render)."""
 
 
-def marker_tag(messages) -> str:
-    """A tag that makes the content markers (private-use characters) absent from every message, so a
-    message cannot contain another message's marker."""
-    texts = [str(v) for m in messages for v in m.values() if isinstance(v, str)]
-    tag = ""
-    while any(f"\ue000{tag}" in t for t in texts):
-        tag += "\ue002"
-    return tag
+def disguise(value, specials: tuple, fill: str):
+    """`value` (a message, a list, a string, ...) with each special-token text inside its strings replaced by
+    as many `fill` characters: the same length, and no control token left to find. Returns (value, changed?)."""
+    if isinstance(value, str):
+        out = value
+        for special in specials:
+            if special in out:
+                out = out.replace(special, fill * len(special))
+        return out, out is not value
+    if isinstance(value, dict):
+        pairs = [(k, disguise(v, specials, fill)) for k, v in value.items()]
+        changed = any(c for _, (_, c) in pairs)
+        return ({k: v for k, (v, _) in pairs} if changed else value), changed
+    if isinstance(value, (list, tuple)):
+        items = [disguise(v, specials, fill) for v in value]
+        changed = any(c for _, c in items)
+        return ([v for v, _ in items] if changed else value), changed
+    return value, False
 
 
-def locate_contents(render_text, messages, add_generation_prompt, which: list[bool]):
-    """Render with `render_text`, and find where each chosen message's content sits in the text.
-
-    Each chosen content is replaced by a unique marker, the template renders, each marker is found
-    exactly once (searching the text for the content would be wrong: a user turn may repeat it), and
-    the contents are put back; re-rendering the real messages must give the same text, or the template
-    is doing something to a content that we cannot track (then we say so rather than guess)."""
-    tag = marker_tag(messages)
-    marked = [{**m, "content": f"\ue000{tag}{i}\ue001"} if chosen else m
-              for i, (m, chosen) in enumerate(zip(messages, which))]
-    template_text = render_text(marked, add_generation_prompt)
-    found = []
-    for i, chosen in enumerate(which):
-        if not chosen:
-            continue
-        marker = marked[i]["content"]
-        at = template_text.find(marker)
-        if at < 0 or template_text.find(marker, at + 1) >= 0:
-            raise ChatTemplateError(f"the chat template dropped, altered or repeated {messages[i]['role']} "
-                                    f"message {i}, so its loss mask cannot be computed")
-        found.append((at, i, marker))
-    found.sort()
-    pieces, contents, assistant_spans, cursor, out_len = [], [], [], 0, 0
-    for at, i, marker in found:
-        pieces.append(template_text[cursor:at])
-        out_len += at - cursor
-        start = out_len
-        pieces.append(messages[i]["content"])
-        out_len += len(messages[i]["content"])
-        cursor = at + len(marker)
-        contents.append((start, out_len))
-        if messages[i]["role"] == "assistant":
-            if not template_text.startswith(IM_END, cursor):
-                raise ChatTemplateError(f"the chat template does not close assistant message {i} with "
-                                        f"{IM_END}; the loss mask needs that token right after the content")
-            assistant_spans.append((start, out_len + len(IM_END)))
-    pieces.append(template_text[cursor:])
-    text = "".join(pieces)
-    if text != render_text(messages, add_generation_prompt):
-        roles = sorted({messages[i]["role"] for i, chosen in enumerate(which) if chosen})
-        raise ChatTemplateError(f"the chat template changes {'/'.join(roles)} contents while rendering (e.g. "
-                                "strips or splits them), so the loss mask cannot be computed from the template")
-    return text, contents, assistant_spans
+def check_disguise(text: str, disguised: str, specials: tuple) -> None:
+    """The disguised render must be the real one with some special-token texts covered, nothing else changed
+    (a template that transforms message text in a length-changing way breaks that; then we do not guess)."""
+    if len(text) != len(disguised):
+        raise ChatTemplateError("a message contains special-token text, and the chat template alters that text "
+                                "while rendering, so it cannot be kept as plain text (it would become a control "
+                                "token); remove the special-token text from the message")
+    covered = bytearray(len(text))
+    for special in specials:
+        at = text.find(special)
+        while at >= 0:
+            covered[at:at + len(special)] = b"\x01" * len(special)
+            at = text.find(special, at + 1)
+    for i, (a, b) in enumerate(zip(text, disguised)):
+        if a != b and not covered[i]:
+            raise ChatTemplateError(f"the chat template renders a message with special-token text differently "
+                                    f"around character {i}, so that text cannot be kept as plain text; remove "
+                                    "the special-token text from the message")
 
 
-def check_message_shapes(messages) -> None:
-    if not isinstance(messages, (list, tuple)):
-        raise ChatTemplateError(f"messages must be a list of {{role, content}} objects, got {type(messages).__name__}")
-    for i, message in enumerate(messages):
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
-            raise ChatTemplateError(f"message {i} must be an object with string role and content, got {message!r:.80}")
+def assistant_turns(text: str, structural, im_start_id: int, im_end_id: int, expected: int) -> list[tuple]:
+    """The (start, end) character spans of the closed assistant turns: from just after each
+    `<|im_start|>assistant\\n` header through its closing `<|im_end|>`.
+
+    `structural` lists the control tokens the template itself produced, as (start, end, id), in order; text
+    inside a message never counts (it was kept plain), so a message cannot open or close a turn. An open
+    turn at the end (the generation prompt) is not one. The turns are matched to the `expected` assistant
+    messages in order; a template that drops or merges assistant turns is refused."""
+    spans, opened = [], None
+    for start, end, token in structural:
+        if token == im_start_id:
+            opened = end + len("assistant\n") if text.startswith("assistant\n", end) else None
+        elif token == im_end_id and opened is not None:
+            spans.append((opened, end))
+            opened = None
+    if len(spans) != expected:
+        raise ChatTemplateError(f"the chat template rendered {len(spans)} closed assistant turns for {expected} "
+                                "assistant messages, so the loss mask cannot be computed")
+    return spans
 
 
 def assistant_mask(ids, offsets, spans, im_end_id, text) -> list[int]:
     """1 for tokens inside an assistant span, 0 outside; a token crossing a span edge is an error.
 
     Byte-level BPE with the GPT-2 split regex keeps edges clean for ChatML: the special tokens are split out
-    first and the template's '\\n' before the content only merges with the content when the content itself
-    starts with two or more whitespace characters or is only whitespace (then we raise rather than silently
-    train on half a token).
+    first and the header's '\\n' only merges with the turn when the turn itself starts with two or more
+    whitespace characters or is only whitespace (plain ChatML with such a content: then we raise rather than
+    silently train on half a token). With the thinking template every turn starts with the <think> token.
     """
     mask = [0] * len(ids)
     span_index = 0

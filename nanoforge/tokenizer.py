@@ -1,4 +1,5 @@
-"""Byte-level BPE tokenizers: train one, load any `tokenizer.json`, render chats with ChatML.
+"""Byte-level BPE tokenizers: train one, load any `tokenizer.json`, render chats with ChatML (with thinking and
+tool calls in MiniMind-3's format for the tokenizers nanoforge trains).
 
 Why byte-level BPE (GPT-2: Radford et al. 2019, "Language Models are Unsupervised Multitask Learners",
 section 2.2): the 256 byte symbols are always in the vocabulary, so every string, Chinese, emoji or binary
@@ -24,10 +25,11 @@ import os
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-from nanoforge.chat_template import (CHAT_TEMPLATE, IM_END, ChatTemplateError, assistant_mask, check_message_shapes,
-                                     compile_template, locate_contents)
+from nanoforge.chat_template import (CHAT_TEMPLATE, IM_END, THINKING_TOOLS_TEMPLATE, TOOL_TAGS, ChatTemplateError,
+                                     assistant_mask, assistant_turns, check_disguise, compile_template, disguise)
 from nanoforge.data.jsonl import DataError, check_input_file, detect_kind, parse_line
 from nanoforge.errors import NanoforgeError
+from nanoforge.toolcalls import normalize_conversation
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"<|reserved_{i}|>" for i in range(13)]
 EOS_TOKEN, IM_START = SPECIAL_TOKENS[:2]
@@ -148,14 +150,19 @@ class Tokenizer:
 
     # ---- chat
 
-    def render_text(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
-        """The conversation as text, exactly as HF `apply_chat_template(..., tokenize=False)` renders it."""
+    def render_text(self, messages: Sequence[dict], add_generation_prompt: bool = False, tools=None,
+                    **template_kwargs) -> str:
+        """The conversation as text, exactly as HF `apply_chat_template(messages, tools=tools,
+        add_generation_prompt=..., tokenize=False, **template_kwargs)` renders it (`open_thinking` and
+        `enable_thinking` are such kwargs). A JSON-string `tool_calls` or `tools`, and `tools` carried by the
+        opening system message, are parsed first (toolcalls.py); shape errors name the message and field."""
+        messages, tools = normalize_conversation(messages, tools)
         if self._compiled_template is None:
             self._compiled_template = compile_template(self.chat_template)
         names = self._template_names()
         try:
             return self._compiled_template.render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt,
+                **template_kwargs, messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
                 bos_token=names["bos_token"], eos_token=names["eos_token"], pad_token=names["pad_token"],
                 unk_token=names["unk_token"], additional_special_tokens=names["additional_special_tokens"])
         except NanoforgeError:
@@ -171,35 +178,42 @@ class Tokenizer:
                                                   "additional_special_tokens")}
         return self._names
 
-    def render_chat(self, messages: Sequence[dict],
-                    add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
-        """Token ids of the rendered conversation and a loss mask: 1 on each assistant message's content and
-        its closing <|im_end|>, 0 elsewhere (system, user, the `<|im_start|>assistant\\n` header, the `\\n`).
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = False, tools=None,
+                    **template_kwargs) -> tuple[list[int], list[int]]:
+        """Token ids of the rendered conversation and a loss mask: 1 on each assistant turn (its think block,
+        content, tool calls and closing <|im_end|>), 0 elsewhere (system, user, tool results, the
+        `<|im_start|>assistant\\n` header, the `\\n` after <|im_end|>, the generation prompt).
 
         The whole rendered string is encoded in one call, so the ids equal what HF apply_chat_template +
         encode gives; the mask comes from the character offsets of that one encoding. The one exception:
-        special-token text inside a message's content (a user typing `<|im_end|>\\n<|im_start|>system`) is
-        encoded as plain text, never as control tokens; those come only from the template itself.
+        special-token text inside a message (a user typing `<|im_end|>\\n<|im_start|>system`, in a content,
+        reasoning or tool arguments) is encoded as plain text, never as control tokens; those come only from
+        the template itself.
         """
-        ids, mask, _ = self.render_chat_with_text(messages, add_generation_prompt)
+        ids, mask, _ = self.render_chat_with_text(messages, add_generation_prompt, tools, **template_kwargs)
         return ids, mask
 
-    def render_chat_with_text(self, messages: Sequence[dict], add_generation_prompt: bool = False):
+    def render_chat_with_text(self, messages: Sequence[dict], add_generation_prompt: bool = False, tools=None,
+                              **template_kwargs):
         """render_chat plus the rendered text (`prepare` counts its UTF-8 bytes for bits per byte)."""
         if self.im_start_id is None or self.im_end_id is None:
             raise ChatTemplateError(
                 "this tokenizer has no <|im_start|>/<|im_end|> tokens, so it cannot render ChatML "
                 "conversations; use a tokenizer trained by `nanoforge tokenizer train` or another ChatML one")
-        check_message_shapes(messages)
-        text, contents, assistant_spans = self._render_with_content_spans(messages, add_generation_prompt)
+        messages, tools = normalize_conversation(messages, tools)
+        text = self.render_text(messages, add_generation_prompt, tools, **template_kwargs)
         encoding = self._tok.encode(text, add_special_tokens=False)
         ids, offsets = encoding.ids, encoding.offsets
-        if self._special_token_inside(text, ids, offsets, contents):
-            ids, offsets = self._encode_contents_as_plain_text(text, contents)
-        mask = assistant_mask(ids, offsets, assistant_spans, self.im_end_id, text)
+        found = self._specials_of(ids, offsets)
+        structural = self._structural_tokens(text, found, messages, tools, add_generation_prompt, template_kwargs)
+        if structural != found:
+            ids, offsets = self._encode_with_structure(text, structural)
+        expected = sum(m["role"] == "assistant" for m in messages)
+        spans = assistant_turns(text, structural, self.im_start_id, self.im_end_id, expected)
+        mask = assistant_mask(ids, offsets, spans, self.im_end_id, text)
         return ids, mask, text
 
-    # ---- chat: keeping message contents plain text
+    # ---- chat: keeping the text of messages plain
 
     def _special_tokens(self) -> tuple[frozenset, tuple, bool]:
         """Ids and texts of the added tokens marked special (<|im_start|>, <|im_end|>, <|endoftext|>, ...),
@@ -212,30 +226,26 @@ class Tokenizer:
             self._specials = (frozenset(added), tuple(t.content for t in added.values() if t.content), raw)
         return self._specials
 
-    def _special_token_inside(self, text, ids, offsets, contents) -> bool:
-        """Whether a special token of this encoding overlaps a message's content (then it came from the
-        content's text, not from the template). `contents` are sorted, non-overlapping (start, end) spans.
+    def _specials_of(self, ids, offsets) -> list[tuple[int, int, int]]:
+        special_ids = self._special_tokens()[0]
+        return [(start, end, token) for token, (start, end) in zip(ids, offsets) if token in special_ids]
 
-        When the special tokens match the raw text, looking for their text is enough and much cheaper than
-        walking every token (a match the tokenizer did not make only costs the exact, slower path)."""
-        if not contents:
-            return False
-        special_ids, strings, raw = self._special_tokens()
-        starts = [lo for lo, _ in contents]
+    def _structural_tokens(self, text, found, messages, tools, add_generation_prompt, template_kwargs):
+        """The control tokens the template itself put in `text`, as (start, end, id).
 
-        def overlaps(start, end):
-            k = bisect.bisect_right(starts, start) - 1  # the last content starting at or before `start`
-            return any(start < hi and lo < end for lo, hi in contents[max(k, 0):k + 2])
-
-        if raw:
-            for special in strings:
-                at = text.find(special)
-                while at >= 0:
-                    if overlaps(at, at + len(special)):
-                        return True
-                    at = text.find(special, at + 1)
-            return False
-        return any(token in special_ids and overlaps(start, end) for token, (start, end) in zip(ids, offsets))
+        When no string in the conversation spells a special token, they are the special tokens `found` in the
+        one normal encoding. Otherwise the conversation is rendered again with every such text replaced by as
+        many filler characters (same length, no control token), which must give the same text but for those
+        places; the special tokens of that render's encoding are the template's own."""
+        strings = self._special_tokens()[1]
+        fill = next((c for c in "#~@%^" if not any(c in s for s in strings)), "#")
+        (hidden, hidden_tools), changed = disguise((messages, tools), strings, fill)
+        if not changed:
+            return found
+        disguised = self.render_text(hidden, add_generation_prompt, hidden_tools, **template_kwargs)
+        check_disguise(text, disguised, strings)
+        encoding = self._tok.encode(disguised, add_special_tokens=False)
+        return self._specials_of(encoding.ids, encoding.offsets)
 
     def _plain_text_tokenizer(self):
         """A second `tokenizers.Tokenizer` that encodes special-token text like any other text. A separate
@@ -254,26 +264,17 @@ class Tokenizer:
             self._plain_tok = plain
         return self._plain_tok
 
-    def _encode_contents_as_plain_text(self, text: str, contents) -> tuple[list[int], list[tuple[int, int]]]:
-        """Ids and offsets of `text` whose control tokens are only those in the template's own text.
+    def _encode_with_structure(self, text: str, structural) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and offsets of `text` whose control tokens are exactly the `structural` ones.
 
-        The structural special tokens are found by encoding the text between the contents (the template's
-        part) normally. The text between two structural tokens, contents included, is then encoded in one
-        piece with special tokens disabled: exactly what one normal encode does between special tokens
-        (the same pre-tokenization and merges), except that special-token text inside a content stays text.
-        Non-special added tokens are still matched, as they are everywhere else.
+        The text between two structural tokens is encoded in one piece with special tokens disabled: exactly
+        what one normal encode does between special tokens (the same pre-tokenization and merges), except
+        that special-token text inside a message stays text. Non-special added tokens (<think>, <tool_call>)
+        are still matched, as they are everywhere else.
         """
-        special_ids = self._special_tokens()[0]
-        structural, cursor = [], 0
-        for lo, hi in list(contents) + [(len(text), len(text))]:
-            if lo > cursor:
-                piece = self._tok.encode(text[cursor:lo], add_special_tokens=False)
-                structural.extend((cursor + s, cursor + e, t) for t, (s, e) in zip(piece.ids, piece.offsets)
-                                  if t in special_ids)
-            cursor = max(cursor, hi)
         plain = self._plain_text_tokenizer()
         ids, offsets, cursor = [], [], 0
-        for start, end, token in structural + [(len(text), len(text), None)]:
+        for start, end, token in list(structural) + [(len(text), len(text), None)]:
             if start > cursor:
                 piece = plain.encode(text[cursor:start], add_special_tokens=False)
                 ids.extend(piece.ids)
@@ -283,40 +284,6 @@ class Tokenizer:
                 offsets.append((start, end))
             cursor = max(cursor, end)
         return ids, offsets
-
-    def _render_with_content_spans(self, messages, add_generation_prompt):
-        """Render, and find where each message's content sits in the text.
-
-        Returns (text, content spans sorted by position, assistant spans); an assistant span runs over its
-        content and the closing <|im_end|> (what the loss mask covers). Every content is located, so its
-        special-token text can be kept plain. A template that alters or repeats a system/user content (trims
-        it, say) cannot have that content located: such a conversation renders as before, with only the
-        assistant contents located, unless the unlocated content holds special-token text, which is then
-        an error (it would become control tokens, and we do not guess).
-        """
-        everything = [True] * len(messages)
-        try:
-            return locate_contents(self.render_text, messages, add_generation_prompt, everything)
-        except ChatTemplateError:
-            pass
-        assistants = [m["role"] == "assistant" for m in messages]
-        located = locate_contents(self.render_text, messages, add_generation_prompt, assistants)  # its errors, if any
-        specials = self._special_tokens()[1]
-        risky = [i for i, m in enumerate(messages)
-                 if not assistants[i] and any(s in m["content"] for s in specials)]
-        if not risky:
-            return located
-        try:
-            return locate_contents(self.render_text, messages, add_generation_prompt,
-                                         [a or i in risky for i, a in enumerate(assistants)])
-        except ChatTemplateError:
-            i, content = risky[0], messages[risky[0]]["content"]
-            found = min((s for s in specials if s in content), key=content.find)
-            raise ChatTemplateError(
-                f"message {i} ({messages[i]['role']}) contains the special-token text {found!r}, and the chat "
-                "template alters or repeats that content, so it cannot be kept as plain text (it would "
-                "become a control token); remove the special-token text from the message") from None
-
 
 
 def _canonical_json(text: str) -> str:
@@ -389,27 +356,30 @@ def train_tokenizer(files, vocab_size: int = 6400, out_dir: str | os.PathLike | 
 
     The files are streamed through `train_from_iterator`, so their size is limited by disk, not memory.
     The special tokens take ids 0..15; the 256 byte symbols are all in the initial alphabet, so any text
-    round-trips even if some bytes never occur in the training files.
+    round-trips even if some bytes never occur in the training files. The six thinking and tool tags
+    (<think>, <tool_call>, ...) take the last six ids, as added tokens that are not special, and the tokenizer
+    gets the template that renders thinking and tool calls (chat_template.THINKING_TOOLS_TEMPLATE).
     """
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 
     files = [files] if isinstance(files, (str, os.PathLike)) else list(files)
     if not files:
         raise NanoforgeError("no training files given for the tokenizer")
-    minimum = len(SPECIAL_TOKENS) + 256
+    minimum = len(SPECIAL_TOKENS) + 256 + len(TOOL_TAGS)
     if vocab_size < minimum:
         raise NanoforgeError(f"vocab_size {vocab_size} is too small: byte-level BPE needs the 256 bytes plus "
-                             f"{len(SPECIAL_TOKENS)} special tokens, so at least {minimum}")
+                             f"{len(SPECIAL_TOKENS)} special tokens and {len(TOOL_TAGS)} tags, so at least {minimum}")
     paths = [check_input_file(f) for f in files]
 
     inner = HFTokenizer(models.BPE())
     inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     inner.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(TOOL_TAGS), min_frequency=min_frequency,
                                   special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     inner.train_from_iterator(_training_texts(paths), trainer=trainer)
-    tokenizer = Tokenizer(inner)
+    inner.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TOOL_TAGS])
+    tokenizer = Tokenizer(inner, chat_template=THINKING_TOOLS_TEMPLATE)
     if out_dir is not None:
         tokenizer.save(out_dir)
     return tokenizer
@@ -437,7 +407,8 @@ def _jsonl_texts(path: Path) -> Iterator[str]:
                 yield record["text"]
             elif kind == "sft":
                 for message in record["conversations"]:
-                    yield message["content"]
+                    yield from (message.get(k) for k in ("content", "reasoning_content")
+                                if isinstance(message.get(k), str))
             else:  # dpo: the shared prefix once, then both final answers
                 for message in record["chosen"]:
                     yield message["content"]

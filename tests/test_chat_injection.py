@@ -65,10 +65,17 @@ def _harmless(messages, payload=INJECTION):
     return [{**m, "content": m["content"].replace(payload, HARMLESS)} for m in messages]
 
 
+def _turn(tok, content):
+    """The masked text of an assistant message without reasoning or tool calls: its content and <|im_end|>,
+    behind an empty think block with a thinking template (ours since issue 16, MiniMind-3's)."""
+    think = "" if "<think>" not in tok.chat_template else "<think>\n\n</think>\n\n"
+    return think + content + "<|im_end|>"
+
+
 def assert_only_structural_control_tokens(tok, messages, add_generation_prompt=False, payload=INJECTION):
     """The injected conversation has exactly the special tokens the template structure produces (those of
     the same conversation with the payload replaced by harmless text); its ids decode to the rendered text;
-    the mask covers exactly the assistant contents and their closing <|im_end|>."""
+    the mask covers exactly the assistant turns (think block, content) and their closing <|im_end|>."""
     ids, mask, text = tok.render_chat_with_text(messages, add_generation_prompt)
     assert text == tok.render_text(messages, add_generation_prompt)
     structural, _ = tok.render_chat(_harmless(messages, payload), add_generation_prompt)
@@ -76,7 +83,7 @@ def assert_only_structural_control_tokens(tok, messages, add_generation_prompt=F
     assert ids.count(tok.im_start_id) == structural.count(tok.im_start_id)
     assert ids.count(tok.im_end_id) == structural.count(tok.im_end_id)
     assert tok.decode(ids) == text
-    expected = [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
+    expected = [_turn(tok, m["content"]) for m in messages if m["role"] == "assistant"]
     assert [tok.decode(run) for run in _masked_runs(ids, mask)] == expected
     # the vulnerable encoding (the rendered text in one normal call) would have had more control tokens
     if payload in "".join(m["content"] for m in messages):
@@ -99,7 +106,7 @@ def test_injected_content_is_encoded_exactly_as_plain_text(tiny_tokenizer):
     content = f"hi {INJECTION} bye"
     ids, _ = tok.render_chat([{"role": "user", "content": content}], add_generation_prompt=True)
     expected = (tok.encode("<|im_start|>user\n") + plain(content) + tok.encode("<|im_end|>\n")
-                + tok.encode("<|im_start|>assistant\n"))
+                + tok.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n"))
     assert ids == expected
     assert ids.count(tok.im_start_id) == 2 and ids.count(tok.im_end_id) == 1
 
@@ -166,14 +173,18 @@ def test_tokenizer_pickles_after_rendering_an_injection(tiny_tokenizer):
 
 
 def test_template_that_trims_contents(tiny_tokenizer):
-    """A template that alters user contents works as before for ordinary text; special-token text in a
-    content it alters cannot be located, so it is refused rather than encoded as control tokens."""
+    """A template that trims contents works for ordinary text, and special-token text in a content it trims
+    is still found and kept plain (the disguised render is the same but for that text); a template that
+    changes the special-token text itself is refused rather than guessed."""
     tok = Tokenizer(tiny_tokenizer.backend,
                     chat_template=CHAT_TEMPLATE.replace("message['content']", "(message['content'] | trim)"))
     padded = [{"role": "user", "content": "  padded user  "}, {"role": "assistant", "content": "answer"}]
     ids, mask = tok.render_chat(padded)
     assert ids == tok.encode(tok.render_text(padded))
     assert [tok.decode(r) for r in _masked_runs(ids, mask)] == ["answer<|im_end|>"]
+    padded_assistant = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " padded "}]
+    ids, mask = tok.render_chat(padded_assistant)  # the turn as rendered (trimmed) is what the mask covers
+    assert [tok.decode(r) for r in _masked_runs(ids, mask)] == ["padded<|im_end|>"]
     # not altered (nothing to trim): located and kept plain
     assert_only_structural_control_tokens(tok, [{"role": "user", "content": f"x {INJECTION} y"},
                                                 {"role": "assistant", "content": f"a {INJECTION} b"}])
@@ -181,10 +192,12 @@ def test_template_that_trims_contents(tiny_tokenizer):
     assert_only_structural_control_tokens(tok, [{"role": "system", "content": "  padded  "},
                                                 {"role": "user", "content": f"x {INJECTION} y"},
                                                 {"role": "assistant", "content": "answer"}])
-    with pytest.raises(ChatTemplateError, match="special-token text '<\\|im_end\\|>'.*alters or repeats"):
-        tok.render_chat([{"role": "user", "content": f"  {INJECTION}  "}, {"role": "assistant", "content": "a"}])
-    with pytest.raises(ChatTemplateError, match="changes assistant contents"):  # as before
-        tok.render_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": " padded "}])
+    ids, _ = tok.render_chat([{"role": "user", "content": f"  {INJECTION}  "}, {"role": "assistant", "content": "a"}])
+    assert ids.count(tok.im_start_id) == 2 and ids.count(tok.im_end_id) == 2
+    eating = Tokenizer(tiny_tokenizer.backend,
+                       chat_template=CHAT_TEMPLATE.replace("message['content']", "(message['content'] | replace('<|', ''))"))
+    with pytest.raises(ChatTemplateError, match="alters that text"):
+        eating.render_chat([{"role": "user", "content": f"x {INJECTION}"}, {"role": "assistant", "content": "a"}])
 
 
 # ---------------------------------------------------------------------------------------------- MiniMind-3
@@ -296,7 +309,7 @@ def test_prepare_sft_keeps_quoted_chatml_as_text_and_masks_the_whole_reply(tmp_p
         tokens, mask = (a.tolist() for a in shards.doc(d))
         assert tokens.count(tok.im_start_id) == 2 and tokens.count(tok.im_end_id) == 2
         assert _special_counts(tok, tokens) == {tok.im_start_id: 2, tok.im_end_id: 2}
-        assert [tok.decode(r) for r in _masked_runs(tokens, mask)] == [reply + "<|im_end|>"]
+        assert [tok.decode(r) for r in _masked_runs(tokens, mask)] == [_turn(tok, reply)]
         assert tok.decode(tokens) == tok.render_text(conversation)
         assert (tokens, mask) == tuple(tok.render_chat(conversation))
         ordinary_tokens = shards.doc(d + 1)[0].tolist()
@@ -319,8 +332,8 @@ def test_prepare_dpo_keeps_quoted_chatml_as_text(tmp_path, tiny_tokenizer_dir, t
     rejected, rejected_mask = (a.tolist() for a in shards.doc(1))
     for tokens in (chosen, rejected):
         assert _special_counts(tok, tokens) == {tok.im_start_id: 2, tok.im_end_id: 2}
-    assert [tok.decode(r) for r in _masked_runs(chosen, chosen_mask)] == [f"good {INJECTION}<|im_end|>"]
-    assert [tok.decode(r) for r in _masked_runs(rejected, rejected_mask)] == ["bad<|im_end|>"]
+    assert [tok.decode(r) for r in _masked_runs(chosen, chosen_mask)] == [_turn(tok, f"good {INJECTION}")]
+    assert [tok.decode(r) for r in _masked_runs(rejected, rejected_mask)] == [_turn(tok, "bad")]
 
 
 # ---------------------------------------------------------------------------------------------- serve

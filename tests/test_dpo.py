@@ -79,6 +79,7 @@ def test_pairs_are_masked_on_the_final_reply_and_never_split(dpo_dir, dpo_file, 
     assert manifest["kind"] == "dpo" and manifest["layout"] == "pairs"
     assert manifest["sources"][0]["records"] == len(records)
     im_end = "<|im_end|>"
+    think = "<think>\n\n</think>\n\n"  # every assistant turn opens with its (here empty) think block
     for split, wanted in (("train", False), ("val", True)):
         shards = TokenShards(dpo_dir, split)
         split_records = [r for r, v in zip(records, is_val) if v == wanted]
@@ -92,7 +93,7 @@ def test_pairs_are_masked_on_the_final_reply_and_never_split(dpo_dir, dpo_file, 
                 assert masked.size and np.all(np.diff(masked) == 1), "one contiguous span"
                 assert masked[-1] + 1 < len(ids)  # the template's final "\n" is not supervised
                 reply = tiny_tokenizer.decode(ids[mask == 1].tolist())
-                assert reply == record[side][-1]["content"] + im_end
+                assert reply == think + record[side][-1]["content"].lstrip("\n") + im_end
                 prompts.append(ids[:masked[0]].tolist())
             assert prompts[0] == prompts[1], f"pair {p} of {split}: the shared prefix tokenizes differently"
 
@@ -109,7 +110,7 @@ def test_multi_turn_pair_masks_only_the_last_reply(tmp_path, tiny_tokenizer):
     assert shards.num_docs == 4
     for doc, text in ((0, "Yes."), (1, "No way.")):
         ids, mask = shards.doc(doc)
-        assert tiny_tokenizer.decode(ids[mask == 1].tolist()) == text + "<|im_end|>"
+        assert tiny_tokenizer.decode(ids[mask == 1].tolist()) == "<think>\n\n</think>\n\n" + text + "<|im_end|>"
 
 
 def test_parallel_prepare_is_byte_identical(dpo_dir, dpo_file, tiny_tokenizer, tmp_path):

@@ -14,7 +14,7 @@ from nanoforge.data.batches import PretrainBatches, eval_batches
 from nanoforge.data.jsonl import DataError
 from nanoforge.data.shards import TokenShards, check_tokenizer, prepare_dataset
 from nanoforge.errors import NanoforgeError
-from nanoforge.tokenizer import Tokenizer, train_tokenizer
+from nanoforge.tokenizer import CHAT_TEMPLATE, Tokenizer, train_tokenizer
 
 QUIET = dict(log=lambda message: None)
 
@@ -465,7 +465,8 @@ def test_sft_prepare_stores_the_assistant_mask(tmp_path, shared_data, tiny_token
 def test_sft_prepare_reports_unmaskable_conversations(tmp_path):
     corpus = tmp_path / "newlines.txt"
     corpus.write_text("a\n\n\nb\n" * 500, encoding="utf-8")
-    tok = train_tokenizer([corpus], vocab_size=300)
+    # plain ChatML (older tokenizers): the thinking template strips the leading newlines this needs
+    tok = Tokenizer(train_tokenizer([corpus], vocab_size=300).backend, chat_template=CHAT_TEMPLATE)
     data = tmp_path / "sft.jsonl"
     good = {"conversations": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
     bad = {"conversations": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "\n\nb"}]}
@@ -528,16 +529,16 @@ def test_pretrain_batches_shapes_and_windows(prepared):
 
 def test_pretrain_batches_cover_each_window_once_per_epoch(prepared):
     shards = TokenShards(prepared, "train")
-    batches = PretrainBatches(shards, batch_size=8, seq_len=512, seed=0)
-    windows = batches.num_windows
-    assert windows % 8  # the epoch does not divide evenly: the last batch runs into epoch 1
+    windows = PretrainBatches(shards, batch_size=8, seq_len=512, seed=0).num_windows
+    size = next(b for b in (8, 7, 6, 5) if windows % b)  # the epoch does not divide evenly: the last batch
+    batches = PretrainBatches(shards, batch_size=size, seq_len=512, seed=0)  # runs into epoch 1
     starts = []
-    for batch in take(batches, math.ceil(windows / 8)):
+    for batch in take(batches, math.ceil(windows / size)):
         starts += [row[0] for row in batch["input_ids"].tolist()]
     everything = shards.read(0, shards.num_tokens)
     first_tokens = sorted(int(everything[k * 512]) for k in range(windows))
     assert sorted(starts[:windows]) == first_tokens
-    assert batches.epoch == 1 and batches.cursor == 8 - windows % 8
+    assert batches.epoch == 1 and batches.cursor == size - windows % size
 
 
 def test_pretrain_batches_are_deterministic_and_resume_exactly(prepared):

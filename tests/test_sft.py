@@ -107,7 +107,8 @@ def test_labels_are_exactly_the_assistant_replies(sft_dir, sft_files, tiny_token
                 conv = next(c for c in train_convs if tiny_tokenizer.render_text(c).startswith(text))
                 supervised = labels[segs == s]
                 got = tiny_tokenizer.decode(supervised[supervised != IGNORE].tolist())
-                expected = "".join(m["content"] + "<|im_end|>" for m in conv if m["role"] == "assistant")
+                expected = "".join("<think>\n\n</think>\n\n" + m["content"].lstrip("\n") + "<|im_end|>"
+                                   for m in conv if m["role"] == "assistant")  # each turn behind its think block
                 if len(seg_ids) + 1 == len(tiny_tokenizer.render_chat(conv)[0]):
                     assert got == expected
                 else:  # truncated at a turn boundary: a prefix made of whole replies

@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from nanoforge.chat_template import THINKING_TOOLS_TEMPLATE, TOOL_TAGS
 from nanoforge.data.jsonl import DataError
 from nanoforge.errors import NanoforgeError
 from nanoforge.tokenizer import (CHAT_TEMPLATE, SPECIAL_TOKENS, ChatTemplateError, Tokenizer, load_tokenizer,
@@ -65,12 +66,21 @@ def _masked_runs(ids, mask):
     return runs
 
 
+def assistant_turn(tokenizer, content):
+    """What the mask covers of an assistant message without reasoning or tool calls: its content and
+    <|im_end|> (plain ChatML), behind an empty think block with the thinking template (which also drops the
+    content's leading newlines)."""
+    if "<think>" not in tokenizer.chat_template:
+        return content + "<|im_end|>"
+    return "<think>\n\n</think>\n\n" + content.lstrip("\n") + "<|im_end|>"
+
+
 def assert_mask_is_assistant_content(tokenizer, messages, add_generation_prompt=False):
-    """ids equal encode(rendered text); each masked run decodes to one assistant content + <|im_end|>."""
+    """ids equal encode(rendered text); each masked run decodes to one assistant turn + <|im_end|>."""
     ids, mask = tokenizer.render_chat(messages, add_generation_prompt)
     assert ids == tokenizer.encode(tokenizer.render_text(messages, add_generation_prompt))
     assert len(mask) == len(ids) and set(mask) <= {0, 1}
-    expected = [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
+    expected = [assistant_turn(tokenizer, m["content"]) for m in messages if m["role"] == "assistant"]
     assert [tokenizer.decode(run) for run in _masked_runs(ids, mask)] == expected
 
 
@@ -129,7 +139,7 @@ def test_save_load_keeps_everything(tmp_path, tiny_tokenizer, tiny_tokenizer_dir
     for other in (again, from_file):
         assert other.sha256 == tiny_tokenizer.sha256
         assert other.vocab_size == tiny_tokenizer.vocab_size
-        assert other.chat_template == CHAT_TEMPLATE
+        assert other.chat_template == THINKING_TOOLS_TEMPLATE
         assert (other.eos_id, other.im_start_id, other.im_end_id) == (0, 1, 2)
         assert other.encode("The 春眠不觉晓 test.") == tiny_tokenizer.encode("The 春眠不觉晓 test.")
     again.save(tmp_path / "copy2")
@@ -153,12 +163,14 @@ def test_tokenizer_config_is_hf_compatible(tiny_tokenizer_dir):
     assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
     assert config["eos_token"] == config["pad_token"] == "<|endoftext|>"
     assert config["bos_token"] == "<|im_start|>"
-    assert config["chat_template"] == CHAT_TEMPLATE
+    assert config["chat_template"] == THINKING_TOOLS_TEMPLATE
     assert config["clean_up_tokenization_spaces"] is False
     assert isinstance(config["model_max_length"], int)
     decoder = config["added_tokens_decoder"]
     assert [decoder[str(i)]["content"] for i in range(16)] == SPECIAL_TOKENS
     assert all(decoder[str(i)]["special"] for i in range(16))
+    tags = {d["content"]: d for d in decoder.values() if d["content"] in TOOL_TAGS}  # vocabulary, not control
+    assert sorted(tags) == sorted(TOOL_TAGS) and not any(d["special"] for d in tags.values())
 
 
 def test_transformers_renders_and_encodes_the_same(tiny_tokenizer_dir, tiny_tokenizer):
@@ -280,7 +292,7 @@ def test_training_rejects_bad_input_naming_file_and_line(tmp_path):
     unknown = _write_jsonl(tmp_path / "unknown.jsonl", [{"text": "ok"}, {"prompt": "what kind is this"}])
     with pytest.raises(DataError, match=r"unknown\.jsonl:2: cannot tell the kind"):
         train_tokenizer([unknown], vocab_size=300)
-    with pytest.raises(NanoforgeError, match="at least 272"):
+    with pytest.raises(NanoforgeError, match="at least 278"):
         train_tokenizer([bad], vocab_size=100)
     with pytest.raises(DataError, match="no such file"):
         train_tokenizer([tmp_path / "missing.jsonl"], vocab_size=300)
@@ -289,45 +301,63 @@ def test_training_rejects_bad_input_naming_file_and_line(tmp_path):
 # ---------------------------------------------------------------------------------------------- chat
 
 
-def test_chat_template_renders_chatml(tiny_tokenizer):
+@pytest.fixture(scope="module")
+def chatml_tokenizer(tiny_tokenizer):
+    """The tiny tokenizer with the plain ChatML template of older nanoforge tokenizers (no think block)."""
+    return Tokenizer(tiny_tokenizer.backend, chat_template=CHAT_TEMPLATE)
+
+
+def test_chat_template_renders_chatml(tiny_tokenizer, chatml_tokenizer):
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
                 {"role": "assistant", "content": "A"}]
     expected = "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n"
-    assert tiny_tokenizer.render_text(messages) == expected
-    assert tiny_tokenizer.render_text(messages[:2], add_generation_prompt=True) == (
+    assert chatml_tokenizer.render_text(messages) == expected
+    assert chatml_tokenizer.render_text(messages[:2], add_generation_prompt=True) == (
         "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n")
+    # what `tokenizer train` writes now: every assistant turn opens with a think block
+    assert tiny_tokenizer.render_text(messages) == expected.replace("assistant\nA", "assistant\n<think>\n\n</think>\n\nA")
+    assert tiny_tokenizer.render_text(messages[:2], add_generation_prompt=True) == (
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
-def test_render_chat_mask_on_a_small_conversation(tiny_tokenizer):
+@pytest.mark.parametrize("template", ["chatml", "thinking"])
+def test_render_chat_mask_on_a_small_conversation(tiny_tokenizer, chatml_tokenizer, template):
+    tokenizer = chatml_tokenizer if template == "chatml" else tiny_tokenizer
     messages = [{"role": "user", "content": "ok"}, {"role": "assistant", "content": "ok"},
                 {"role": "user", "content": "ok"}, {"role": "assistant", "content": ""}]
-    ids, mask = tiny_tokenizer.render_chat(messages)
+    ids, mask = tokenizer.render_chat(messages)
     # the user turns repeat the assistant's words: only the assistant ones may be masked
-    assert [tiny_tokenizer.decode(r) for r in _masked_runs(ids, mask)] == ["ok<|im_end|>", "<|im_end|>"]
-    header = tiny_tokenizer.encode("<|im_start|>assistant\n")
-    start = ids.index(tiny_tokenizer.im_start_id, 1 + ids.index(tiny_tokenizer.im_start_id))
+    assert [tokenizer.decode(r) for r in _masked_runs(ids, mask)] == [assistant_turn(tokenizer, "ok"),
+                                                                        assistant_turn(tokenizer, "")]
+    header = tokenizer.encode("<|im_start|>assistant\n")
+    start = ids.index(tokenizer.im_start_id, 1 + ids.index(tokenizer.im_start_id))
     assert ids[start:start + len(header)] == header and mask[start:start + len(header)] == [0] * len(header)
-    assert ids[-1] == tiny_tokenizer.encode("\n")[0] and mask[-1] == 0  # the newline after <|im_end|>
+    assert ids[-1] == tokenizer.encode("\n")[0] and mask[-1] == 0  # the newline after <|im_end|>
 
 
-def test_render_chat_with_generation_prompt_masks_nothing_after_the_last_answer(tiny_tokenizer):
+@pytest.mark.parametrize("template", ["chatml", "thinking"])
+def test_render_chat_with_generation_prompt_masks_nothing_after_the_last_answer(tiny_tokenizer, chatml_tokenizer,
+                                                                                 template):
+    tokenizer = chatml_tokenizer if template == "chatml" else tiny_tokenizer
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
                 {"role": "user", "content": "bye"}]
-    ids, mask = tiny_tokenizer.render_chat(messages, add_generation_prompt=True)
-    assert tiny_tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
-    assert [tiny_tokenizer.decode(r) for r in _masked_runs(ids, mask)] == ["hello<|im_end|>"]
+    ids, mask = tokenizer.render_chat(messages, add_generation_prompt=True)
+    prompt = "<|im_start|>assistant\n" + ("" if template == "chatml" else "<think>\n\n</think>\n\n")
+    assert tokenizer.decode(ids).endswith(prompt)
+    assert [tokenizer.decode(r) for r in _masked_runs(ids, mask)] == [assistant_turn(tokenizer, "hello")]
 
 
 @pytest.mark.parametrize("name", ["sft_zh_sharegpt_1k.jsonl", "sft_zh_kdconv.jsonl"])
-def test_render_chat_mask_on_real_multi_turn_conversations(shared_data, tiny_tokenizer, name):
+def test_render_chat_mask_on_real_multi_turn_conversations(shared_data, tiny_tokenizer, chatml_tokenizer, name):
     checked = 0
     for conversation in _conversations(shared_data / "minimind" / name, limit=120):
         without_system = [m for m in conversation if m["role"] != "system"]
         system = {"role": "system", "content": "你是一个乐于助人的助手。Answer briefly."}
         with_system = [system] + without_system
-        assert_mask_is_assistant_content(tiny_tokenizer, without_system)
-        assert_mask_is_assistant_content(tiny_tokenizer, with_system)
-        assert_mask_is_assistant_content(tiny_tokenizer, with_system[:-1], add_generation_prompt=True)
+        for tokenizer in (tiny_tokenizer, chatml_tokenizer):
+            assert_mask_is_assistant_content(tokenizer, without_system)
+            assert_mask_is_assistant_content(tokenizer, with_system)
+            assert_mask_is_assistant_content(tokenizer, with_system[:-1], add_generation_prompt=True)
         checked += len(without_system) >= 4
     assert checked >= 50  # most of these are multi-turn
 
@@ -338,15 +368,20 @@ def test_mask_edge_crossed_by_a_token_is_an_error(tmp_path):
     tok = train_tokenizer([corpus], vocab_size=300)
     assert len(tok.encode("\n\n")) == 1
     messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "\n\nb"}]
+    # plain ChatML puts the content right after the header's "\n"; the thinking template strips leading
+    # newlines and opens every turn with the <think> token, so its edges are always clean
     with pytest.raises(ChatTemplateError, match="crosses the edge of an assistant message"):
-        tok.render_chat(messages)
+        Tokenizer(tok.backend, chat_template=CHAT_TEMPLATE).render_chat(messages)
+    assert_mask_is_assistant_content(tok, messages)
 
 
-def test_template_that_alters_contents_is_refused(tiny_tokenizer):
+def test_template_that_alters_contents_masks_the_turn_it_renders(tiny_tokenizer):
+    """The mask covers each assistant turn as the template renders it (MiniMind-3's strips newlines), so a
+    template that trims contents is fine."""
     stripping = CHAT_TEMPLATE.replace("message['content']", "(message['content'] | trim)")
     tok = Tokenizer(tiny_tokenizer.backend, chat_template=stripping)
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " padded "}]
-    with pytest.raises(ChatTemplateError, match="changes assistant contents"):
-        tok.render_chat(messages)
+    ids, mask = tok.render_chat(messages)
+    assert [tok.decode(r) for r in _masked_runs(ids, mask)] == ["padded<|im_end|>"]
     with pytest.raises(ChatTemplateError, match="string role and content"):
         tiny_tokenizer.render_chat([{"role": "user", "content": 3}])
