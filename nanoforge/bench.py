@@ -190,7 +190,7 @@ def _figures(model, device: torch.device, precision: str, seq_len: int, tokens_p
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
     """One measurement, in this (fresh) process."""
     from nanoforge.config import build_config
-    from nanoforge.plan import fit_micro_batch
+    from nanoforge.train.microbatch import fit_micro_batch
     mcfg, tcfg = build_config(spec["preset"], spec["config"], spec["overrides"])
     fit_micro_batch(mcfg, tcfg, log=lambda m: print(m, file=sys.stderr))  # --micro-batch auto|N
     if spec["kind"] == "naive":

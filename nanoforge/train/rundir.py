@@ -29,7 +29,7 @@ from nanoforge.device import resolve_device
 from nanoforge.data.jsonl import check_input_file, detect_kind
 from nanoforge.data.shards import check_tokenizer, is_plain_text, prepare_dataset, read_manifest
 from nanoforge.errors import NanoforgeError
-from nanoforge.plan import fit_micro_batch
+from nanoforge.train.microbatch import fit_micro_batch
 from nanoforge.tokenizer import load_tokenizer, train_tokenizer
 from nanoforge.train import checkpoint as ckpt
 from nanoforge.train.distributed import is_main, main_first

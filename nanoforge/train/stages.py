@@ -20,7 +20,7 @@ from nanoforge.evaluate import generate_samples, load_prompts, write_samples
 from nanoforge.infer.generate import SamplingConfig
 from nanoforge.model.gpt import GPT
 from nanoforge.model.lora import LoraConfig, LoraModel, adapter_metadata, check_base, load_adapter_checkpoint
-from nanoforge.plan import fit_micro_batch
+from nanoforge.train.microbatch import fit_micro_batch
 from nanoforge.report import write_run_report
 from nanoforge.tokenizer import load_tokenizer
 from nanoforge.train import checkpoint as ckpt
