@@ -124,7 +124,7 @@ def test_first_sentence_is_short_prose_that_ends():
 
 def test_qa_pairs_ask_what_it_does_and_how_to_call_it():
     entry = demo_corpus.DocEntry("json.dumps", "function", "(obj, *, indent=None)",
-                          "Serialize obj to a JSON formatted str. More.\n\nDetails.")
+                                 "Serialize obj to a JSON formatted str. More.\n\nDetails.")
     assert demo_corpus.qa_pairs(entry) == {"what": ("What does json.dumps do?",
                                                     "Serialize obj to a JSON formatted str."),
                                     "call": ("How do I call json.dumps?", "json.dumps(obj, *, indent=None)")}
