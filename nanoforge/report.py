@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from nanoforge.config import MODEL_FIELDS, ModelConfig, load_toml
 from nanoforge.errors import NanoforgeError
+from nanoforge.model.gpt import GPT
+from nanoforge.train import checkpoint as ckpt
+from nanoforge.train.distributed import is_main
 from nanoforge.train.metrics import format_duration
 
 NO_MATPLOTLIB = ("Plots were skipped: matplotlib is not installed. `pip install matplotlib` (or nanoforge's "
@@ -72,8 +78,6 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 def read_run(run_dir: str | Path, name: str | None = None) -> RunMetrics:
     """Read a run directory's metrics.jsonl, config.toml, samples.jsonl and latest state.json."""
-    from nanoforge.config import load_toml
-
     run_dir = Path(run_dir)
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
@@ -90,7 +94,6 @@ def read_run(run_dir: str | Path, name: str | None = None) -> RunMetrics:
             run.train.append(record)
     run.samples = _read_jsonl(run_dir / "samples.jsonl")
     try:
-        from nanoforge.train import checkpoint as ckpt
         last = ckpt.latest_checkpoint(run_dir)
         run.state = ckpt.load_state(last) if last is not None else {}
     except (NanoforgeError, OSError):  # a torn or foreign checkpoint: the report goes on without it
@@ -104,11 +107,6 @@ def read_run(run_dir: str | Path, name: str | None = None) -> RunMetrics:
 
 def count_params(model_config: dict[str, Any], exclude_embeddings: bool = False) -> int | None:
     """Parameters of the model a config describes, built on the meta device (no memory, no init cost)."""
-    import torch
-
-    from nanoforge.config import MODEL_FIELDS, ModelConfig
-    from nanoforge.model.gpt import GPT
-
     try:
         with torch.device("meta"):
             model = GPT(ModelConfig(**{k: v for k, v in model_config.items() if k in MODEL_FIELDS}))
@@ -492,8 +490,6 @@ def write_run_report(run_dir: str | Path, quiet: bool = False, stopped: str = ""
     """RUN/report.md at the end of a training command, on rank 0 only. A failure here must never fail or
     lose a finished run (its checkpoint is already written): it is a warning on stderr, and None. `stopped`:
     why a run ended early (the interruption's message), shown under the title."""
-    from nanoforge.train.distributed import is_main
-
     if not is_main():
         return None
     run_dir = Path(run_dir)
