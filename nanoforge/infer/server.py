@@ -43,7 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanoforge.device import resolve_device
 from nanoforge.errors import NanoforgeError
-from nanoforge.infer import chat as chat_defaults
+from nanoforge.infer import defaults as chat_defaults
 from nanoforge.infer import protocol
 from nanoforge.infer.chat import resolve_precision
 from nanoforge.infer.generate import Completion, SamplingConfig, stream_completion
