@@ -7,8 +7,9 @@ import torch
 
 from nanoforge.config import ModelConfig
 from nanoforge.errors import NanoforgeError
-from nanoforge.export import (export_gguf, export_hf, is_hf_dir, load_hf_model, permute_for_llama_cpp,
-                              write_gguf, write_hf_dir)
+from nanoforge.export import (export_gguf, export_hf, load_hf_model, permute_for_llama_cpp, write_gguf,
+                              write_hf_dir)
+from nanoforge.hf import is_hf_dir
 from nanoforge.model.gpt import GPT
 
 transformers = pytest.importorskip("transformers")

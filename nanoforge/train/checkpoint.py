@@ -162,7 +162,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
     from nanoforge.model.gpt import GPT
     from nanoforge.tokenizer import load_tokenizer
 
-    from nanoforge.export import is_hf_dir, load_hf_model
+    from nanoforge.export import load_hf_model
+    from nanoforge.hf import is_hf_dir
     if is_hf_dir(path):
         model, tokenizer = load_hf_model(path)
         return model.to(device).eval(), tokenizer, Path(path)

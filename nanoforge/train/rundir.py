@@ -231,7 +231,7 @@ def copy_tokenizer(src: Path, run_dir: Path) -> None:
 
 def init_config(init: str | Path) -> tuple[Path, dict[str, Any]]:
     """The checkpoint (or HF model directory) --init points at, and the config it was trained with."""
-    from nanoforge.export import is_hf_dir, model_config_from_hf, read_hf_config
+    from nanoforge.hf import is_hf_dir, model_config_from_hf, read_hf_config
     if is_hf_dir(init):
         path = Path(init)
         m = model_config_from_hf(read_hf_config(path), path / "config.json")
@@ -241,13 +241,13 @@ def init_config(init: str | Path) -> tuple[Path, dict[str, Any]]:
 
 
 def init_tokenizer_dir(init_path: Path) -> Path:
-    from nanoforge.export import is_hf_dir
+    from nanoforge.hf import is_hf_dir
     return init_path if is_hf_dir(init_path) else init_path.parent.parent / "tokenizer"
 
 
 def init_weights(init_path: Path):
     """Weights of --init: a checkpoint's model.safetensors or an HF directory's (strictly mapped later)."""
-    from nanoforge.export import is_hf_dir, read_hf_weights
+    from nanoforge.hf import is_hf_dir, read_hf_weights
     return read_hf_weights(init_path) if is_hf_dir(init_path) else ckpt.load_weights_file(init_path)
 
 
