@@ -482,7 +482,7 @@ def sft_val_loss_before(pre_run: Path, data_dir: Path, tcfg, precision: str) -> 
     "before" of SFT's validation losses (the same batches the SFT stage evaluates on)."""
     from nanoforge.data.batches import SFTBatches
     from nanoforge.data.shards import TokenShards
-    from nanoforge.train.checkpoint import load_model
+    from nanoforge.loader import load_model
 
     model, tokenizer, _ = load_model(pre_run)
     val = SFTBatches(TokenShards(data_dir, "val"), tcfg.batch_size, tcfg.seq_len, shuffle=False,
@@ -505,7 +505,7 @@ def ask(run_dir: Path, questions: list[dict], max_new_tokens: int) -> list[dict]
     trained on. Generation stops only at <|im_end|>, so finish_reason "stop" means the reply closed the way
     the template says and "length" that it ran on."""
     from nanoforge.infer.generate import SamplingConfig, complete
-    from nanoforge.train.checkpoint import load_model
+    from nanoforge.loader import load_model
 
     model, tokenizer, _ = load_model(run_dir)
     prompts = [tokenizer.render_chat([{"role": "user", "content": q["question"]}], add_generation_prompt=True)[0]

@@ -1,4 +1,4 @@
-"""Export a trained model for other tools, and import small HF models to train further.
+"""Export a trained model for other tools: an HF transformers directory, or a GGUF file for llama.cpp.
 
 `export_hf` writes a directory that `transformers` loads with `AutoModelForCausalLM.from_pretrained` and
 `AutoTokenizer.from_pretrained`: config.json (LlamaForCausalLM, or Qwen3ForCausalLM when the model uses
@@ -9,9 +9,7 @@ are written as they are and load strictly.
 `export_gguf` writes one GGUF file for llama.cpp (and so Ollama, LM Studio, ...): the same weights under
 llama.cpp's tensor names, the shape as metadata, and the byte-level BPE vocabulary with its merges.
 
-`load_hf_model` goes the other way for Llama- or Qwen3-shaped HF directories: it maps config.json onto a
-ModelConfig, refusing (by field name) anything our model does not compute the same way, and loads the weights
-strictly.
+Both read their model through loader.py; reading HF directories (the other way) is hf.py's.
 
 Every output is written under a temporary name and renamed into place, so a failed export leaves nothing
 half-written behind.
@@ -28,7 +26,8 @@ import torch
 
 from nanoforge.config import ModelConfig
 from nanoforge.errors import NanoforgeError
-from nanoforge.hf import HF_ARCHITECTURES, model_config_from_hf, read_hf_config, read_hf_weights
+from nanoforge.hf import HF_ARCHITECTURES
+from nanoforge.loader import load_model
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -37,8 +36,6 @@ from nanoforge.hf import HF_ARCHITECTURES, model_config_from_hf, read_hf_config,
 
 def export_hf(run_or_checkpoint: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False) -> Path:
     """Write the latest checkpoint of a run (or the given checkpoint) as an HF transformers directory."""
-    from nanoforge.train.checkpoint import load_model
-
     model, tokenizer, _ = load_model(run_or_checkpoint)
     return write_hf_dir(model, tokenizer, out_dir, force=force)
 
@@ -134,31 +131,6 @@ def generation_config(tokenizer) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# HF transformers directory: import
-
-
-def load_hf_model(hf_dir: str | os.PathLike, device: str | torch.device = "cpu"):
-    """An HF Llama- or Qwen3-shaped directory -> (GPT in eval mode, Tokenizer)."""
-    from nanoforge.model.gpt import GPT
-    from nanoforge.tokenizer import load_tokenizer
-
-    hf_dir = Path(hf_dir)
-    cfg = model_config_from_hf(read_hf_config(hf_dir), hf_dir / "config.json")
-    model = GPT(cfg)
-    try:
-        model.load_weights(read_hf_weights(hf_dir))
-    except NanoforgeError as e:
-        raise NanoforgeError(f"{hf_dir}: {e}") from None
-    if not (hf_dir / "tokenizer.json").is_file():
-        raise NanoforgeError(f"{hf_dir}: no tokenizer.json (only fast, tokenizer.json-based tokenizers load)")
-    tokenizer = load_tokenizer(hf_dir)
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise NanoforgeError(f"{hf_dir}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
-                             f"vocab_size is {cfg.vocab_size}")
-    return model.to(device).eval(), tokenizer
-
-
-# ----------------------------------------------------------------------------------------------------------
 # GGUF (llama.cpp)
 
 
@@ -166,8 +138,6 @@ def export_gguf(run_or_checkpoint: str | os.PathLike, out_file: str | os.PathLik
                 force: bool = False) -> Path:
     """Write the latest checkpoint of a run (or the given checkpoint) as one GGUF file, f32 or f16.
     An existing directory as `out_file` gets `model.gguf` inside it."""
-    from nanoforge.train.checkpoint import load_model
-
     if Path(out_file).is_dir():
         out_file = Path(out_file) / "model.gguf"
     model, tokenizer, _ = load_model(run_or_checkpoint)

@@ -12,6 +12,7 @@ from typing import Callable, TextIO
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.infer.generate import SamplingConfig, stream
+from nanoforge.loader import load_model
 
 # Defaults of `nanoforge chat`, shared with the CLI. A little randomness and a mild repetition penalty keep a
 # small model from looping; top-k and top-p cut off its long tail of unlikely tokens.
@@ -189,7 +190,6 @@ def run_chat(run_dir, temperature: float = DEFAULT_TEMPERATURE, top_k: int = DEF
              device: str = DEFAULT_DEVICE, precision: str = DEFAULT_PRECISION) -> None:
     """`nanoforge chat RUN`: load the run's latest checkpoint (or a checkpoint directory) and chat on the
     terminal; with piped standard input, answer it once and return."""
-    from nanoforge.train.checkpoint import load_model
     from nanoforge.device import resolve_device
 
     cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
@@ -214,7 +214,6 @@ def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, tempe
     is meant to be used; the prompt is --prompt, else standard input. An empty prompt samples from the start
     of a document (after <|endoftext|>). Streams each of num_samples continuations to `out`, the prompt first."""
     from nanoforge.infer.generate import stream
-    from nanoforge.train.checkpoint import load_model
     from nanoforge.device import resolve_device
 
     input_stream, out = input_stream or sys.stdin, out or sys.stdout

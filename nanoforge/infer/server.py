@@ -596,7 +596,7 @@ def run_server(run_dir, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_
     import uvicorn
 
     from nanoforge.infer.chat import resolve_precision
-    from nanoforge.train.checkpoint import load_model
+    from nanoforge.loader import load_model
     from nanoforge.device import resolve_device
 
     if not isinstance(port, int) or not 1 <= port <= 65535:
