@@ -220,14 +220,14 @@ def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str
     return train_and_report(stage, model, mcfg, tcfg, run_dir, resume, quiet)
 
 
-def lora_merge(run: str | Path, out: str | Path, force: bool = False) -> Path:
+def lora_merge(run: str | Path, out: str | Path) -> Path:
     """`nanoforge lora merge`: fold a LoRA run's adapters into its base and write a plain run directory
     (config, tokenizer, one checkpoint) that chat, export and further training read like any other."""
 
     src = ckpt.resolve_checkpoint(run)
     state = ckpt.load_state(src)
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not force:
+    if out.exists() and any(out.iterdir()):
         raise NanoforgeError(f"{out} exists and is not empty; choose another --out")
     model = load_adapter_checkpoint(src)
     cfg = state.get("config", {})
