@@ -35,7 +35,7 @@ from nanoforge.infer.generate import SamplingConfig, complete
 from nanoforge.model.gpt import GPT
 from nanoforge.report import write_report
 from nanoforge.tokenizer import train_tokenizer
-from nanoforge.train.checkpoint import load_model
+from nanoforge.loader import load_model
 from nanoforge.train.loop import autocast_context, evaluate
 from nanoforge.train.metrics import format_duration
 from nanoforge.train.objectives import causal_lm_loss

@@ -66,7 +66,7 @@ def own_validation_data(run) -> Path | None:
 
 def _load_run(run, device: str):
     """`run` is a run/checkpoint/HF directory, or an already loaded (model, tokenizer) pair (tests, training)."""
-    from nanoforge.train.checkpoint import load_model
+    from nanoforge.loader import load_model
     from nanoforge.device import resolve_device
 
     dev = resolve_device(device)

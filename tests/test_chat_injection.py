@@ -346,7 +346,7 @@ def test_server_prompt_has_only_the_structural_control_tokens(served):
     import torch
 
     from nanoforge.infer.generate import complete
-    from nanoforge.train.checkpoint import load_model
+    from nanoforge.loader import load_model
     from test_server import chat_stop_ids, server_cfg
 
     run_dir, proc, key = served

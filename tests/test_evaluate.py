@@ -90,7 +90,7 @@ def bench(tmp_path_factory, tiny_tokenizer):
     """A memorised run, the benchmark as JSONL (+ dev JSONL) and as a C-Eval directory, and a random model."""
     from nanoforge.data.shards import prepare_dataset
     from nanoforge.model.gpt import GPT
-    from nanoforge.train.checkpoint import load_model
+    from nanoforge.loader import load_model
     from nanoforge.train.stages import pretrain
 
     work = tmp_path_factory.mktemp("eval_bench")

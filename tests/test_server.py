@@ -97,7 +97,7 @@ def local(run_dir):
     """The same checkpoint loaded here, to compute what the server should answer."""
     import torch
 
-    from nanoforge.train.checkpoint import load_model
+    from nanoforge.loader import load_model
 
     torch.set_num_threads(1)
     model, tokenizer, _ = load_model(run_dir)

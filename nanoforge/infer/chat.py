@@ -18,7 +18,7 @@ from nanoforge.infer.defaults import (DEFAULT_DEVICE, DEFAULT_MAX_NEW_TOKENS, DE
                                      DEFAULT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P,
                                      PRECISION_CHOICES)
 from nanoforge.infer.generate import SamplingConfig, stream
-from nanoforge.train.checkpoint import load_model
+from nanoforge.loader import load_model
 
 HELP = """commands:
   /reset        forget the conversation (the system prompt stays)

@@ -48,7 +48,7 @@ from nanoforge.infer import protocol
 from nanoforge.infer.chat import resolve_precision
 from nanoforge.infer.generate import Completion, SamplingConfig, stream_completion
 from nanoforge.infer.protocol import APIError, GenerationRequest, Limits
-from nanoforge.train.checkpoint import load_model
+from nanoforge.loader import load_model
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000

@@ -29,6 +29,7 @@ from nanoforge.device import resolve_device
 from nanoforge.data.jsonl import check_input_file, detect_kind
 from nanoforge.data.shards import check_tokenizer, is_plain_text, prepare_dataset, read_manifest
 from nanoforge.errors import NanoforgeError
+from nanoforge.loader import init_config, init_tokenizer_dir
 from nanoforge.train.microbatch import fit_micro_batch
 from nanoforge.tokenizer import load_tokenizer, train_tokenizer
 from nanoforge.train import checkpoint as ckpt
@@ -227,28 +228,6 @@ def copy_tokenizer(src: Path, run_dir: Path) -> None:
 
 # Samples during training (--sample-every N): the same prompts at every N steps show what the model has learnt
 # so far. Fixed-seed sampling (as `nanoforge eval --samples`), so successive samples differ only by the weights.
-
-
-def init_config(init: str | Path) -> tuple[Path, dict[str, Any]]:
-    """The checkpoint (or HF model directory) --init points at, and the config it was trained with."""
-    from nanoforge.export import is_hf_dir, model_config_from_hf, read_hf_config
-    if is_hf_dir(init):
-        path = Path(init)
-        m = model_config_from_hf(read_hf_config(path), path / "config.json")
-        return path, {"model": dataclasses.asdict(m), "train": {"seq_len": min(512, m.max_seq_len)}}
-    path = ckpt.resolve_checkpoint(init)
-    return path, ckpt.load_state(path).get("config", {})
-
-
-def init_tokenizer_dir(init_path: Path) -> Path:
-    from nanoforge.export import is_hf_dir
-    return init_path if is_hf_dir(init_path) else init_path.parent.parent / "tokenizer"
-
-
-def init_weights(init_path: Path):
-    """Weights of --init: a checkpoint's model.safetensors or an HF directory's (strictly mapped later)."""
-    from nanoforge.export import is_hf_dir, read_hf_weights
-    return read_hf_weights(init_path) if is_hf_dir(init_path) else ckpt.load_weights_file(init_path)
 
 
 def data_kind(data: Sequence[str]) -> str:
