@@ -290,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
                               min_frequency=args.min_frequency)
         print(f"tokenizer with {tok.vocab_size} tokens written to {args.out}")
     elif args.command == "prepare":
-        from nanoforge.data.shards import prepare_dataset
+        from nanoforge.data.prepare import prepare_dataset
         prepare_dataset(args.kind, args.data, args.tokenizer, args.out, val_fraction=args.val_fraction,
                         workers=args.workers, skip_invalid=args.skip_invalid, force=args.force)
     elif args.command == "pretrain":

@@ -617,7 +617,8 @@ def _prepare_stage(clock: _Clock, work_dir: Path, s: dict, tokenizer, deadline: 
     import torch
 
     from nanoforge.config import build_config
-    from nanoforge.data.shards import TokenShards, prepare_dataset
+    from nanoforge.data.prepare import prepare_dataset
+    from nanoforge.data.shards import TokenShards
 
     clock.stage("prepare", "tokenizing both sets into shards (2% of each held out for validation), then timing "
                            "a few training steps to size the run")

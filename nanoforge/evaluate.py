@@ -266,8 +266,9 @@ def evaluate_data(run, data_paths, batch_size: int = 8, seq_len: int | None = No
     ("all", "train" or "val"). `run` may also be a loaded (model, tokenizer) pair. Prints a table through
     `log` and returns the numbers.
     """
-    from nanoforge.data.shards import TokenShards, check_tokenizer, prepare_dataset, read_manifest
-    from nanoforge.train.rundir import data_kind
+    from nanoforge.data.prepare import prepare_dataset
+    from nanoforge.data.shards import TokenShards, check_tokenizer, read_manifest
+    from nanoforge.data.sources import data_kind
 
     _check_precision(precision)
     if batch_size < 1:

@@ -88,7 +88,7 @@ def _write_csv(path, items) -> None:
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory, tiny_tokenizer):
     """A memorised run, the benchmark as JSONL (+ dev JSONL) and as a C-Eval directory, and a random model."""
-    from nanoforge.data.shards import prepare_dataset
+    from nanoforge.data.prepare import prepare_dataset
     from nanoforge.model.gpt import GPT
     from nanoforge.train.checkpoint import load_model
     from nanoforge.train.stages import pretrain
@@ -246,7 +246,7 @@ def _hand_nll(model, tokenizer, texts, seq_len) -> tuple[float, int]:
 
 
 def test_bpb_equals_hand_computation_and_prepared_dir(untrained, tmp_path):
-    from nanoforge.data.shards import prepare_dataset
+    from nanoforge.data.prepare import prepare_dataset
 
     model, tokenizer = untrained
     texts = [f"Question: {a}\nAnswer: {b}" for a, b in _line_pairs()[:3]]
