@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from nanoforge.errors import NanoforgeError
-from nanoforge.evaluate import (build_prompt, evaluate_choices, evaluate_data, generate_samples, load_benchmark,
-                                load_prompts, run_eval, token_byte_lengths, wilson_interval, write_samples)
+from nanoforge.eval.choice import build_prompt, evaluate_choices, load_benchmark, wilson_interval
+from nanoforge.evaluate import evaluate_data, run_eval, token_byte_lengths
+from nanoforge.infer.samples import generate_samples, load_prompts, write_samples
 
 N_QUESTIONS = 48
 QUIET = {"progress": False, "log": lambda *a: None}

@@ -219,10 +219,6 @@ def copy_tokenizer(src: Path, run_dir: Path) -> None:
     shutil.copytree(src, dst)
 
 
-# Samples during training (--sample-every N): the same prompts at every N steps show what the model has learnt
-# so far. Fixed-seed sampling (as `nanoforge eval --samples`), so successive samples differ only by the weights.
-
-
 def init_config(init: str | Path) -> tuple[Path, dict[str, Any]]:
     """The checkpoint (or HF model directory) --init points at, and the config it was trained with."""
     from nanoforge.export import is_hf_dir, model_config_from_hf, read_hf_config

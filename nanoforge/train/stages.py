@@ -17,8 +17,8 @@ from nanoforge.data.shards import TokenShards, check_tokenizer
 from nanoforge.data.sources import data_kind
 from nanoforge.device import resolve_device
 from nanoforge.errors import NanoforgeError
-from nanoforge.evaluate import generate_samples, load_prompts, write_samples
 from nanoforge.infer.generate import SamplingConfig
+from nanoforge.infer.samples import generate_samples, load_prompts, write_samples
 from nanoforge.model.gpt import GPT
 from nanoforge.model.lora import LoraConfig, LoraModel, adapter_metadata, check_base, load_adapter_checkpoint
 from nanoforge.plan import fit_micro_batch
