@@ -11,7 +11,7 @@ from typing import Any
 
 from nanoforge.bench import format_bench, run_bench, write_json
 from nanoforge.config import MODEL_FIELDS, TRAIN_FIELDS, build_config, parse_value
-from nanoforge.data.shards import prepare_dataset
+from nanoforge.data.prepare import prepare_dataset
 from nanoforge.demo import run_demo
 from nanoforge.errors import NanoforgeError
 from nanoforge.evaluate import run_eval

@@ -28,15 +28,17 @@ import torch
 
 from nanoforge.config import build_config
 from nanoforge.data.batches import SFTBatches, eval_batches
-from nanoforge.data.shards import TokenShards, prepare_dataset
+from nanoforge.data.prepare import prepare_dataset
+from nanoforge.data.shards import TokenShards
 from nanoforge.demo_corpus import DEMO_MODULES, build_demo_corpus
+from nanoforge.device import autocast_context
 from nanoforge.errors import NanoforgeError
 from nanoforge.infer.generate import SamplingConfig, complete
+from nanoforge.loader import load_model
 from nanoforge.model.gpt import GPT
 from nanoforge.report import write_report
 from nanoforge.tokenizer import train_tokenizer
-from nanoforge.loader import load_model
-from nanoforge.train.loop import autocast_context, evaluate
+from nanoforge.train.loop import evaluate
 from nanoforge.train.metrics import format_duration
 from nanoforge.train.objectives import causal_lm_loss
 from nanoforge.train.optim import build_optimizer

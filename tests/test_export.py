@@ -24,7 +24,7 @@ CHAT = [{"role": "system", "content": "You are terse."},
 def run_dir(tmp_path_factory, tiny_tokenizer):
     """A real tiny run: prepared data and a few fp32 pretraining steps."""
     from conftest import tiny_corpus
-    from nanoforge.data.shards import prepare_dataset
+    from nanoforge.data.prepare import prepare_dataset
     from nanoforge.train.stages import pretrain
 
     root = tmp_path_factory.mktemp("export_run")

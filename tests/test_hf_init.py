@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from nanoforge.data.shards import prepare_dataset
+from nanoforge.data.prepare import prepare_dataset
 from nanoforge.export import export_hf
 from nanoforge.loader import load_model
 from nanoforge.train.stages import pretrain, sft

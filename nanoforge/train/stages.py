@@ -14,10 +14,11 @@ from nanoforge.config import PRESETS, ModelConfig, TrainConfig, build_config, co
 from nanoforge.data.batches import PretrainBatches, SFTBatches, eval_batches
 from nanoforge.data.dpo import DPOBatches, count_pairs, reference_logps
 from nanoforge.data.shards import TokenShards, check_tokenizer
+from nanoforge.data.sources import data_kind
 from nanoforge.device import resolve_device
 from nanoforge.errors import NanoforgeError
-from nanoforge.evaluate import generate_samples, load_prompts, write_samples
 from nanoforge.infer.generate import SamplingConfig
+from nanoforge.infer.samples import generate_samples, load_prompts, write_samples
 from nanoforge.model.gpt import GPT
 from nanoforge.loader import (adapter_metadata, check_base, init_tokenizer_dir, init_weights, load_adapter_checkpoint,
                               load_model)
@@ -29,9 +30,9 @@ from nanoforge.train import checkpoint as ckpt
 from nanoforge.train.distributed import main_first, setup, world
 from nanoforge.train.loop import Stage, TrainingInterrupted, train
 from nanoforge.train.objectives import causal_lm_loss, dpo_loss, make_distill_loss
-from nanoforge.train.rundir import (check_resume_options, check_same_origin, copy_tokenizer, data_kind,
-                                    finetune_setup, fit_vocab, fresh_run_guard, open_run, resolve_data,
-                                    saved_data_dir, write_run_config)
+from nanoforge.train.rundir import (check_resume_options, check_same_origin, copy_tokenizer, finetune_setup,
+                                    fit_vocab, fresh_run_guard, open_run, resolve_data, saved_data_dir,
+                                    write_run_config)
 
 
 SAMPLE_MAX_TOKENS = 48
