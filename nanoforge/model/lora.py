@@ -271,7 +271,6 @@ class LoraModel(nn.Module):
     def __init__(self, gpt: nn.Module, cfg: LoraConfig):
         super().__init__()
         self.gpt = gpt
-        self.lora_cfg = cfg
         self.targets = attach_lora(gpt, cfg)
 
     @property
