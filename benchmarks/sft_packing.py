@@ -91,7 +91,8 @@ def main() -> None:
     args = p.parse_args()
 
     from nanoforge.data.batches import SFTBatches
-    from nanoforge.data.shards import TokenShards, prepare_dataset
+    from nanoforge.data.prepare import prepare_dataset
+    from nanoforge.data.shards import TokenShards
     from nanoforge.tokenizer import train_tokenizer
 
     files = [DATA / f for f in FILES]

@@ -43,7 +43,8 @@ def run_ours(preset: str, precision: str, batch: int, seq: int, steps: int, warm
     import torch
     from nanoforge.config import build_config
     from nanoforge.model.gpt import GPT
-    from nanoforge.train.loop import Stage, resolve_device, train
+    from nanoforge.device import resolve_device
+    from nanoforge.train.loop import Stage, train
     from nanoforge.train.metrics import peak_flops
     from nanoforge.train.objectives import causal_lm_loss, dpo_loss, make_distill_loss
 

@@ -26,8 +26,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
+from nanoforge.config import TRAIN_FIELDS, build_config, config_dicts
+from nanoforge.device import resolve_device
 from nanoforge.errors import NanoforgeError
+from nanoforge.model.gpt import GPT
+from nanoforge.tokenizer import load_tokenizer
+from nanoforge.train import metrics
+from nanoforge.train.loop import Stage, train
+from nanoforge.train.metrics import observed_peak, peak_memory_bytes
+from nanoforge.train.microbatch import fit_micro_batch
+from nanoforge.train.objectives import causal_lm_loss
+from nanoforge.train.stages import lm_batches
 
 
 class RandomTokens:
@@ -52,7 +63,6 @@ class RandomTokens:
 
 def peak_and_source(device: torch.device, precision: str) -> tuple[float, str]:
     """MFU's denominator and where it came from, in words."""
-    from nanoforge.train import metrics
     if device.type == "cpu":
         # A benchmark measures the CPU peak afresh and keeps the higher of that and the cached figure, so that
         # a figure cached on a busy machine is corrected by the next benchmark on a quiet one.
@@ -78,7 +88,6 @@ def _sync(device: torch.device) -> None:
 def bench_settings(steps: int, warmup: int) -> dict[str, Any]:
     """What a benchmark run of the loop fixes: log (and so time) every step, exact phase timing, no
     validation, samples, TensorBoard or intermediate checkpoints."""
-    from nanoforge.config import TRAIN_FIELDS
     fixed = {"max_steps": warmup + steps, "log_every": 1, "eval_every": 0, "save_every": 0, "sample_every": 0,
              "tensorboard": False, "wandb_project": "", "sync_timing": True, "keep_last": 1}
     return {k: v for k, v in fixed.items() if k in TRAIN_FIELDS}
@@ -86,16 +95,9 @@ def bench_settings(steps: int, warmup: int) -> dict[str, Any]:
 
 def bench_ours(mcfg, tcfg, steps: int, warmup: int, data: str | None = None) -> dict[str, Any]:
     """The real loop, `warmup + steps` steps; medians over the last `steps`."""
-    from nanoforge.model.gpt import GPT
-    from nanoforge.train.loop import Stage, resolve_device, train
-    from nanoforge.train.metrics import peak_memory_bytes
-    from nanoforge.train.objectives import causal_lm_loss
-
     for key, value in bench_settings(steps, warmup).items():
         setattr(tcfg, key, value)
     if data:
-        from nanoforge.tokenizer import load_tokenizer
-        from nanoforge.train.stages import lm_batches
         tok = load_tokenizer(Path(data) / "tokenizer")
         mcfg.vocab_size = max(mcfg.vocab_size, tok.vocab_size)
         source = lm_batches(Path(data), tcfg, tok, quiet=True)[0]
@@ -126,7 +128,6 @@ def naive_loop(model: torch.nn.Module, source, steps: int, device: torch.device,
                on_step=None) -> torch.nn.Module:
     """What a first training script looks like: fp32, mean loss per micro-batch, default (non-fused) AdamW,
     no accumulation, no autocast. `on_step(data_s, fwd_bwd_s, optim_s)` gets each step's phase times."""
-    import torch.nn.functional as F
     model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=5e-4, weight_decay=0.1, fused=False)
     for _ in range(steps):
@@ -150,10 +151,6 @@ def naive_loop(model: torch.nn.Module, source, steps: int, device: torch.device,
 
 def bench_naive(mcfg, tcfg, steps: int, warmup: int) -> dict[str, Any]:
     """The naive loop on the same model shape and micro-batch; medians over the last `steps`."""
-    from nanoforge.model.gpt import GPT
-    from nanoforge.device import resolve_device
-    from nanoforge.train.metrics import peak_memory_bytes
-
     device = resolve_device(tcfg.device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -174,7 +171,6 @@ def bench_naive(mcfg, tcfg, steps: int, warmup: int) -> dict[str, Any]:
 
 def _figures(model, device: torch.device, precision: str, seq_len: int, tokens_per_step: int,
              tokens_per_s: float, peak_mem: int) -> dict[str, Any]:
-    from nanoforge.train.metrics import observed_peak
     peak, source = peak_and_source(device, precision)
     flops = model.flops_per_token(seq_len)
     if peak and flops * tokens_per_s > peak:  # under-measured: the run's own rate is the peak (observed_peak)
@@ -189,8 +185,6 @@ def _figures(model, device: torch.device, precision: str, seq_len: int, tokens_p
 
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
     """One measurement, in this (fresh) process."""
-    from nanoforge.config import build_config
-    from nanoforge.plan import fit_micro_batch
     mcfg, tcfg = build_config(spec["preset"], spec["config"], spec["overrides"])
     fit_micro_batch(mcfg, tcfg, log=lambda m: print(m, file=sys.stderr))  # --micro-batch auto|N
     if spec["kind"] == "naive":
@@ -205,7 +199,6 @@ def run_bench(preset: str | None = None, config_file: str | None = None, overrid
               log=print) -> dict[str, Any]:
     """Measure ours (and the naive loop) each in a fresh process; returns {"config": ..., "ours": ...,
     "naive": ...}."""
-    from nanoforge.config import build_config, config_dicts
     if steps < 1 or warmup < 0:
         raise NanoforgeError(f"--steps {steps} must be >= 1 and --warmup {warmup} >= 0")
     overrides = {**(overrides or {}), **bench_settings(steps, warmup)}

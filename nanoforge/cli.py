@@ -3,15 +3,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
-from pathlib import Path
-from typing import Any
 
 from nanoforge import __version__
-from nanoforge.config import (MODEL_FIELDS, PRESETS, TRAIN_FIELDS, ModelConfig, TrainConfig, field_help,
-                              parse_value)
-from nanoforge.errors import NanoforgeError
+from nanoforge.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, ModelConfig, TrainConfig, field_help
+from nanoforge.infer import defaults as chat_defaults
 
 
 def add_config_flags(p: argparse.ArgumentParser, presets: bool = True, exclude: tuple[str, ...] = ()) -> None:
@@ -35,15 +31,6 @@ def add_config_flags(p: argparse.ArgumentParser, presets: bool = True, exclude: 
 def _metavar(f: dataclasses.Field) -> str:
     kind = f.type if isinstance(f.type, str) else f.type.__name__
     return {"int": "N", "float": "X", "bool": "BOOL", "str": "STR"}[kind]
-
-
-def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    out = {}
-    for name, f in {**MODEL_FIELDS, **TRAIN_FIELDS}.items():
-        text = getattr(args, f"cfg_{name}", None)
-        if text is not None:
-            out[name] = parse_value(name, f, text)
-    return out
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -216,7 +203,6 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--dtype", choices=("f32", "f16"), default="f32", help="GGUF tensor type")
     exp.add_argument("--force", action="store_true", help="replace an existing output")
 
-    from nanoforge.infer import chat as chat_defaults
     chat = sub.add_parser("chat", help="talk to a trained model in the terminal (streaming)", formatter_class=fmt)
     chat.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint) or a checkpoint directory")
     add_sampling_flags(chat, chat_defaults)
@@ -263,124 +249,10 @@ def add_sampling_flags(p: argparse.ArgumentParser, defaults) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from nanoforge.train.distributed import is_main
-    if not is_main():  # under torchrun only rank 0 talks to the user
-        sys.stdout = open(os.devnull, "w")
-    try:
-        return run(args)
-    except NanoforgeError as e:
-        from nanoforge.train.loop import TrainingInterrupted
-        print(f"error: {e}" if not isinstance(e, TrainingInterrupted) else str(e), file=sys.stderr)
-        return 128 + e.signum if isinstance(e, TrainingInterrupted) else 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.command == "demo":
-        from nanoforge.demo import run_demo
-        run_demo(args.out, minutes=args.minutes)
-    elif args.command == "report":
-        from nanoforge.report import write_report
-        print(f"report written to {write_report(args.runs, args.out)}")
-    elif args.command == "tokenizer":
-        from nanoforge.tokenizer import train_tokenizer
-        tok = train_tokenizer(args.data, vocab_size=args.vocab_size, out_dir=args.out,
-                              min_frequency=args.min_frequency)
-        print(f"tokenizer with {tok.vocab_size} tokens written to {args.out}")
-    elif args.command == "prepare":
-        from nanoforge.data.shards import prepare_dataset
-        prepare_dataset(args.kind, args.data, args.tokenizer, args.out, val_fraction=args.val_fraction,
-                        workers=args.workers, skip_invalid=args.skip_invalid, force=args.force)
-    elif args.command == "pretrain":
-        from nanoforge.train.stages import pretrain
-        preset = args.preset or (None if (args.config or args.resume or args.init) else "mini")
-        summary = pretrain(args.data, args.out, preset=preset, config_file=args.config,
-                           overrides=config_overrides(args), resume=args.resume, tokenizer=args.tokenizer,
-                           quiet=args.quiet, init=args.init)
-        print(f"pretrain finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
-    elif args.command == "sft":
-        from nanoforge.train.stages import sft
-        summary = sft(args.init, args.data, args.out, config_file=args.config, overrides=config_overrides(args),
-                      resume=args.resume, quiet=args.quiet)
-        print(f"sft finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
-    elif args.command == "lora":
-        from nanoforge.train.stages import lora_merge, sft
-        if args.action == "merge":
-            if not args.run:
-                raise NanoforgeError("lora merge needs the LoRA run: nanoforge lora merge RUN --out DIR")
-            print(f"merged model written to {lora_merge(args.run, args.out)}")
-            return 0
-        from nanoforge.model.lora import LoraConfig
-        from nanoforge.train.rundir import check_resume_options
-        given = {k: v for k, v in dict(rank=args.rank, alpha=args.alpha, dropout=args.dropout,
-                                       targets=args.targets).items() if v is not None}
-        lcfg = LoraConfig(**given)
-        if args.resume:
-            check_resume_options(Path(args.out), {key: (f"--{key[5:]}", value) for key, value in lcfg.to_dict().items()
-                                                  if key[5:] in given})
-        summary = sft(args.init, args.data, args.out, config_file=args.config, overrides=config_overrides(args),
-                      resume=args.resume, quiet=args.quiet, lora=lcfg)
-        print(f"lora finished at step {summary['step']}: adapters in {summary['checkpoint']}")
-    elif args.command == "dpo":
-        from nanoforge.train.stages import dpo
-        summary = dpo(args.init, args.data, args.out, config_file=args.config, overrides=config_overrides(args),
-                      resume=args.resume, beta=args.beta, quiet=args.quiet)
-        print(f"dpo finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
-    elif args.command == "distill":
-        from nanoforge.train.stages import distill
-        summary = distill(args.teacher, args.init, args.data, args.out, config_file=args.config,
-                          overrides=config_overrides(args), resume=args.resume, temperature=args.temperature,
-                          alpha=args.alpha, quiet=args.quiet)
-        print(f"distill finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
-    elif args.command == "plan":
-        from nanoforge.config import build_config
-        from nanoforge.plan import format_plan, make_plan
-        preset = args.preset or (None if args.config else "mini")
-        mcfg, tcfg = build_config(preset, args.config, config_overrides(args))
-        p = make_plan(mcfg, tcfg, args.device, args.global_batch, args.tokens, args.mfu, args.tokens_per_s)
-        print(format_plan(p, mcfg, tcfg, args.tokens))
-    elif args.command == "bench":
-        from nanoforge.bench import format_bench, run_bench, write_json
-        preset = args.preset or (None if args.config else "mini")
-        res = run_bench(preset, args.config, config_overrides(args), steps=args.steps, warmup=args.warmup,
-                        data=args.data, compare_naive=args.compare_naive,
-                        log=(lambda *a: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True)))
-        print(format_bench(res))
-        if args.json:
-            write_json(res, args.json)
-    elif args.command == "eval":
-        from nanoforge.evaluate import run_eval
-        run_eval(args.run, data=args.data, bench=args.bench, fmt=args.format, shots=args.shots, dev=args.dev,
-                 samples=args.samples, prompts_file=args.prompts, chat=args.chat, batch_size=args.batch_size,
-                 seq_len=args.seq_len, max_tokens=args.max_tokens, limit=args.limit, precision=args.precision,
-                 device=args.device, write=not args.no_write, json_out=args.json, progress=not args.quiet,
-                 split=args.split)
-    elif args.command == "export":
-        from nanoforge.export import export_gguf, export_hf
-        out = (export_hf(args.run, args.out, force=args.force) if args.format == "hf"
-               else export_gguf(args.run, args.out, dtype=args.dtype, force=args.force))
-        print(f"wrote {out}")
-    elif args.command == "serve":
-        import os
-        from nanoforge.infer.server import run_server
-        run_server(args.run, host=args.host, port=args.port,
-                   api_key=args.api_key or os.environ.get("NANOFORGE_API_KEY") or None,
-                   device=args.device, precision=args.precision, request_timeout=args.request_timeout or None,
-                   max_pending=args.max_pending)
-    elif args.command == "generate":
-        from nanoforge.infer.chat import run_generate
-        run_generate(args.run, prompt=args.prompt, num_samples=args.num_samples, temperature=args.temperature,
-                     top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-                     max_new_tokens=args.max_new_tokens, seed=args.seed, device=args.device,
-                     precision=args.precision)
-    elif args.command == "chat":
-        from nanoforge.infer.chat import run_chat
-        run_chat(args.run, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                 repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_new_tokens,
-                 system=args.system, seed=args.seed, device=args.device, precision=args.precision)
-    return 0
+    # The one import left for later: the commands load torch (about a second) and the modules that do the work,
+    # which `--help` and a usage error do not need.
+    from nanoforge import commands
+    return commands.run(args)
 
 
 if __name__ == "__main__":

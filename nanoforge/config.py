@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +88,8 @@ class TrainConfig:
     batch_size: int = 4  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
     # "" trains batch_size x grad_accum as given; "auto" finds the largest micro-batch that fits (a probe, see
-    # plan.py) and N uses micro-batch N; both then set grad_accum so the global batch batch_size x grad_accum stays
+    # train/microbatch.py) and N uses micro-batch N; both then set grad_accum so the global batch (batch_size x
+    # grad_accum) stays the same
     micro_batch: str = ""
     memory_budget_gb: float = 0.0  # memory --micro-batch auto may fill; 0: the device's (CPU: 80% of MemAvailable)
     seq_len: int = 512  # tokens per training sequence

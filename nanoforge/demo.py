@@ -1,14 +1,5 @@
-"""`nanoforge demo`: the whole pipeline, on the CPU, in under five minutes, on a corpus every machine already has.
-
-The corpus is the documentation of 52 well-known pure-Python standard-library modules (json, os, shutil,
-textwrap, statistics, ...), written by their authors, not by us: their docstrings, read with `ast` from the
-.py files (nothing is imported). It becomes:
-
-    pretraining  {"text": "textwrap.fill(text, width=70, **kwargs)\\n\\nFill a single paragraph of text, ..."}
-    SFT          {"conversations": [{"role": "user", "content": "What does textwrap.fill do?"},
-                                    {"role": "assistant", "content": "Fill a single paragraph of text, ..."}]}
-                 {"conversations": [{"role": "user", "content": "How do I call textwrap.fill?"},
-                                    {"role": "assistant", "content": "textwrap.fill(text, width=70, **kwargs)"}]}
+"""`nanoforge demo`: the whole pipeline, on the CPU, in under five minutes, on a corpus every machine already has:
+the docstrings of standard-library modules (demo_corpus.py), as pretraining documents and SFT conversations.
 
 What a model of about a million parameters learns in three minutes of two CPU cores shapes all of it: the
 corpus is small (about 450 KB), so pretraining reads it several times over; an answer is one sentence (the
@@ -23,246 +14,35 @@ The training steps are sized from a measured step time so the whole run fits `mi
 """
 from __future__ import annotations
 
-import ast
 import json
 import math
 import os
 import re
 import shutil
 import sys
-import sysconfig
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
+import torch
+
+from nanoforge.config import build_config
+from nanoforge.data.batches import SFTBatches, eval_batches
+from nanoforge.data.prepare import prepare_dataset
+from nanoforge.data.shards import TokenShards
+from nanoforge.demo_corpus import DEMO_MODULES, build_demo_corpus
+from nanoforge.device import autocast_context
 from nanoforge.errors import NanoforgeError
-
-# ----------------------------------------------------------------------------------------------------------
-# the corpus
-
-# Standard-library directories that are not library documentation: tests, the IDLE and turtle demo apps,
-# pip's bundled wheels, installed third-party packages, build configuration.
-STDLIB_SKIP_DIRS = {"test", "tests", "idlelib", "turtledemo", "ensurepip", "site-packages", "lib-dynload",
-                    "lib2to3", "__pycache__"}
-# The modules (with their submodules) whose docstrings are the corpus: ~450 KB, 1,430 documents, 2,038
-# questions with answers on Python 3.11 (posixpath is os.path). The whole standard library (4.6 MB with the
-# reference topics) is more than a million parameters take in within three minutes: read once, little sticks;
-# read ten times over, the names, signatures and first sentences do, and SFT can ask for them.
-DEMO_MODULES = ("json", "os", "posixpath", "shutil", "glob", "fnmatch", "tempfile", "pathlib", "textwrap",
-                "string", "re", "difflib", "heapq", "bisect", "copy", "statistics", "fractions", "random",
-                "calendar", "datetime", "base64", "csv", "gzip", "zipfile", "tarfile", "collections",
-                "functools", "operator", "contextlib", "argparse", "subprocess", "html", "urllib", "logging",
-                "typing", "inspect", "threading", "configparser", "traceback", "ipaddress", "uuid", "pprint",
-                "enum", "dataclasses", "abc", "numbers", "socket", "queue", "shlex", "locale", "platform",
-                "timeit")
-MIN_ANSWER_CHARS, MAX_ANSWER_CHARS = 15, 160  # a first sentence outside these is not an SFT answer
-MAX_SIGNATURE_CHARS = 100  # "How do I call X?" is asked only about functions with a signature this short
-
-# Asked at the end: (name, "what" | "call"). IN_SET questions are in the SFT set, so the expected reply is
-# their answer exactly. Nothing about a HELD_OUT name is in the SFT set (its docstring is in pretraining only):
-# a reply shows what SFT taught the model to do with what pretraining put there.
-IN_SET = (("json.loads", "what"), ("shutil.rmtree", "what"), ("os.walk", "what"), ("heapq.heappush", "what"),
-          ("statistics.mean", "what"), ("textwrap.wrap", "what"), ("calendar.isleap", "what"),
-          ("copy.deepcopy", "what"), ("textwrap.fill", "call"), ("bisect.bisect_left", "call"),
-          ("tempfile.mkdtemp", "call"), ("difflib.get_close_matches", "call"), ("shutil.move", "call"))
-HELD_OUT = (("json.dumps", "what"), ("textwrap.dedent", "what"), ("statistics.median", "what"),
-            ("shutil.copyfile", "call"), ("heapq.nlargest", "call"), ("glob.glob", "call"))
-
-
-@dataclass(frozen=True)
-class DocEntry:
-    """One documented thing: `name` is qualified (json.JSONEncoder.encode), `signature` the unparsed
-    arguments without self/cls ("" for modules and properties), `doc` the cleaned docstring."""
-    name: str
-    kind: str  # module | class | function
-    signature: str
-    doc: str
-
-
-def python_files(root: Path, package: str, skip_dirs: set[str]) -> Iterator[tuple[str, Path]]:
-    """(dotted module name, path) of every public .py file under root, in sorted order (deterministic)."""
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs and not d.startswith((".", "_"))
-                             and not d.startswith("config-"))
-        rel = Path(dirpath).relative_to(root).parts
-        for filename in sorted(filenames):
-            if not filename.endswith(".py") or (filename.startswith("_") and filename != "__init__.py"):
-                continue
-            stem = filename[:-3]
-            parts = ([package] if package else []) + list(rel) + ([] if stem == "__init__" else [stem])
-            if parts:
-                yield ".".join(parts), Path(dirpath) / filename
-
-
-def module_docs(module: str, source: str) -> list[DocEntry]:
-    """Docstrings of a module, its public classes and functions, and their public methods (not nested
-    functions: those are implementation details). Source that does not parse gives nothing."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):  # e.g. files written for another Python version
-        return []
-    out = []
-    doc = ast.get_docstring(tree)
-    if doc:
-        out.append(DocEntry(module, "module", "", doc))
-    for node in tree.body:
-        out.extend(_definition_docs(node, module, in_class=False))
-    return out
-
-
-def _definition_docs(node: ast.AST, prefix: str, in_class: bool) -> list[DocEntry]:
-    if not isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
-        return []
-    name = f"{prefix}.{node.name}"
-    out = []
-    doc = ast.get_docstring(node)
-    if isinstance(node, ast.ClassDef):
-        if doc:
-            init = next((n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
-            out.append(DocEntry(name, "class", _signature(init, True) if init else "", doc))
-        for child in node.body:
-            out.extend(_definition_docs(child, name, in_class=True))
-    elif doc:
-        out.append(DocEntry(name, "function", _signature(node, in_class), doc))
-    return out
-
-
-def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef, in_class: bool) -> str:
-    decorators = {d.id for d in node.decorator_list if isinstance(d, ast.Name)}
-    if "property" in decorators:
-        return ""
-    args = node.args
-    if in_class and "staticmethod" not in decorators:
-        positional = args.posonlyargs + args.args
-        if positional and positional[0].arg in ("self", "cls", "mcls", "metacls"):
-            args = ast.arguments(posonlyargs=args.posonlyargs[1:],
-                                 args=args.args[1:] if not args.posonlyargs else args.args,
-                                 vararg=args.vararg, kwonlyargs=args.kwonlyargs, kw_defaults=args.kw_defaults,
-                                 kwarg=args.kwarg, defaults=args.defaults)
-    return f"({ast.unparse(args)})"
-
-
-def argument_names(signature: str) -> list[str]:
-    """["src", "dst", "follow_symlinks"] for "(src, dst, *, follow_symlinks=True)"."""
-    if not signature:
-        return []
-    args = ast.parse(f"def f{signature}: pass").body[0].args
-    return [a.arg for a in args.posonlyargs + args.args + [args.vararg] + args.kwonlyargs + [args.kwarg] if a]
-
-
-def collect_docs(modules: tuple[str, ...] = DEMO_MODULES) -> list[DocEntry]:
-    """Every documented entry of the standard-library `modules` (and their submodules), in walk order."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    entries, seen = [], set()
-    for module, path in python_files(stdlib, "", STDLIB_SKIP_DIRS):
-        if module.split(".")[0] not in modules:
-            continue
-        try:
-            source = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        for entry in module_docs(module, source):
-            if (entry.name, entry.doc) not in seen:  # the same module found twice
-                seen.add((entry.name, entry.doc))
-                entries.append(entry)
-    return entries
-
-
-def pretrain_text(entry: DocEntry) -> str:
-    """How an entry reads in pretraining: the name as one would call it, a blank line, the documentation."""
-    head = {"module": f"module {entry.name}", "class": f"class {entry.name}{entry.signature}"}.get(
-        entry.kind, f"{entry.name}{entry.signature}")
-    return f"{head}\n\n{entry.doc}"
-
-
-def first_sentence(doc: str, max_chars: int = MAX_ANSWER_CHARS) -> str | None:
-    """The docstring's first sentence on one line, if it makes a short prose answer; else None.
-
-    A sentence ends at a period before a capital letter or the paragraph's end ("e.g." ends none). One that
-    is a signature ("makedirs(name [, mode=0o777])"), a doctest or reST markup answers no "what does it do?"."""
-    paragraph = " ".join(doc.strip().split("\n\n", 1)[0].split())
-    end = re.search(r"(?<!\be\.g)(?<!\bi\.e)\.(?=\s+[A-Z(`'\"]|$)", paragraph)
-    sentence = paragraph[:end.end()] if end else ""
-    if not MIN_ANSWER_CHARS <= len(sentence) <= max_chars or not sentence[0].isalpha():
-        return None
-    if any(mark in sentence for mark in (">>>", "::", "|", "{", "==")) or re.match(r"[\w.]+\(", sentence):
-        return None
-    return sentence
-
-
-_WHAT = {"function": "What does {} do?", "class": "What is {}?", "module": "What is the {} module?"}
-
-
-def qa_pairs(entry: DocEntry) -> dict[str, tuple[str, str]]:
-    """The questions about one entry, by kind, each with its answer: "what" answered by the docstring's first
-    sentence, and for a function with a short signature, "call" ("How do I call X?") answered by it."""
-    out = {}
-    answer = first_sentence(entry.doc)
-    if answer:
-        out["what"] = (_WHAT[entry.kind].format(entry.name), answer)
-    if entry.kind == "function" and 2 < len(entry.signature) <= MAX_SIGNATURE_CHARS:
-        out["call"] = (f"How do I call {entry.name}?", entry.name + entry.signature)
-    return out
-
-
-def _conversation(question: str, answer: str) -> dict:
-    return {"conversations": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
-
-
-def build_demo_corpus(out_dir: str | os.PathLike, sft_size: int = 1000,
-                      modules: tuple[str, ...] = DEMO_MODULES) -> tuple[Path, Path, list[dict]]:
-    """Write pretrain.jsonl and sft.jsonl into out_dir; return their paths and the questions to ask at the end.
-
-    Each question is {"name", "kind", "question", "expected", "held_out", "keywords"} (keywords: what a reply
-    that knows the thing names, see held_out_hit). The SFT set is the asked IN_SET pairs plus a fixed choice
-    of others, sft_size in all, none about a HELD_OUT name. The asked names' documents and conversations come
-    first in their files: `prepare` sends records 49, 99, ... to validation, and these must be trained on.
-    The output is identical on every run on the same machine (sorted walk, no randomness).
-    """
-    entries = collect_docs(modules)
-    if not entries:
-        raise NanoforgeError(f"found no documentation in {sysconfig.get_paths()['stdlib']}; the demo needs the "
-                             "Python standard library sources (.py files), which this installation lacks")
-    by_name = {e.name: e for e in entries}
-    questions = asked_questions(by_name)
-    asked = [by_name[q["name"]] for q in questions]
-    held_names = {q["name"] for q in questions if q["held_out"]}
-    chosen = [(q["question"], q["expected"]) for q in questions if not q["held_out"]]
-    others = [pair for e in entries if e.name not in held_names for pair in qa_pairs(e).values()
-              if pair not in chosen]
-    others.sort(key=lambda pair: zlib.crc32(pair[0].encode("utf-8")))  # a fixed, well-mixed choice
-    chosen += others[:max(0, sft_size - len(chosen))]
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    pretrain_path, sft_path = out_dir / "pretrain.jsonl", out_dir / "sft.jsonl"
-    documents = list(dict.fromkeys(asked)) + [e for e in entries if e not in asked]
-    _write_jsonl(pretrain_path, [{"text": pretrain_text(e)} for e in documents])
-    _write_jsonl(sft_path, [_conversation(q, a) for q, a in chosen])
-    return pretrain_path, sft_path, questions
-
-
-def asked_questions(by_name: dict[str, DocEntry]) -> list[dict]:
-    """IN_SET then HELD_OUT as {"name", "kind", "question", "expected", "held_out", "keywords"}. A Python
-    whose docstring of a name changed shape (no first sentence, say) asks one question fewer."""
-    questions = []
-    for (name, kind), held_out in [(q, False) for q in IN_SET] + [(q, True) for q in HELD_OUT]:
-        pair = qa_pairs(by_name[name]).get(kind) if name in by_name else None
-        if pair:
-            keywords = [a for a in argument_names(by_name[name].signature) if len(a) > 1 and a[0] != "_"]
-            keywords += [name.split(".")[0]] if kind == "what" else []
-            questions.append({"name": name, "kind": kind, "question": pair[0], "expected": pair[1],
-                              "held_out": held_out, "keywords": keywords})
-    return questions
-
-
-def _write_jsonl(path: Path, records: list[dict]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-
+from nanoforge.infer.generate import SamplingConfig, complete
+from nanoforge.loader import load_model
+from nanoforge.model.gpt import GPT
+from nanoforge.report import write_report
+from nanoforge.tokenizer import train_tokenizer
+from nanoforge.train.loop import evaluate
+from nanoforge.train.metrics import format_duration
+from nanoforge.train.objectives import causal_lm_loss
+from nanoforge.train.optim import build_optimizer
+from nanoforge.train.stages import pretrain, sft
 
 # ----------------------------------------------------------------------------------------------------------
 # scoring
@@ -350,7 +130,6 @@ class _Clock:
         _say(f"\n[{self.index}/{self.total}] {title}", self.quiet)
 
     def done(self, note: str = "") -> None:
-        from nanoforge.train.metrics import format_duration
         now = time.perf_counter()
         self.timings[self.key] = now - self.stage_start
         _say(f"    done in {now - self.stage_start:.1f} s (total {format_duration(now - self.start)})"
@@ -377,13 +156,6 @@ def measure_step_seconds(mcfg, tcfg, precision: str, steps: int = 5, warmup: int
     untimed ones (the first steps allocate and pick kernels). The fastest, not the median: another program
     busy for a moment is noise, and sizing the run to it would shrink the model's training for nothing (a run
     slowed down for real is caught after pretraining, where SFT takes whatever time is left)."""
-    import torch
-
-    from nanoforge.model.gpt import GPT
-    from nanoforge.train.loop import autocast_context
-    from nanoforge.train.objectives import causal_lm_loss
-    from nanoforge.train.optim import build_optimizer
-
     device = torch.device("cpu")
     model = GPT(mcfg)
     optimizer = build_optimizer(model, tcfg, device)
@@ -415,8 +187,6 @@ def plan_pretraining(mcfg, tcfg, budget_s: float, precision: str | None, steps: 
                      most: float = 10**6) -> Plan:
     """Pick the faster precision and thread count by measurement and size pretraining to its share of budget_s
     (at most `most` steps). What the scale fixes is kept."""
-    import torch
-
     options = tuple(dict.fromkeys((torch.get_num_threads(), 1)))
     if precision and steps:
         return Plan(precision, options[0], 0.0, steps, "steps and precision fixed by the scale", options)
@@ -444,8 +214,6 @@ def fastest_setting(mcfg, tcfg, precisions: tuple[str, ...], thread_options: tup
 
 
 def _step_seconds_with_threads(mcfg, tcfg, precision: str, threads: int) -> float:
-    import torch
-
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -465,12 +233,6 @@ def _round_steps(steps: float, most: float) -> int:
 def initial_val_loss(data_dir: Path, mcfg, tcfg, precision: str) -> float:
     """Validation loss of the weights pretraining starts from (same seed, so the same initial weights): the
     "before" that pretraining's validation losses are measured against."""
-    import torch
-
-    from nanoforge.data.batches import eval_batches
-    from nanoforge.data.shards import TokenShards
-    from nanoforge.model.gpt import GPT
-
     torch.manual_seed(tcfg.seed)
     model = GPT(mcfg)
     batches = eval_batches(TokenShards(data_dir, "val"), tcfg.batch_size, tcfg.seq_len, tcfg.eval_batches)
@@ -480,10 +242,6 @@ def initial_val_loss(data_dir: Path, mcfg, tcfg, precision: str) -> float:
 def sft_val_loss_before(pre_run: Path, data_dir: Path, tcfg, precision: str) -> float:
     """Loss on the held-out conversations' answers of the pretrained model, before any fine-tuning: the
     "before" of SFT's validation losses (the same batches the SFT stage evaluates on)."""
-    from nanoforge.data.batches import SFTBatches
-    from nanoforge.data.shards import TokenShards
-    from nanoforge.train.checkpoint import load_model
-
     model, tokenizer, _ = load_model(pre_run)
     val = SFTBatches(TokenShards(data_dir, "val"), tcfg.batch_size, tcfg.seq_len, shuffle=False,
                      pad_id=tokenizer.pad_id)
@@ -491,11 +249,6 @@ def sft_val_loss_before(pre_run: Path, data_dir: Path, tcfg, precision: str) -> 
 
 
 def _mean_loss(model, batches, precision: str) -> float:
-    import torch
-
-    from nanoforge.train.loop import evaluate
-    from nanoforge.train.objectives import causal_lm_loss
-
     loss, _, _ = evaluate(model, batches, causal_lm_loss, torch.device("cpu"), precision)
     return loss
 
@@ -504,9 +257,6 @@ def ask(run_dir: Path, questions: list[dict], max_new_tokens: int) -> list[dict]
     """Greedy replies of the fine-tuned model to each question, rendered with the chat template it was
     trained on. Generation stops only at <|im_end|>, so finish_reason "stop" means the reply closed the way
     the template says and "length" that it ran on."""
-    from nanoforge.infer.generate import SamplingConfig, complete
-    from nanoforge.train.checkpoint import load_model
-
     model, tokenizer, _ = load_model(run_dir)
     prompts = [tokenizer.render_chat([{"role": "user", "content": q["question"]}], add_generation_prompt=True)[0]
                for q in questions]
@@ -557,8 +307,6 @@ def run_demo(work_dir: str | os.PathLike = "runs/demo", minutes: float = 5.0, qu
     directory is an error. `minutes` is the budget for the whole run: the training steps are sized from a
     measured step time to fit it. scale="test" shrinks everything to run in well under a minute. Returns the
     path of report.md."""
-    import torch
-
     if scale not in SCALES:
         raise NanoforgeError(f"unknown demo scale {scale!r}; choose one of {', '.join(SCALES)}")
     if minutes <= 0:
@@ -574,8 +322,6 @@ def run_demo(work_dir: str | os.PathLike = "runs/demo", minutes: float = 5.0, qu
 
 
 def _run_stages(work_dir: Path, s: dict, deadline: float, quiet: bool) -> Path:
-    from nanoforge.tokenizer import train_tokenizer
-
     clock = _Clock(7, quiet)
     clock.stage("corpus", f"building the corpus from the docstrings of {len(DEMO_MODULES)} standard-library "
                           f"modules of Python {sys.version.split()[0]} ({', '.join(DEMO_MODULES[:6])}, ...)")
@@ -607,18 +353,13 @@ def _run_stages(work_dir: Path, s: dict, deadline: float, quiet: bool) -> Path:
     _say(f"\nscore: {facts['score']}\npretraining validation loss {pre['start']:.3f} -> {pre['end']:.3f}; SFT "
          f"{post['start']:.3f} -> {post['end']:.3f}; {facts['closed']}/{len(samples)} replies closed with "
          f"<|im_end|>; whole demo "
-         f"{_duration(clock.elapsed())}\nreport: {report}", quiet)
+         f"{format_duration(clock.elapsed())}\nreport: {report}", quiet)
     return report
 
 
 def _prepare_stage(clock: _Clock, work_dir: Path, s: dict, tokenizer, deadline: float, facts: dict, quiet: bool):
     """Both sets tokenized into shards, the configs, and the pretraining plan (measured; its thread count is
     set for the rest of the run)."""
-    import torch
-
-    from nanoforge.config import build_config
-    from nanoforge.data.shards import TokenShards, prepare_dataset
-
     clock.stage("prepare", "tokenizing both sets into shards (2% of each held out for validation), then timing "
                            "a few training steps to size the run")
     log = (lambda *a: None) if quiet else (lambda text: print(f"    {text}", flush=True))
@@ -637,9 +378,6 @@ def _prepare_stage(clock: _Clock, work_dir: Path, s: dict, tokenizer, deadline: 
 
 def _pretrain_stage(clock: _Clock, work_dir: Path, s: dict, mcfg, tcfg, plan: Plan, facts: dict,
                     quiet: bool) -> Path:
-    from nanoforge.data.shards import TokenShards
-    from nanoforge.train.stages import pretrain
-
     pre_data, pre_run = work_dir / "data" / "pretrain", work_dir / "pretrain"
     start = initial_val_loss(pre_data, mcfg, tcfg, plan.precision)
     epochs = plan.pretrain_steps * tcfg.batch_size * tcfg.seq_len / TokenShards(pre_data, "train").num_tokens
@@ -658,10 +396,6 @@ def _pretrain_stage(clock: _Clock, work_dir: Path, s: dict, mcfg, tcfg, plan: Pl
 def _sft_stage(clock: _Clock, work_dir: Path, s: dict, pre_run: Path, mcfg, tcfg, plan: Plan, deadline: float,
                facts: dict, quiet: bool) -> Path:
     """Fine-tune with pretraining's optimizer, schedule and batch shape, for the time that is left."""
-    import torch
-
-    from nanoforge.train.stages import sft
-
     sft_data, sft_run = work_dir / "data" / "sft", work_dir / "sft"
     start = sft_val_loss_before(pre_run, sft_data, tcfg, plan.precision)
     steps, rows = s["sft_steps"], _sft_rows(sft_data, tcfg)
@@ -695,20 +429,15 @@ def _sft_stage(clock: _Clock, work_dir: Path, s: dict, pre_run: Path, mcfg, tcfg
 
 def _sft_rows(data_dir: Path, tcfg) -> int:
     """Packed rows in one epoch of the SFT set's training split."""
-    from nanoforge.data.batches import SFTBatches
-    from nanoforge.data.shards import TokenShards
     return SFTBatches(TokenShards(data_dir, "train"), tcfg.batch_size, tcfg.seq_len).sequences_per_epoch
 
 
 def _parameter_count(mcfg) -> int:
-    from nanoforge.model.gpt import GPT
     return sum(p.numel() for p in GPT(mcfg).parameters())
 
 
 def _write_demo_report(work_dir: Path, runs: list[Path], samples: list[dict], mcfg, plan: Plan, s: dict,
                        facts: dict, clock: _Clock) -> Path:
-    from nanoforge.report import write_report
-
     summary = (f"The whole pipeline on this machine's CPU: {facts['docs']} documents ({facts['kb']:.0f} KB) of "
                f"docstrings of {len(DEMO_MODULES)} standard-library modules of Python {sys.version.split()[0]}, "
                f"and {facts['convs']} question/answer conversations made from them; a "
@@ -729,13 +458,8 @@ def _write_demo_report(work_dir: Path, runs: list[Path], samples: list[dict], mc
                f"**{facts['closed']}/{len(samples)}**.\n"
                f"- Precision and threads, by measurement: {plan.note}.\n"
                f"- Stage times: " + ", ".join(f"{k} {v:.0f} s" for k, v in clock.timings.items()) +
-               f"; total {_duration(clock.elapsed())}.")
+               f"; total {format_duration(clock.elapsed())}.")
     return write_report(runs, work_dir / "report.md", samples=samples, title="nanoforge demo", preamble=summary)
-
-
-def _duration(seconds: float) -> str:
-    from nanoforge.train.metrics import format_duration
-    return format_duration(seconds)
 
 
 def _count_lines(path: Path) -> int:

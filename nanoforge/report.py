@@ -20,21 +20,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from nanoforge.config import MODEL_FIELDS, ModelConfig, load_toml
 from nanoforge.errors import NanoforgeError
+from nanoforge.model.gpt import GPT
+from nanoforge.train import checkpoint as ckpt
+from nanoforge.train.distributed import is_main
+from nanoforge.report_plot import matplotlib_figure, plot_runs
 from nanoforge.train.metrics import format_duration
 
 NO_MATPLOTLIB = ("Plots were skipped: matplotlib is not installed. `pip install matplotlib` (or nanoforge's "
                  "`report` extra) and run `nanoforge report` again to get them.")
 
-# What the plot grid shows, panel by panel: (title, y label, [(record list, key, label)]).
-PANELS = [
-    ("loss", "nats/token", [("train", "loss", "training"), ("val", "val_loss", "validation")]),
-    ("learning rate", "lr", [("train", "lr", None)]),
-    ("gradient norm", "before clipping", [("train", "grad_norm", None)]),
-    ("throughput", "tokens/s", [("train", "tokens_per_s", None)]),
-    ("peak memory", "GB", [("train", "peak_mem_gb", None)]),
-    ("validation bits per byte", "bits/byte", [("val", "val_bpb", None)]),
-]
 # Keys of the final-metrics table, in order; any other val_* a stage logs (DPO's accuracy...) follows.
 FINAL_TRAIN_KEYS = ["loss", "lr", "grad_norm", "tokens_per_s", "supervised_tokens_per_s", "mfu", "peak_mem_gb",
                     "skipped_steps"]
@@ -72,8 +70,6 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 def read_run(run_dir: str | Path, name: str | None = None) -> RunMetrics:
     """Read a run directory's metrics.jsonl, config.toml, samples.jsonl and latest state.json."""
-    from nanoforge.config import load_toml
-
     run_dir = Path(run_dir)
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
@@ -90,7 +86,6 @@ def read_run(run_dir: str | Path, name: str | None = None) -> RunMetrics:
             run.train.append(record)
     run.samples = _read_jsonl(run_dir / "samples.jsonl")
     try:
-        from nanoforge.train import checkpoint as ckpt
         last = ckpt.latest_checkpoint(run_dir)
         run.state = ckpt.load_state(last) if last is not None else {}
     except (NanoforgeError, OSError):  # a torn or foreign checkpoint: the report goes on without it
@@ -104,11 +99,6 @@ def read_run(run_dir: str | Path, name: str | None = None) -> RunMetrics:
 
 def count_params(model_config: dict[str, Any], exclude_embeddings: bool = False) -> int | None:
     """Parameters of the model a config describes, built on the meta device (no memory, no init cost)."""
-    import torch
-
-    from nanoforge.config import MODEL_FIELDS, ModelConfig
-    from nanoforge.model.gpt import GPT
-
     try:
         with torch.device("meta"):
             model = GPT(ModelConfig(**{k: v for k, v in model_config.items() if k in MODEL_FIELDS}))
@@ -289,56 +279,6 @@ def latest_samples(run: RunMetrics) -> tuple[int | None, list[dict]]:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# plots
-
-
-def _matplotlib_figure():
-    """matplotlib's Figure class, or None when matplotlib is not installed.
-
-    Figure + savefig draws with the Agg canvas without going through pyplot, so no global backend is set
-    and nothing tries to open a window (servers, CI, ssh sessions)."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        return None
-    return Figure
-
-
-def plot_runs(runs: list[RunMetrics], path: Path, Figure, title: str) -> Path:
-    """One PNG, a 2 x 3 grid (PANELS): loss, learning rate, grad norm, tokens/s, memory, validation bits per
-    byte, against step. Several runs are drawn over each other, one colour per run."""
-    fig = Figure(figsize=(13, 7), dpi=80)
-    axes = fig.subplots(2, 3).flatten()
-    colors = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray"]
-    for ax, (panel, ylabel, series) in zip(axes, PANELS):
-        drawn = False
-        for i, run in enumerate(runs):
-            color = colors[i % len(colors)]
-            for source, key, label in series:
-                points = [(r["step"], r[key]) for r in getattr(run, source)
-                          if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
-                if not points:
-                    continue
-                name = " ".join(x for x in ((run.name if len(runs) > 1 else ""), label or "") if x) or None
-                style = dict(marker="o", markersize=3, linestyle="--") if source == "val" else {}
-                ax.plot([p[0] for p in points], [p[1] for p in points], color=color, linewidth=1.3,
-                        label=name, **style)
-                drawn = True
-        ax.set_title(panel)
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        if drawn and ax.get_legend_handles_labels()[1]:
-            ax.legend(fontsize=8)
-        if not drawn:
-            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    return path
-
-
-# ----------------------------------------------------------------------------------------------------------
 # markdown
 
 
@@ -468,7 +408,7 @@ def write_report(run_dirs: list[str | Path], out_path: str | Path, samples: list
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     runs = [read_run(d, name) for d, name in zip(run_dirs, _unique_names(run_dirs))]
-    Figure = _matplotlib_figure()
+    Figure = matplotlib_figure()
 
     lines = [f"# {title}", ""]
     if preamble:
@@ -492,8 +432,6 @@ def write_run_report(run_dir: str | Path, quiet: bool = False, stopped: str = ""
     """RUN/report.md at the end of a training command, on rank 0 only. A failure here must never fail or
     lose a finished run (its checkpoint is already written): it is a warning on stderr, and None. `stopped`:
     why a run ended early (the interruption's message), shown under the title."""
-    from nanoforge.train.distributed import is_main
-
     if not is_main():
         return None
     run_dir = Path(run_dir)

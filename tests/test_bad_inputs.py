@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from nanoforge.data.shards import prepare_dataset
+from nanoforge.data.prepare import prepare_dataset
 from nanoforge.train import checkpoint as ckpt
 from nanoforge.train.stages import pretrain
 

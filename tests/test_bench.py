@@ -42,10 +42,12 @@ def test_bench_json_numbers_are_positive_and_the_split_adds_up(bench_run):
         for key in ("tokens_per_s", "mfu", "peak_flops", "peak_memory_gb", "step_ms", "flops_per_token"):
             assert r[key] > 0, (kind, key)
         assert r["tokens_per_s"] == pytest.approx(1000 * r["tokens_per_step"] / r["step_ms"])
-        phases = r["data_ms"] + r["fwd_bwd_ms"] + r["optim_ms"]
-        # medians of the parts against the median of the whole: close, not equal; the loop's bookkeeping
-        # after the optimizer is the rest
-        assert 0.5 * r["step_ms"] < phases < 1.2 * r["step_ms"], (kind, phases, r["step_ms"])
+        # Each phase is part of every step, so its median cannot exceed the median step (x_k <= y_k for every
+        # step k gives median(x) <= median(y)), however loaded the machine is; ms against s would break it.
+        # How close the parts' sum comes to the whole is a timing, which tests do not assert.
+        for phase in ("data_ms", "fwd_bwd_ms", "optim_ms"):
+            assert 0 <= r[phase] <= r["step_ms"] * (1 + 1e-9), (kind, phase, r[phase], r["step_ms"])
+        assert r["fwd_bwd_ms"] > 0 and r["optim_ms"] > 0, kind
     assert res["ours"]["precision"] == "bf16" and res["naive"]["precision"] == "fp32"
     assert "measured CPU matmul peak" in res["ours"]["peak_source"]
 

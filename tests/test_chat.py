@@ -37,7 +37,7 @@ def run_dir(tmp_path_factory, tiny_tokenizer):
 
 @pytest.fixture(scope="module")
 def loaded(run_dir):
-    from nanoforge.train.checkpoint import load_model
+    from nanoforge.loader import load_model
 
     model, tokenizer, _ = load_model(run_dir)
     return model, tokenizer

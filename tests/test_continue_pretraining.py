@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 
-from nanoforge.data.shards import prepare_dataset
+from nanoforge.data.prepare import prepare_dataset
 from nanoforge.errors import NanoforgeError
 from nanoforge.train import checkpoint as ckpt
 from nanoforge.train.stages import pretrain

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nanoforge import demo
+from nanoforge import demo, demo_corpus
 from nanoforge.data.jsonl import validate_record
 from nanoforge.errors import NanoforgeError
 from nanoforge.tokenizer import load_tokenizer
@@ -20,7 +20,7 @@ SCORE_LINE = re.compile(r"in-set (\d+)/(\d+) exact first sentence or signature; 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    return demo.build_demo_corpus(tmp_path_factory.mktemp("corpus"), sft_size=SFT_SIZE)
+    return demo_corpus.build_demo_corpus(tmp_path_factory.mktemp("corpus"), sft_size=SFT_SIZE)
 
 
 def read_jsonl(path):
@@ -37,17 +37,17 @@ def test_corpus_records_are_valid_and_sized(corpus):
         user, assistant = record["conversations"]
         assert (user["role"], assistant["role"]) == ("user", "assistant")
         assert assistant["content"] == assistant["content"].strip()  # leading whitespace breaks the loss mask
-        assert len(assistant["content"]) <= max(demo.MAX_ANSWER_CHARS, 60 + demo.MAX_SIGNATURE_CHARS)
+        assert len(assistant["content"]) <= max(demo_corpus.MAX_ANSWER_CHARS, 60 + demo_corpus.MAX_SIGNATURE_CHARS)
     assert len(convs) == SFT_SIZE and len({r["conversations"][0]["content"] for r in convs}) == SFT_SIZE
     assert 100_000 <= sum(len(r["text"]) for r in docs) <= 1_000_000 and len(docs) > 500
     assert any(r["text"].startswith("json.dumps(obj, *, skipkeys=False") for r in docs)
     modules = {r["text"].split()[1] for r in docs if r["text"].startswith("module ")}
-    assert {m.split(".")[0] for m in modules} <= set(demo.DEMO_MODULES)
+    assert {m.split(".")[0] for m in modules} <= set(demo_corpus.DEMO_MODULES)
 
 
 def test_questions_asked_in_set_and_held_out(corpus):
     pretrain_path, sft_path, questions = corpus
-    assert [(q["name"], q["kind"]) for q in questions] == list(demo.IN_SET + demo.HELD_OUT)
+    assert [(q["name"], q["kind"]) for q in questions] == list(demo_corpus.IN_SET + demo_corpus.HELD_OUT)
     docs = read_jsonl(pretrain_path)
     pairs = [(r["conversations"][0]["content"], r["conversations"][1]["content"]) for r in read_jsonl(sft_path)]
     every_val = round(1 / demo.VAL_FRACTION)  # prepare sends records every_val-1, 2*every_val-1, ... to val
@@ -68,7 +68,7 @@ def test_questions_asked_in_set_and_held_out(corpus):
 
 
 def test_corpus_is_deterministic(corpus, tmp_path):
-    again = demo.build_demo_corpus(tmp_path, sft_size=SFT_SIZE)
+    again = demo_corpus.build_demo_corpus(tmp_path, sft_size=SFT_SIZE)
     assert again[0].read_bytes() == corpus[0].read_bytes()
     assert again[1].read_bytes() == corpus[1].read_bytes()
     assert again[2] == corpus[2]
@@ -97,39 +97,41 @@ class Box:
 def _hidden():
     """Hidden too."""
 '''
-    entries = {e.name: e for e in demo.module_docs("pkg.mod", source)}
+    entries = {e.name: e for e in demo_corpus.module_docs("pkg.mod", source)}
     assert set(entries) == {"pkg.mod", "pkg.mod.Box", "pkg.mod.Box.put", "pkg.mod.Box.make", "pkg.mod.Box.full"}
     assert entries["pkg.mod.Box"].signature == "(size, *, color='red')"
     assert entries["pkg.mod.Box.put"].signature == "(item, /, where=None)"
     assert entries["pkg.mod.Box.make"].signature == "(self_like)"
     assert entries["pkg.mod.Box.full"].signature == ""
-    assert demo.pretrain_text(entries["pkg.mod.Box"]).startswith("class pkg.mod.Box(size, *, color='red')\n\n")
-    assert demo.module_docs("broken", "def f(:\n") == []
-    assert demo.argument_names("(item, /, where=None, *args, key, **kw)") == ["item", "where", "args", "key", "kw"]
-    assert demo.argument_names("") == []
+    assert demo_corpus.pretrain_text(entries["pkg.mod.Box"]).startswith("class pkg.mod.Box(size, *, color='red')\n\n")
+    assert demo_corpus.module_docs("broken", "def f(:\n") == []
+    assert demo_corpus.argument_names("(item, /, where=None, *args, key, **kw)") == ["item", "where", "args", "key",
+                                                                                     "kw"]
+    assert demo_corpus.argument_names("") == []
 
 
 def test_first_sentence_is_short_prose_that_ends():
-    assert demo.first_sentence("Return the median\nof the data.\n\nMore.") == "Return the median of the data."
-    assert demo.first_sentence("Return the median. Then more.") == "Return the median."
-    assert demo.first_sentence("Copy a tree, e.g. a directory. More.") == "Copy a tree, e.g. a directory."
-    assert demo.first_sentence("Return the foo.bar of x. More.") == "Return the foo.bar of x."
-    assert demo.first_sentence("word " * 80 + "end.") is None  # too long for an answer
-    assert demo.first_sentence("Implementation of JSONDecoder") is None  # no sentence end
-    assert demo.first_sentence("makedirs(name [, mode=0o777][, exist_ok=False]).") is None
-    assert demo.first_sentence(">>> f(1)\n2") is None
-    assert demo.first_sentence("Short.") is None
+    assert demo_corpus.first_sentence("Return the median\nof the data.\n\nMore.") == "Return the median of the data."
+    assert demo_corpus.first_sentence("Return the median. Then more.") == "Return the median."
+    assert demo_corpus.first_sentence("Copy a tree, e.g. a directory. More.") == "Copy a tree, e.g. a directory."
+    assert demo_corpus.first_sentence("Return the foo.bar of x. More.") == "Return the foo.bar of x."
+    assert demo_corpus.first_sentence("word " * 80 + "end.") is None  # too long for an answer
+    assert demo_corpus.first_sentence("Implementation of JSONDecoder") is None  # no sentence end
+    assert demo_corpus.first_sentence("makedirs(name [, mode=0o777][, exist_ok=False]).") is None
+    assert demo_corpus.first_sentence(">>> f(1)\n2") is None
+    assert demo_corpus.first_sentence("Short.") is None
 
 
 def test_qa_pairs_ask_what_it_does_and_how_to_call_it():
-    entry = demo.DocEntry("json.dumps", "function", "(obj, *, indent=None)",
-                          "Serialize obj to a JSON formatted str. More.\n\nDetails.")
-    assert demo.qa_pairs(entry) == {"what": ("What does json.dumps do?", "Serialize obj to a JSON formatted str."),
+    entry = demo_corpus.DocEntry("json.dumps", "function", "(obj, *, indent=None)",
+                                 "Serialize obj to a JSON formatted str. More.\n\nDetails.")
+    assert demo_corpus.qa_pairs(entry) == {"what": ("What does json.dumps do?",
+                                                    "Serialize obj to a JSON formatted str."),
                                     "call": ("How do I call json.dumps?", "json.dumps(obj, *, indent=None)")}
-    long = demo.DocEntry("m.f", "function", "(" + "a, " * 60 + "b)", "Do it.\n\nMore.")
-    assert set(demo.qa_pairs(long)) == set()  # "Do it." is too short, the signature too long
-    cls = demo.DocEntry("m.Box", "class", "(size)", "A box for things.")
-    assert demo.qa_pairs(cls) == {"what": ("What is m.Box?", "A box for things.")}
+    long = demo_corpus.DocEntry("m.f", "function", "(" + "a, " * 60 + "b)", "Do it.\n\nMore.")
+    assert set(demo_corpus.qa_pairs(long)) == set()  # "Do it." is too short, the signature too long
+    cls = demo_corpus.DocEntry("m.Box", "class", "(size)", "A box for things.")
+    assert demo_corpus.qa_pairs(cls) == {"what": ("What is m.Box?", "A box for things.")}
 
 
 def sample(question, reply, expected, held_out, keywords):
@@ -197,10 +199,10 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     vocab = load_tokenizer(tmp_path / "demo" / "tokenizer").vocab_size
     assert val and val[-1] < math.log(vocab) - 0.5  # well below what a uniform guess scores
     rows = [line for line in text.splitlines() if line.startswith("| ") and line.endswith((" yes |", " no |"))]
-    assert len(rows) == len(demo.IN_SET + demo.HELD_OUT) and out.count("\n  A: ") == len(rows)
+    assert len(rows) == len(demo_corpus.IN_SET + demo_corpus.HELD_OUT) and out.count("\n  A: ") == len(rows)
     assert "Q (held out of SFT" in out and f"report: {report}" in out
     score = out.split("\nscore: ")[-1].split("\n")[0]
     m = SCORE_LINE.fullmatch(score)
-    assert m and (m[2], m[4]) == (str(len(demo.IN_SET)), str(len(demo.HELD_OUT)))
+    assert m and (m[2], m[4]) == (str(len(demo_corpus.IN_SET)), str(len(demo_corpus.HELD_OUT)))
     assert int(m[1]) <= int(m[2]) and int(m[3]) <= int(m[4]) and float(m[5]) <= int(m[6])
     assert score in text

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from nanoforge.data.shards import prepare_dataset
+from nanoforge.data.prepare import prepare_dataset
 from nanoforge.errors import NanoforgeError
 from nanoforge.train.objectives import make_distill_loss
 from nanoforge.train.stages import distill, pretrain

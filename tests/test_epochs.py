@@ -9,7 +9,8 @@ import pytest
 
 from nanoforge.config import ConfigError, build_config
 from nanoforge.data.batches import PretrainBatches, SFTBatches
-from nanoforge.data.shards import TokenShards, prepare_dataset
+from nanoforge.data.prepare import prepare_dataset
+from nanoforge.data.shards import TokenShards
 from nanoforge.train import checkpoint as ckpt
 from nanoforge.train.stages import pretrain, sft
 

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from nanoforge.errors import NanoforgeError
-from nanoforge.evaluate import (build_prompt, evaluate_choices, evaluate_data, generate_samples, load_benchmark,
-                                load_prompts, run_eval, token_byte_lengths, wilson_interval, write_samples)
+from nanoforge.eval.choice import build_prompt, evaluate_choices, load_benchmark, wilson_interval
+from nanoforge.evaluate import evaluate_data, run_eval, token_byte_lengths
+from nanoforge.infer.samples import generate_samples, load_prompts, write_samples
 
 N_QUESTIONS = 48
 QUIET = {"progress": False, "log": lambda *a: None}
@@ -88,9 +89,9 @@ def _write_csv(path, items) -> None:
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory, tiny_tokenizer):
     """A memorised run, the benchmark as JSONL (+ dev JSONL) and as a C-Eval directory, and a random model."""
-    from nanoforge.data.shards import prepare_dataset
+    from nanoforge.data.prepare import prepare_dataset
     from nanoforge.model.gpt import GPT
-    from nanoforge.train.checkpoint import load_model
+    from nanoforge.loader import load_model
     from nanoforge.train.stages import pretrain
 
     work = tmp_path_factory.mktemp("eval_bench")
@@ -246,7 +247,7 @@ def _hand_nll(model, tokenizer, texts, seq_len) -> tuple[float, int]:
 
 
 def test_bpb_equals_hand_computation_and_prepared_dir(untrained, tmp_path):
-    from nanoforge.data.shards import prepare_dataset
+    from nanoforge.data.prepare import prepare_dataset
 
     model, tokenizer = untrained
     texts = [f"Question: {a}\nAnswer: {b}" for a, b in _line_pairs()[:3]]

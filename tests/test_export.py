@@ -7,8 +7,9 @@ import torch
 
 from nanoforge.config import ModelConfig
 from nanoforge.errors import NanoforgeError
-from nanoforge.export import (export_gguf, export_hf, is_hf_dir, load_hf_model, permute_for_llama_cpp,
-                              write_gguf, write_hf_dir)
+from nanoforge.export import export_gguf, export_hf, permute_for_llama_cpp, write_gguf, write_hf_dir
+from nanoforge.hf import is_hf_dir
+from nanoforge.loader import load_hf_model
 from nanoforge.model.gpt import GPT
 
 transformers = pytest.importorskip("transformers")
@@ -23,7 +24,7 @@ CHAT = [{"role": "system", "content": "You are terse."},
 def run_dir(tmp_path_factory, tiny_tokenizer):
     """A real tiny run: prepared data and a few fp32 pretraining steps."""
     from conftest import tiny_corpus
-    from nanoforge.data.shards import prepare_dataset
+    from nanoforge.data.prepare import prepare_dataset
     from nanoforge.train.stages import pretrain
 
     root = tmp_path_factory.mktemp("export_run")
@@ -38,7 +39,7 @@ def run_dir(tmp_path_factory, tiny_tokenizer):
 
 @pytest.fixture(scope="module")
 def ours(run_dir):
-    from nanoforge.train.checkpoint import load_model
+    from nanoforge.loader import load_model
     model, tokenizer, _ = load_model(run_dir)
     return model, tokenizer
 

@@ -36,7 +36,7 @@ def make_tiny_run(tmp_path_factory, tokenizer):
     tests import this too)."""
     if "run" not in _RUNS:
         from conftest import tiny_corpus
-        from nanoforge.data.shards import prepare_dataset
+        from nanoforge.data.prepare import prepare_dataset
         from nanoforge.train.stages import pretrain
 
         work = tmp_path_factory.mktemp("tiny_run")
@@ -52,7 +52,7 @@ def make_tiny_run(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_tokenizer):
-    from nanoforge.train.checkpoint import load_model
+    from nanoforge.loader import load_model
 
     model, tokenizer, _ = load_model(make_tiny_run(tmp_path_factory, tiny_tokenizer))
     return model, tokenizer

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import torch
 
-from nanoforge.data.shards import prepare_dataset
+from nanoforge.data.prepare import prepare_dataset
 from nanoforge.export import export_hf
-from nanoforge.train import checkpoint as ckpt
+from nanoforge.loader import load_model
 from nanoforge.train.stages import pretrain, sft
 
 FAST = {"tensorboard": False, "log_every": 1, "eval_every": 0, "precision": "fp32", "warmup_steps": 1}
@@ -27,8 +27,8 @@ def test_sft_from_an_hf_directory_and_export_cli(tmp_path, tiny_tokenizer):
                        cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 0, r.stderr
     # the HF directory loads as --init exactly like the run it came from
-    a, _, _ = ckpt.load_model(tmp_path / "base")
-    b, _, _ = ckpt.load_model(tmp_path / "hf")
+    a, _, _ = load_model(tmp_path / "base")
+    b, _, _ = load_model(tmp_path / "hf")
     x = torch.randint(0, 100, (1, 12))
     with torch.no_grad():
         torch.testing.assert_close(a(x), b(x))

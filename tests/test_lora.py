@@ -8,10 +8,10 @@ from safetensors.torch import load_file, save_file
 
 from nanoforge.config import ModelConfig, TrainConfig
 from nanoforge.errors import NanoforgeError
+from nanoforge.loader import adapter_metadata, check_base, load_adapter_checkpoint
 from nanoforge.model.gpt import GPT
-from nanoforge.model.lora import (LoraConfig, LoraLinear, LoraModel, adapter_metadata, attach_lora, check_base,
-                                  load_adapter_checkpoint, load_lora_state_dict, lora_state_dict, merge_lora,
-                                  num_trainable, parse_targets)
+from nanoforge.model.lora import (LoraConfig, LoraLinear, LoraModel, attach_lora, load_lora_state_dict,
+                                  lora_state_dict, merge_lora, num_trainable, parse_targets)
 from nanoforge.train import checkpoint as ckpt
 from nanoforge.train.loop import Stage, train
 from nanoforge.train.objectives import causal_lm_loss

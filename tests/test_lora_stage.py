@@ -5,9 +5,10 @@ import shutil
 import pytest
 import torch
 
-from nanoforge.data.shards import prepare_dataset
+from nanoforge.data.prepare import prepare_dataset
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.lora import LoraConfig
+from nanoforge.loader import load_model
 from nanoforge.train import checkpoint as ckpt
 from nanoforge.train.stages import lora_merge, pretrain, sft
 
@@ -43,12 +44,12 @@ def test_lora_trains_adapters_only_and_merges(base_and_data, tmp_path):
     assert losses[-1] < losses[0]
     # merged run == base + adapters, and loads like any other run
     merged = lora_merge(tmp_path / "lora", tmp_path / "merged")
-    m1, _, _ = ckpt.load_model(merged)
-    m2, _, _ = ckpt.load_model(tmp_path / "lora")
+    m1, _, _ = load_model(merged)
+    m2, _, _ = load_model(tmp_path / "lora")
     x = torch.randint(0, 100, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(m1(x), m2(x))
-        base_model, _, _ = ckpt.load_model(root / "base")
+        base_model, _, _ = load_model(root / "base")
         assert not torch.allclose(base_model(x), m1(x))  # the adapters did something
     # resume from the middle: adapters equal the uninterrupted run's
     shutil.copytree(tmp_path / "lora", tmp_path / "again")
@@ -72,6 +73,6 @@ def test_adapter_on_the_wrong_base_is_refused(base_and_data, tmp_path):
     try:
         shutil.copy(ckpt.latest_checkpoint(root / "base2") / "model.safetensors", base_file)
         with pytest.raises(NanoforgeError, match="adapter was trained on base"):
-            ckpt.load_model(tmp_path / "lora")
+            load_model(tmp_path / "lora")
     finally:
         base_file.write_bytes(saved)

@@ -9,9 +9,9 @@ from safetensors.torch import load_file
 
 from nanoforge.config import build_config
 from nanoforge.config import ConfigError
-from nanoforge.data.shards import prepare_dataset
+from nanoforge.data.prepare import prepare_dataset
 from nanoforge.errors import NanoforgeError
-from nanoforge.plan import divisors_doubling, fit_micro_batch
+from nanoforge.train.microbatch import divisors_doubling, fit_micro_batch
 from nanoforge.train import checkpoint as ckpt
 from nanoforge.train.stages import pretrain
 

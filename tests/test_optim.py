@@ -123,7 +123,7 @@ def test_muon_resume_is_bit_identical(tmp_path, tiny_tokenizer, shared_data):
     losses and bit-identical weights (the momentum buffers and AdamW moments are in the checkpoint)."""
     import shutil
     from test_train import FAST, losses, weights
-    from nanoforge.data.shards import prepare_dataset
+    from nanoforge.data.prepare import prepare_dataset
     from nanoforge.train.stages import pretrain
     data = tmp_path / "data"
     prepare_dataset("pretrain", [shared_data / "tiny" / "pretrain_tiny.jsonl"], tiny_tokenizer, data,

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from nanoforge.errors import NanoforgeError
+from nanoforge.loader import load_model
 from nanoforge.train import checkpoint as ckpt
 
 from test_generate import make_tiny_run
@@ -107,7 +108,7 @@ def test_loading_a_run_whose_weights_are_a_pickle_is_refused(run_copy, tmp_path)
     torch.save({"x": Payload(marker)}, path)
     assert_payload_is_live(path, marker)
     with pytest.raises(NanoforgeError):
-        ckpt.load_model(run_copy)
+        load_model(run_copy)
     assert not marker.exists()
 
 

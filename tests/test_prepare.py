@@ -12,7 +12,8 @@ import torch
 
 from nanoforge.data.batches import PretrainBatches, eval_batches
 from nanoforge.data.jsonl import DataError
-from nanoforge.data.shards import TokenShards, check_tokenizer, prepare_dataset
+from nanoforge.data.prepare import prepare_dataset
+from nanoforge.data.shards import TokenShards, check_tokenizer
 from nanoforge.errors import NanoforgeError
 from nanoforge.tokenizer import CHAT_TEMPLATE, Tokenizer, train_tokenizer
 
@@ -594,7 +595,7 @@ def test_eval_batches_are_consecutive_and_repeatable(prepared):
 
 def test_parallel_reading_stays_bounded(tmp_path, tiny_tokenizer):
     """The reader must not run ahead of the workers (Pool.imap would read the whole input into memory)."""
-    from nanoforge.data.shards import ChunkTask, _run_chunks
+    from nanoforge.data.chunks import ChunkTask, run_chunks
 
     pulled = []
 
@@ -603,7 +604,7 @@ def test_parallel_reading_stays_bounded(tmp_path, tiny_tokenizer):
             pulled.append(i)
             yield ChunkTask("pretrain", 0, "mem.jsonl", 1 + i, b'{"text": "some text"}\n', False)
 
-    results = _run_chunks(tasks(), tiny_tokenizer, workers=2)
+    results = run_chunks(tasks(), tiny_tokenizer, workers=2)
     first = next(results)
     assert first.doc_lens.tolist() == [len(tiny_tokenizer.encode("some text")) + 1]
     assert len(pulled) <= 2 * 2 + 1

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from nanoforge.data.shards import prepare_dataset
+from nanoforge.data.prepare import prepare_dataset
 from nanoforge.errors import NanoforgeError
-from nanoforge.evaluate import DEFAULT_PROMPTS
+from nanoforge.infer.samples import DEFAULT_PROMPTS
 from nanoforge.report import NO_MATPLOTLIB, count_params, read_run, write_report
 from nanoforge.train.stages import SAMPLE_MAX_TOKENS, pretrain, sft
 

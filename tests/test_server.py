@@ -19,7 +19,7 @@ httpx = pytest.importorskip("httpx", reason="the serving tests need httpx")
 pytest.importorskip("fastapi", reason="serving needs fastapi and uvicorn (pip install fastapi uvicorn)")
 pytest.importorskip("uvicorn", reason="serving needs fastapi and uvicorn (pip install fastapi uvicorn)")
 
-from nanoforge.infer import chat as chat_defaults  # noqa: E402
+from nanoforge.infer import defaults as chat_defaults  # noqa: E402
 from nanoforge.infer.generate import SamplingConfig, complete  # noqa: E402
 
 from test_generate import make_tiny_run  # noqa: E402
@@ -97,7 +97,7 @@ def local(run_dir):
     """The same checkpoint loaded here, to compute what the server should answer."""
     import torch
 
-    from nanoforge.train.checkpoint import load_model
+    from nanoforge.loader import load_model
 
     torch.set_num_threads(1)
     model, tokenizer, _ = load_model(run_dir)

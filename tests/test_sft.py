@@ -8,7 +8,8 @@ import torch
 
 from nanoforge.config import ModelConfig
 from nanoforge.data.batches import IGNORE, SFTBatches, fit_to_window, pack_rows
-from nanoforge.data.shards import TokenShards, prepare_dataset
+from nanoforge.data.prepare import prepare_dataset
+from nanoforge.data.shards import TokenShards
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.gpt import GPT
 from nanoforge.train import checkpoint as ckpt

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 from nanoforge.config import build_config
 from nanoforge.data.batches import PretrainBatches
-from nanoforge.data.shards import TokenShards, prepare_dataset
+from nanoforge.data.prepare import prepare_dataset
+from nanoforge.data.shards import TokenShards
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.gpt import GPT
 from nanoforge.train import checkpoint as ckpt

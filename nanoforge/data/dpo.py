@@ -32,6 +32,7 @@ from torch import nn
 
 from nanoforge.data.batches import IGNORE
 from nanoforge.data.shards import TokenShards
+from nanoforge.device import autocast_context
 from nanoforge.errors import NanoforgeError
 
 CACHE_VERSION = 1
@@ -96,8 +97,6 @@ def compute_reference_logps(model: nn.Module, shards: TokenShards, batch_size: i
     """(num_docs,) float32: for every conversation of `shards`, the sum of log-probabilities the model gives
     its final reply (the masked tokens). NaN for the documents of pairs that do not fit seq_len (never used).
     Conversations go through the model `batch_size` at a time, sorted by length so padding stays small."""
-    from nanoforge.device import autocast_context
-
     _check_dpo_shards(shards)
     device = torch.device(device)
     offsets = shards.doc_offsets()  # (D+1,)

@@ -235,7 +235,7 @@ def parse_line(raw: bytes, kind: str | None, path: str | os.PathLike, line_no: i
         kind = detect_kind(obj)
         if kind is None:
             raise DataError('cannot tell the kind of record: expected a "text", "conversations" or '
-                            f'"chosen"/"rejected" key' + (f"; keys: {_keys(obj)}" if isinstance(obj, dict) else
+                            '"chosen"/"rejected" key' + (f"; keys: {_keys(obj)}" if isinstance(obj, dict) else
                                                          f", got {_type_name(obj)}"), path, line_no)
     try:
         validate_record(kind, obj)

@@ -10,19 +10,15 @@ import dataclasses
 import sys
 from typing import Callable, TextIO
 
-from nanoforge.errors import NanoforgeError
-from nanoforge.infer.generate import SamplingConfig, stream
+import torch
 
-# Defaults of `nanoforge chat`, shared with the CLI. A little randomness and a mild repetition penalty keep a
-# small model from looping; top-k and top-p cut off its long tail of unlikely tokens.
-DEFAULT_TEMPERATURE = 0.7
-DEFAULT_TOP_K = 50
-DEFAULT_TOP_P = 0.9
-DEFAULT_REPETITION_PENALTY = 1.1
-DEFAULT_MAX_NEW_TOKENS = 256
-DEFAULT_DEVICE = "auto"
-DEFAULT_PRECISION = "auto"  # bf16 on a GPU that supports it, else fp32 (bf16 on a CPU is slower, not faster)
-PRECISION_CHOICES = ("auto", "fp32", "bf16", "fp16")
+from nanoforge.device import resolve_device
+from nanoforge.errors import NanoforgeError
+from nanoforge.infer.defaults import (DEFAULT_DEVICE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_PRECISION,
+                                     DEFAULT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P,
+                                     PRECISION_CHOICES)
+from nanoforge.infer.generate import SamplingConfig, stream
+from nanoforge.loader import load_model
 
 HELP = """commands:
   /reset        forget the conversation (the system prompt stays)
@@ -189,9 +185,6 @@ def run_chat(run_dir, temperature: float = DEFAULT_TEMPERATURE, top_k: int = DEF
              device: str = DEFAULT_DEVICE, precision: str = DEFAULT_PRECISION) -> None:
     """`nanoforge chat RUN`: load the run's latest checkpoint (or a checkpoint directory) and chat on the
     terminal; with piped standard input, answer it once and return."""
-    from nanoforge.train.checkpoint import load_model
-    from nanoforge.device import resolve_device
-
     cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                          max_new_tokens=max_new_tokens, seed=seed)
     target = resolve_device(device)
@@ -213,10 +206,6 @@ def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, tempe
     """`nanoforge generate RUN`: continue a plain-text prompt (no chat template), the way a pretrained model
     is meant to be used; the prompt is --prompt, else standard input. An empty prompt samples from the start
     of a document (after <|endoftext|>). Streams each of num_samples continuations to `out`, the prompt first."""
-    from nanoforge.infer.generate import stream
-    from nanoforge.train.checkpoint import load_model
-    from nanoforge.device import resolve_device
-
     input_stream, out = input_stream or sys.stdin, out or sys.stdout
     if num_samples < 1 or max_new_tokens < 1:
         raise NanoforgeError(f"--num-samples {num_samples} and --max-new-tokens {max_new_tokens} must be >= 1")
@@ -252,8 +241,6 @@ def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, tempe
 
 def resolve_precision(precision: str, device) -> str:
     """Turn "auto" into bf16 on a CUDA GPU that supports it, else fp32; check and keep any other choice."""
-    import torch
-
     if precision not in PRECISION_CHOICES:
         raise NanoforgeError(f"--precision {precision!r} is not one of {', '.join(PRECISION_CHOICES)}")
     if precision != "auto":

@@ -20,6 +20,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from nanoforge.device import autocast_context
 from nanoforge.errors import NanoforgeError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -248,8 +249,6 @@ def _token_steps(model, prompts, cfg: SamplingConfig, use_cache: bool, precision
 @contextlib.contextmanager
 def _step_context(model, device: torch.device, precision: str):
     """No autograd, the chosen autocast, and the model in eval mode (no dropout), restored afterwards."""
-    from nanoforge.device import autocast_context
-
     # Switching mode walks every module (about 1 ms for the mini model, a tenth of a decode step on a CPU),
     # so only a model found in training mode pays for it.
     was_training = model.training

@@ -4,10 +4,8 @@ Endpoints: `GET /v1/models`, `POST /v1/chat/completions` and `POST /v1/completio
 server-sent events when `"stream": true`), `GET /health`, and the page at `GET /`. The official `openai`
 clients work against it with `base_url="http://127.0.0.1:8000/v1"`.
 
-Every error is JSON in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with a 4xx status
-for anything the request got wrong (bad JSON, wrong types, unknown role, a prompt longer than the context,
-a body over `max_body_bytes`, `max_tokens` over the cap, a missing or wrong API key). A request is checked
-completely before it is queued, so a bad one never reaches the model.
+Requests are read and checked, and replies written, in OpenAI's wire format by infer/protocol.py; every
+error is JSON in OpenAI's shape with a 4xx status for anything the request got wrong.
 
 Concurrency: the model and its KV cache are not thread-safe, so requests are *queued*, not batched: one
 worker thread (a single-worker executor, FIFO) generates one reply at a time. The event loop only parses
@@ -21,236 +19,45 @@ Sampling defaults are those of `nanoforge chat` (temperature 0.7, top_p 0.9, plu
 `top_k` 50 and `repetition_penalty` 1.1, which requests may also set): a small model loops without them.
 """
 # No `from __future__ import annotations` here: FastAPI reads the endpoints' annotations (`request: Request`)
-# at runtime, and Request is imported inside create_app so that fastapi stays an optional dependency.
+# at runtime. fastapi and uvicorn are the optional `serve` extra: only `nanoforge serve` imports this module.
+import argparse
 import asyncio
 import contextlib
-import hmac
-import json
+import errno
+import functools
 import logging
+import os
 import secrets
+import socket
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nanoforge.device import resolve_device
 from nanoforge.errors import NanoforgeError
-from nanoforge.infer import chat as chat_defaults
+from nanoforge.infer import defaults as chat_defaults
+from nanoforge.infer import protocol
+from nanoforge.infer.chat import resolve_precision
 from nanoforge.infer.generate import Completion, SamplingConfig, stream_completion
+from nanoforge.infer.protocol import APIError, GenerationRequest, Limits
+from nanoforge.loader import load_model
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MAX_BODY_BYTES = 1_000_000
 DEFAULT_MAX_PENDING = 64  # requests waiting for the worker; more get a 503 rather than an ever-growing queue
 DEFAULT_REQUEST_TIMEOUT = 300.0  # seconds from a request's arrival after which its generation is cut short
-MAX_STOP_STRINGS = 4  # OpenAI's limit
-ROLES = ("system", "user", "assistant")
 PAGE = Path(__file__).with_name("static") / "chat.html"
 
 log = logging.getLogger("nanoforge.serve")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# errors in OpenAI's shape
-
-
-class APIError(Exception):
-    """A request the server refuses, answered as `{"error": {...}}` with `status`."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def _no_constants(name: str):
-    """Python's json reads NaN and Infinity, which JSON does not have; a NaN temperature would pass every
-    range check (all comparisons with NaN are false) and break sampling."""
-    raise ValueError(f"{name} is not a JSON value")
-
-
-def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param, code)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# reading and checking requests
-
-
-def _field(body: dict, name: str, kinds: tuple, what: str, default=None):
-    """body[name] if it has one of `kinds` (absent or null: `default`); bools are never numbers."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        raise _bad(f"{name} must be {what}, got {json.dumps(value)[:60]}", param=name)
-    return value
-
-
-def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
-    value = _field(body, name, (int, float), "a number", default)
-    if value < low or (low_open and value == low) or value > high:
-        interval = f"{'(' if low_open else '['}{low}, {high}]"
-        raise _bad(f"{name}={value} must be in {interval}", param=name)
-    return float(value)
-
-
-def _integer(body: dict, name: str, default: int | None, low: int, high: int, hint: str = "") -> int | None:
-    value = _field(body, name, (int,), "an integer", default)
-    if value is not None and not low <= value <= high:
-        raise _bad(f"{name}={value} must be between {low} and {high}{hint}", param=name)
-    return value
-
-
-@dataclass
-class _Request:
-    """A checked generation request: the prompt's ids, how to sample, and how to answer."""
-    prompt_ids: list[int]
-    cfg: SamplingConfig
-    stream: bool
-    include_usage: bool
-
-
-class _Limits:
-    """What the server accepts, derived from the model: the context length and the max_tokens cap."""
-
-    def __init__(self, context: int, max_tokens_cap: int | None, defaults: SamplingConfig):
-        self.context = context
-        self.max_tokens_cap = min(max_tokens_cap or context, context)
-        self.defaults = defaults
-
-
-def _sampling(body: dict, limits: _Limits) -> tuple[SamplingConfig, bool, bool]:
-    """The sampling fields shared by both endpoints -> (config, stream, include_usage)."""
-    d = limits.defaults
-    temperature = _number(body, "temperature", d.temperature, 0.0, 2.0)
-    top_p = _number(body, "top_p", d.top_p, 0.0, 1.0, low_open=True)
-    top_k = _integer(body, "top_k", d.top_k, 0, 1_000_000)
-    repetition_penalty = _number(body, "repetition_penalty", d.repetition_penalty, 0.0, 10.0, low_open=True)
-    cap_hint = f" (the cap for this model, whose context is {limits.context} tokens)"
-    max_tokens = _integer(body, "max_tokens", None, 1, limits.max_tokens_cap, cap_hint)
-    if max_tokens is None:  # the newer name for the same thing
-        max_tokens = _integer(body, "max_completion_tokens", None, 1, limits.max_tokens_cap, cap_hint)
-    if max_tokens is None:
-        max_tokens = min(d.max_new_tokens, limits.max_tokens_cap)
-    seed = _integer(body, "seed", None, 0, 2**63 - 1)
-    _integer(body, "n", 1, 1, 1, " (this server returns one choice per request)")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
-            raise _bad(f"{name} is not supported; use repetition_penalty (> 1 discourages repeats)", param=name)
-    if _field(body, "logprobs", (bool, int), "a boolean", False):
-        raise _bad("logprobs are not supported by this server", param="logprobs")
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
-        raise _bad("stop must be a non-empty string or a list of non-empty strings", param="stop")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise _bad(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed", param="stop")
-    stream = _field(body, "stream", (bool,), "a boolean", False)
-    options = _field(body, "stream_options", (dict,), "an object", {})
-    include_usage = _field(options, "include_usage", (bool,), "a boolean", False)
-    cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-                         max_new_tokens=max_tokens, stop_strings=stop, seed=seed)
-    return cfg, stream, include_usage
-
-
-def _unicode(text: str, param: str) -> str:
-    """JSON's \\ud800 escapes give lone surrogates, which are not Unicode text and which the tokenizer
-    cannot encode (a TypeError deep inside it, which would be a 500)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise _bad(f"{param} contains a lone surrogate (\\ud800-\\udfff), which is not valid Unicode",
-                   param=param) from None
-    return text
-
-
-def _message_content(message: dict, i: int) -> str:
-    return _unicode(_message_text(message, i), f"messages[{i}].content")
-
-
-def _message_text(message: dict, i: int) -> str:
-    content = message.get("content")
-    if isinstance(content, list):  # OpenAI's content parts; text is all a language model can read
-        if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            return "".join(p["text"] for p in content)
-        raise _bad(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported",
-                   param=f"messages[{i}].content")
-    if not isinstance(content, str):
-        raise _bad(f"messages[{i}].content must be a string, got {json.dumps(content)[:60]}",
-                   param=f"messages[{i}].content")
-    return content
-
-
-def _chat_messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if messages is None:
-        raise _bad("messages is required: a list of {role, content} objects", param="messages")
-    if not isinstance(messages, list):
-        raise _bad("messages must be a list of {role, content} objects", param="messages")
-    if not messages:
-        raise _bad("messages is empty; send at least one message", param="messages")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise _bad(f"messages[{i}] must be an object with role and content", param=f"messages[{i}]")
-        role = message.get("role")
-        if role == "developer":  # OpenAI's newer name for the system role
-            role = "system"
-        if role not in ROLES:
-            raise _bad(f"messages[{i}].role {json.dumps(role)[:40]} is not one of {', '.join(ROLES)}",
-                       param=f"messages[{i}].role")
-        out.append({"role": role, "content": _message_content(message, i)})
-    return out
-
-
-def _check_fits(prompt_ids: list[int], limits: _Limits, param: str) -> None:
-    if len(prompt_ids) >= limits.context:
-        raise _bad(f"the prompt is {len(prompt_ids)} tokens, but this model's context is {limits.context} tokens "
-                   f"including the reply; shorten it to under {limits.context} tokens",
-                   param=param, code="context_length_exceeded")
-
-
-def parse_chat_request(body: Any, tokenizer, limits: _Limits) -> _Request:
-    """A /v1/chat/completions body -> a checked request (APIError when it is not one)."""
-    if not isinstance(body, dict):
-        raise _bad("the request body must be a JSON object")
-    _field(body, "model", (str,), "a string")
-    messages = _chat_messages(body)
-    cfg, stream, include_usage = _sampling(body, limits)
-    try:
-        prompt_ids, _ = tokenizer.render_chat(messages, add_generation_prompt=True)
-    except NanoforgeError as e:
-        raise _bad(str(e), param="messages") from None
-    _check_fits(prompt_ids, limits, "messages")
-    return _Request(prompt_ids, cfg, stream, include_usage)
-
-
-def parse_completion_request(body: Any, tokenizer, limits: _Limits) -> _Request:
-    """A /v1/completions body (a raw prompt to continue) -> a checked request."""
-    if not isinstance(body, dict):
-        raise _bad("the request body must be a JSON object")
-    _field(body, "model", (str,), "a string")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise _bad("prompt is required and must be a string (or a list of one string)", param="prompt")
-    _unicode(prompt, "prompt")
-    if body.get("echo") or body.get("suffix"):
-        raise _bad("echo and suffix are not supported by this server", param="echo" if body.get("echo") else "suffix")
-    cfg, stream, include_usage = _sampling(body, limits)
-    # An empty prompt continues from a document boundary, as GPT-2 did from <|endoftext|>.
-    prompt_ids = tokenizer.encode(prompt) if prompt else [tokenizer.eos_id if tokenizer.eos_id is not None else 0]
-    _check_fits(prompt_ids, limits, "prompt")
-    return _Request(prompt_ids, cfg, stream, include_usage)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -314,7 +121,7 @@ class _Worker:
         """When a request arriving now must stop generating: the timeout counts its wait in the queue too."""
         return time.monotonic() + self.request_timeout if self.request_timeout else None
 
-    async def complete(self, req: _Request, stop_ids: list[int]) -> Completion:
+    async def complete(self, req: GenerationRequest, stop_ids: list[int]) -> Completion:
         self.check_room()
         deadline = self.deadline()
 
@@ -325,7 +132,7 @@ class _Worker:
 
         return await self._submit(job)
 
-    async def stream(self, req: _Request, stop_ids: list[int]):
+    async def stream(self, req: GenerationRequest, stop_ids: list[int]):
         """Async iterator over the reply's text pieces, then its Completion. The worker thread hands each
         item to the event loop's queue; leaving the loop early (a client gone) stops the generation."""
         loop = asyncio.get_running_loop()
@@ -375,16 +182,6 @@ class _Worker:
 # the app
 
 
-def _usage(prompt_ids: list[int], completion: Completion) -> dict:
-    n_prompt, n_completion = len(prompt_ids), len(completion.token_ids)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
-
-
-def _sse(data: dict | str) -> bytes:
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    return f"data: {text}\n\n".encode("utf-8")
-
-
 def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_tokens_cap: int | None = None,
                max_pending: int = DEFAULT_MAX_PENDING, precision: str = "fp32",
@@ -400,22 +197,13 @@ def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
                     at the next token with finish_reason "length", streaming or not (a 200 with the text so
                     far, never a 504: a stream's 200 is sent before generation starts); None or 0: no limit
     """
-    from fastapi import FastAPI, Request
-    from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
-    from starlette.exceptions import HTTPException as StarletteHTTPException
-
     if defaults is None:
         defaults = SamplingConfig(temperature=chat_defaults.DEFAULT_TEMPERATURE, top_k=chat_defaults.DEFAULT_TOP_K,
                                   top_p=chat_defaults.DEFAULT_TOP_P,
                                   repetition_penalty=chat_defaults.DEFAULT_REPETITION_PENALTY,
                                   max_new_tokens=chat_defaults.DEFAULT_MAX_NEW_TOKENS)
-    limits = _Limits(model.model.rotary_emb.n_positions, max_tokens_cap, defaults)
+    limits = Limits(model.model.rotary_emb.n_positions, max_tokens_cap, defaults)
     worker = _Worker(model, tokenizer, precision, max_pending, request_timeout)
-    # <|im_start|> too: a model that opens a new turn has finished its own (as in `nanoforge chat`).
-    chat_stop_ids = [t for t in (tokenizer.eos_id, tokenizer.im_end_id, tokenizer.im_start_id) if t is not None]
-    text_stop_ids = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
-    page = PAGE.read_text(encoding="utf-8")
-    created = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -424,7 +212,14 @@ def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
 
     app = FastAPI(title="nanoforge", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.worker = worker
+    _add_error_handlers(app)
+    _add_model_routes(app, worker, model_name, api_key)
+    _add_generation_routes(app, worker, tokenizer, limits, model_name, api_key, max_body_bytes)
+    return app
 
+
+def _add_error_handlers(app) -> None:
+    """Every error as JSON in OpenAI's shape: refusals with their status, unknown paths, and crashes (500)."""
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
         return JSONResponse(exc.body(), status_code=exc.status)
@@ -441,36 +236,11 @@ def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
         error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
         return JSONResponse(error.body(), status_code=500)
 
-    def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
-            raise APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer <key>' "
-                                "with the key the server was started with", code="invalid_api_key")
 
-    async def read_json(request: Request) -> Any:
-        """The body as JSON, refusing (413) one over max_body_bytes before reading past the limit."""
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-            raise APIError(413, f"the request body is {declared} bytes; the limit is {max_body_bytes}",
-                           code="request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body_bytes:
-                raise APIError(413, f"the request body is over the limit of {max_body_bytes} bytes",
-                               code="request_too_large")
-            chunks.append(chunk)
-        try:
-            return json.loads(b"".join(chunks), parse_constant=_no_constants)
-        except (UnicodeDecodeError, ValueError) as e:
-            raise _bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
-        except RecursionError:  # "[[[[..." a hundred thousand deep fits in the body limit
-            raise _bad("the request body is nested too deeply", code="invalid_json") from None
-
-    def model_card() -> dict:
-        return {"id": model_name, "object": "model", "created": created, "owned_by": "nanoforge"}
+def _add_model_routes(app, worker: _Worker, model_name: str, api_key: str | None) -> None:
+    """/health, the chat page at /, and /v1/models."""
+    page = PAGE.read_text(encoding="utf-8")
+    card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "nanoforge"}
 
     @app.get("/health")
     async def health():
@@ -482,86 +252,93 @@ def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
 
     @app.get("/v1/models")
     async def models(request: Request):
-        check_key(request)
-        return {"object": "list", "data": [model_card()]}
+        protocol.check_api_key(request.headers.get("authorization", ""), api_key)
+        return {"object": "list", "data": [dict(card)]}
 
     @app.get("/v1/models/{name:path}")
     async def one_model(name: str, request: Request):
-        check_key(request)
+        protocol.check_api_key(request.headers.get("authorization", ""), api_key)
         if name != model_name:
             raise APIError(404, f"no model {name!r}; this server serves {model_name!r}", param="model",
                            code="model_not_found")
-        return model_card()
+        return dict(card)
 
-    async def run(req: _Request, stop_ids: list[int], prefix: str, make_body: Callable, make_chunk: Callable):
-        """Answer a checked request: a JSON body, or an event stream of chunks ending in [DONE]."""
-        reply_id, now = f"{prefix}-{secrets.token_hex(12)}", int(time.time())
-        if not req.stream:
-            try:
-                done = await worker.complete(req, stop_ids)
-            except NanoforgeError as e:
-                raise _bad(str(e)) from None
-            return JSONResponse(make_body(reply_id, now, done, _usage(req.prompt_ids, done)))
 
-        worker.check_room()  # a 503 has to come before the stream's 200
-
-        async def events():
-            yield _sse(make_chunk(reply_id, now, None, None, first=True))
-            try:
-                async for item in worker.stream(req, stop_ids):
-                    if isinstance(item, Completion):
-                        yield _sse(make_chunk(reply_id, now, None, item.finish_reason))
-                        if req.include_usage:
-                            yield _sse({**make_chunk(reply_id, now, None, None), "choices": [],
-                                        "usage": _usage(req.prompt_ids, item)})
-                    elif item:
-                        yield _sse(make_chunk(reply_id, now, item, None))
-            except Exception as e:  # the 200 is already sent: report it in the stream, as OpenAI does
-                ours = isinstance(e, NanoforgeError)
-                if not ours:
-                    log.exception("generation failed")
-                error = APIError(400 if ours else 500, str(e),
-                                 type="invalid_request_error" if ours else "server_error")
-                yield _sse(error.body())
-            yield _sse("[DONE]")
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    def chat_body(reply_id, now, done: Completion, usage):
-        return {"id": reply_id, "object": "chat.completion", "created": now, "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
-                             "logprobs": None, "finish_reason": done.finish_reason}],
-                "usage": usage, "system_fingerprint": None}
-
-    def chat_chunk(reply_id, now, text, finish_reason, first=False):
-        delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-        return {"id": reply_id, "object": "chat.completion.chunk", "created": now, "model": model_name,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-                "system_fingerprint": None}
-
-    def text_body(reply_id, now, done: Completion, usage):
-        return {"id": reply_id, "object": "text_completion", "created": now, "model": model_name,
-                "choices": [{"index": 0, "text": done.text, "logprobs": None, "finish_reason": done.finish_reason}],
-                "usage": usage}
-
-    def text_chunk(reply_id, now, text, finish_reason, first=False):
-        return {"id": reply_id, "object": "text_completion", "created": now, "model": model_name,
-                "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]}
+def _add_generation_routes(app, worker: _Worker, tokenizer, limits: Limits, model_name: str,
+                           api_key: str | None, max_body_bytes: int) -> None:
+    """POST /v1/chat/completions and /v1/completions."""
+    # <|im_start|> too: a model that opens a new turn has finished its own (as in `nanoforge chat`).
+    chat_stop_ids = [t for t in (tokenizer.eos_id, tokenizer.im_end_id, tokenizer.im_start_id) if t is not None]
+    text_stop_ids = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        check_key(request)
-        req = parse_chat_request(await read_json(request), tokenizer, limits)
-        return await run(req, chat_stop_ids, "chatcmpl", chat_body, chat_chunk)
+        protocol.check_api_key(request.headers.get("authorization", ""), api_key)
+        req = protocol.parse_chat_request(await _read_json(request, max_body_bytes), tokenizer, limits)
+        return await _answer(worker, req, chat_stop_ids, "chatcmpl", model_name, protocol.chat_body,
+                             protocol.chat_chunk)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        check_key(request)
-        req = parse_completion_request(await read_json(request), tokenizer, limits)
-        return await run(req, text_stop_ids, "cmpl", text_body, text_chunk)
+        protocol.check_api_key(request.headers.get("authorization", ""), api_key)
+        req = protocol.parse_completion_request(await _read_json(request, max_body_bytes), tokenizer, limits)
+        return await _answer(worker, req, text_stop_ids, "cmpl", model_name, protocol.text_body,
+                             protocol.text_chunk)
 
-    return app
+
+async def _read_json(request: Request, max_body_bytes: int) -> Any:
+    """The body as JSON, refusing (413) one over max_body_bytes before reading past the limit."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+        raise APIError(413, f"the request body is {declared} bytes; the limit is {max_body_bytes}",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body_bytes:
+            raise APIError(413, f"the request body is over the limit of {max_body_bytes} bytes",
+                           code="request_too_large")
+        chunks.append(chunk)
+    return protocol.parse_json(b"".join(chunks))
+
+
+async def _answer(worker: _Worker, req: GenerationRequest, stop_ids: list[int], prefix: str, model_name: str,
+                  make_body: Callable, make_chunk: Callable):
+    """Answer a checked request: a JSON body, or an event stream of chunks ending in [DONE]."""
+    reply_id, now = f"{prefix}-{secrets.token_hex(12)}", int(time.time())
+    if not req.stream:
+        try:
+            done = await worker.complete(req, stop_ids)
+        except NanoforgeError as e:
+            raise APIError(400, str(e)) from None
+        return JSONResponse(make_body(model_name, reply_id, now, done, protocol.usage(req.prompt_ids, done)))
+
+    worker.check_room()  # a 503 has to come before the stream's 200
+
+    chunk = functools.partial(make_chunk, model_name, reply_id, now)  # (text, finish_reason, first=False)
+
+    async def events():
+        yield protocol.sse(chunk(None, None, first=True))
+        try:
+            async for item in worker.stream(req, stop_ids):
+                if isinstance(item, Completion):
+                    yield protocol.sse(chunk(None, item.finish_reason))
+                    if req.include_usage:
+                        yield protocol.sse({**chunk(None, None), "choices": [],
+                                            "usage": protocol.usage(req.prompt_ids, item)})
+                elif item:
+                    yield protocol.sse(chunk(item, None))
+        except Exception as e:  # the 200 is already sent: report it in the stream, as OpenAI does
+            ours = isinstance(e, NanoforgeError)
+            if not ours:
+                log.exception("generation failed")
+            error = APIError(400 if ours else 500, str(e), type="invalid_request_error" if ours else "server_error")
+            yield protocol.sse(error.body())
+        yield protocol.sse("[DONE]")
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -571,8 +348,6 @@ def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
 def _check_can_listen(host: str, port: int) -> None:
     """Bind (host, port) once, as uvicorn will, so a port in use or a host that is not this machine's is a
     clear error now instead of a log line after the model has loaded."""
-    import errno
-    import socket
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         with socket.socket(family, kind, proto) as sock:
@@ -591,14 +366,6 @@ def run_server(run_dir, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_
     """`nanoforge serve RUN`: load the run's latest checkpoint and serve it with uvicorn until Ctrl-C.
 
     The model is named after the run directory unless `model_name` is given."""
-    import sys
-
-    import uvicorn
-
-    from nanoforge.infer.chat import resolve_precision
-    from nanoforge.train.checkpoint import load_model
-    from nanoforge.device import resolve_device
-
     if not isinstance(port, int) or not 1 <= port <= 65535:
         raise NanoforgeError(f"--port {port} must be between 1 and 65535")
     _check_can_listen(host, port)  # before minutes of loading, and before saying "serving"
@@ -623,10 +390,6 @@ def run_server(run_dir, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_
 def main(argv: list[str] | None = None) -> None:
     """`python -m nanoforge.infer.server RUN [--host H] [--port P] [--api-key KEY]` (the key may also come
     from the NANOFORGE_API_KEY environment variable, which, unlike an argument, `ps` does not show)."""
-    import argparse
-    import os
-    import sys
-
     parser = argparse.ArgumentParser(prog="python -m nanoforge.infer.server", description=main.__doc__)
     parser.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint) or a checkpoint directory")
     parser.add_argument("--host", default=DEFAULT_HOST)

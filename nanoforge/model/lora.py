@@ -15,8 +15,8 @@ Names follow PEFT's layout without its adapter-name level, so a checkpoint reads
 `LoraLinear` registers the wrapped Linear's own weight Parameter as its `weight` (no nested `.base`), so
 `model.state_dict()` keeps every base key unchanged and `merge_lora` can hand back a plain GPT.
 
-A LoRA run saves only the adapters plus a reference to its base (`adapter_metadata`): the path and sha256 of
-the base `model.safetensors` and a fingerprint of the base tensors; `check_base` refuses a different base.
+A LoRA run saves only the adapters plus a reference to its base: the path and sha256 of the base
+`model.safetensors` and `weights_fingerprint` of the base tensors (loader.py records and checks them).
 `LoraModel` wraps a GPT so that the one training loop saves and restores adapters only.
 """
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterable
 
 import torch
@@ -232,27 +231,7 @@ def load_lora_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Which base an adapter belongs to
-
-
-def _base_file(base_checkpoint: str | Path) -> Path:
-    """A model.safetensors file, a checkpoint directory or a run directory -> the weights file."""
-    path = Path(base_checkpoint)
-    if path.is_file():
-        return path
-    from nanoforge.train.checkpoint import resolve_checkpoint
-    return resolve_checkpoint(path) / "model.safetensors"
-
-
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    except OSError as e:
-        raise NanoforgeError(f"{path}: cannot read the base model weights: {e.strerror or e}") from None
-    return h.hexdigest()
+# Telling bases apart
 
 
 @torch.no_grad()
@@ -279,40 +258,6 @@ def weights_fingerprint(weights: dict[str, torch.Tensor] | nn.Module, samples: i
     return h.hexdigest()
 
 
-def adapter_metadata(base_checkpoint: str | Path, base_weights: dict[str, torch.Tensor] | nn.Module) -> dict[str, str]:
-    """What an adapter checkpoint records about its base (flat strings, for config.toml and state.json)."""
-    path = _base_file(base_checkpoint)
-    return {"base_checkpoint": str(path.resolve()), "base_sha256": file_sha256(path),
-            "base_fingerprint": weights_fingerprint(base_weights)}
-
-
-def check_base(meta: dict[str, Any], base_checkpoint: str | Path) -> None:
-    """Refuse to put an adapter on a base other than the one it was trained on.
-
-    The same file (sha256) passes at once; a different file passes only when its tensors have the base's
-    fingerprint (the same weights re-saved or moved)."""
-    for key in ("base_sha256", "base_fingerprint"):
-        if key not in meta:
-            raise NanoforgeError(f"the adapter's metadata has no {key}; cannot tell which base it was trained on")
-    path = _base_file(base_checkpoint)
-    sha = file_sha256(path)
-    if sha == meta["base_sha256"]:
-        return
-    if weights_fingerprint(_load_safetensors(path)) == meta["base_fingerprint"]:
-        return
-    raise NanoforgeError(f"adapter was trained on base {meta.get('base_checkpoint', '?')} "
-                         f"(sha256 {meta['base_sha256'][:12]}), not {path} (sha256 {sha[:12]}); "
-                         f"give the base it was trained on")
-
-
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    try:
-        return load_file(str(path))
-    except (OSError, SafetensorError, ValueError) as e:
-        raise NanoforgeError(f"{path}: cannot read weights (truncated or corrupted?): {e}") from None
-
 
 # ----------------------------------------------------------------------------------------------------------
 # The model the training loop sees
@@ -326,7 +271,6 @@ class LoraModel(nn.Module):
     def __init__(self, gpt: nn.Module, cfg: LoraConfig):
         super().__init__()
         self.gpt = gpt
-        self.lora_cfg = cfg
         self.targets = attach_lora(gpt, cfg)
 
     @property
@@ -370,30 +314,3 @@ class LoraModel(nn.Module):
         """Fold the adapters in and return the plain GPT (this wrapper is spent afterwards)."""
         return merge_lora(self.gpt)
 
-
-def load_adapter_checkpoint(path: str | Path, base: str | Path | None = None, merge: bool = True,
-                            device: str | torch.device = "cpu") -> nn.Module:
-    """An adapter checkpoint (or LoRA run directory) -> the base GPT with the adapters loaded, merged into a
-    plain GPT unless merge=False (then a LoraModel). The base is `base` if given, else the one recorded in
-    the checkpoint; either way `check_base` must accept it."""
-    from nanoforge.config import MODEL_FIELDS, ModelConfig
-    from nanoforge.model.gpt import GPT
-    from nanoforge.train import checkpoint as ckpt
-
-    path = ckpt.resolve_checkpoint(path)
-    state = ckpt.load_state(path)
-    run = state.get("run", {})
-    if "base_sha256" not in run:
-        raise NanoforgeError(f"{path}: not a LoRA adapter checkpoint (state.json has no base reference)")
-    saved = state.get("config", {}).get("model", {})
-    unknown = set(saved) - set(MODEL_FIELDS)
-    if unknown:
-        raise NanoforgeError(f"{path / 'state.json'}: unknown model config fields {sorted(unknown)}")
-    base_file = _base_file(base if base is not None else run["base_checkpoint"])
-    check_base(run, base_file)
-    gpt = GPT(ModelConfig(**saved))
-    gpt.load_weights(_load_safetensors(base_file))
-    model = LoraModel(gpt, LoraConfig.from_dict(run))
-    model.load_weights(ckpt.load_weights_file(path))
-    model = model.to(device).eval()
-    return model.merged() if merge else model

@@ -9,6 +9,7 @@
 The directory is written under a temporary name, every file is fsynced, then it is renamed into place and
 the parent directory fsynced. A reader therefore sees either a complete checkpoint or none: a process
 killed mid-write leaves only a `.tmp-*` directory, which is ignored and cleaned up by the next save.
+Building a model from a checkpoint is loader.py's.
 """
 from __future__ import annotations
 
@@ -138,7 +139,11 @@ def load_state(ckpt: Path) -> dict[str, Any]:
 
 
 def load_weights_file(ckpt: Path) -> dict[str, torch.Tensor]:
-    path = ckpt / "model.safetensors"
+    return read_weights(ckpt / "model.safetensors")
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A model.safetensors file (a checkpoint's, or a LoRA run's base) -> its tensors. Never a pickle."""
     try:
         return load_file(str(path))
     except (OSError, SafetensorError, ValueError) as e:
@@ -152,33 +157,3 @@ def load_trainer_file(ckpt: Path) -> dict[str, Any]:
     except Exception as e:  # torch raises many types for a damaged zip; all mean the same to the user
         raise NanoforgeError(f"{path}: cannot read optimizer state (truncated or corrupted?): {e}") from None
 
-
-def load_model(path: str | Path, device: str | torch.device = "cpu"):
-    """A run directory or checkpoint -> (model in eval mode, its tokenizer, the checkpoint path).
-
-    The model's shape comes from the config saved in the checkpoint and the weights load strictly; the
-    tokenizer is the run's own copy (RUN/tokenizer), so what generates is what was trained."""
-    from nanoforge.config import MODEL_FIELDS, ModelConfig
-    from nanoforge.model.gpt import GPT
-    from nanoforge.tokenizer import load_tokenizer
-
-    from nanoforge.export import is_hf_dir, load_hf_model
-    if is_hf_dir(path):
-        model, tokenizer = load_hf_model(path)
-        return model.to(device).eval(), tokenizer, Path(path)
-    path = resolve_checkpoint(path)
-    state = load_state(path)
-    if "base_sha256" in state.get("run", {}):  # a LoRA run: adapters on a recorded base, merged into a plain GPT
-        from nanoforge.model.lora import load_adapter_checkpoint
-        model = load_adapter_checkpoint(path)
-    else:
-        saved = state.get("config", {}).get("model", {})
-        unknown = set(saved) - set(MODEL_FIELDS)
-        if unknown:
-            raise NanoforgeError(f"{path / 'state.json'}: unknown model config fields {sorted(unknown)}")
-        model = GPT(ModelConfig(**saved))
-        model.load_weights(load_weights_file(path))
-    tokenizer_dir = path.parent.parent / "tokenizer"
-    if not tokenizer_dir.is_dir():
-        raise NanoforgeError(f"{tokenizer_dir}: the run's tokenizer is missing")
-    return model.to(device).eval(), load_tokenizer(tokenizer_dir), path

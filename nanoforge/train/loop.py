@@ -37,7 +37,7 @@ from nanoforge.train.optim import build_optimizer, lr_at
 from nanoforge.train.stage import Batch, LossFn, Stage
 from nanoforge.train.state import Run, RunState, resume as resume_run, rollback, save
 
-__all__ = ["Stage", "TrainingInterrupted", "evaluate", "train", "autocast_context", "resolve_device"]
+__all__ = ["Stage", "TrainingInterrupted", "evaluate", "train"]
 
 
 class TrainingInterrupted(NanoforgeError):

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoforge.data.batches import IGNORE
+from nanoforge.data.dpo import sequence_logps
 
 
 def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]):
@@ -41,8 +42,6 @@ def dpo_loss(model: nn.Module, batch: dict[str, torch.Tensor], beta: float = 0.1
     (Stage.count_fn = nanoforge.data.dpo.count_pairs). At the start policy == reference, so every pair's
     loss is log 2 = 0.6931: a loss stuck there means the policy is not moving (lr far too small).
     """
-    from nanoforge.data.dpo import sequence_logps
-
     logits = model(batch["input_ids"])  # (2B, T, V)
     logps = sequence_logps(logits, batch["labels"])  # (2B,) float32
     ratios = logps - batch["ref_logps"].float()  # (2B,) log pi/pi_ref of each reply

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import json
 import shutil
 from pathlib import Path
 from typing import Any, Sequence
@@ -26,10 +25,12 @@ from nanoforge import dirlock
 from nanoforge.config import (MODEL_FIELDS, PRESETS, ConfigError, ModelConfig, TrainConfig, build_config,
                               config_to_toml, load_toml)
 from nanoforge.device import resolve_device
-from nanoforge.data.jsonl import check_input_file, detect_kind
-from nanoforge.data.shards import check_tokenizer, is_plain_text, prepare_dataset, read_manifest
+from nanoforge.data.prepare import prepare_dataset
+from nanoforge.data.shards import check_tokenizer
+from nanoforge.data.sources import data_kind, prepared_dir
 from nanoforge.errors import NanoforgeError
-from nanoforge.plan import fit_micro_batch
+from nanoforge.loader import init_config, init_tokenizer_dir
+from nanoforge.train.microbatch import fit_micro_batch
 from nanoforge.tokenizer import load_tokenizer, train_tokenizer
 from nanoforge.train import checkpoint as ckpt
 from nanoforge.train.distributed import is_main, main_first
@@ -174,16 +175,10 @@ def _device(tcfg: TrainConfig) -> torch.device:
 
 def _resolve_data(kind: str, data: Sequence[str], run_dir: Path, tokenizer_path: str | None, mcfg: ModelConfig,
                   tcfg: TrainConfig, quiet: bool) -> Path:
-
-    if not data:
-        raise NanoforgeError("--data is required: a prepared directory or one or more JSONL files")
     paths = [Path(p) for p in data]
-    if len(paths) == 1 and (paths[0] / "manifest.json").is_file():
-        return paths[0]
-    for p in paths:
-        if p.is_dir():
-            raise NanoforgeError(f"{p}: a directory without manifest.json; give JSONL files or a directory "
-                                 f"made by `nanoforge prepare`")
+    prepared = prepared_dir(paths)
+    if prepared is not None:
+        return prepared
     target = run_dir / "data"
     if (target / "manifest.json").is_file():
         return target
@@ -225,54 +220,6 @@ def copy_tokenizer(src: Path, run_dir: Path) -> None:
     shutil.copytree(src, dst)
 
 
-# Samples during training (--sample-every N): the same prompts at every N steps show what the model has learnt
-# so far. Fixed-seed sampling (as `nanoforge eval --samples`), so successive samples differ only by the weights.
-
-
-def init_config(init: str | Path) -> tuple[Path, dict[str, Any]]:
-    """The checkpoint (or HF model directory) --init points at, and the config it was trained with."""
-    from nanoforge.export import is_hf_dir, model_config_from_hf, read_hf_config
-    if is_hf_dir(init):
-        path = Path(init)
-        m = model_config_from_hf(read_hf_config(path), path / "config.json")
-        return path, {"model": dataclasses.asdict(m), "train": {"seq_len": min(512, m.max_seq_len)}}
-    path = ckpt.resolve_checkpoint(init)
-    return path, ckpt.load_state(path).get("config", {})
-
-
-def init_tokenizer_dir(init_path: Path) -> Path:
-    from nanoforge.export import is_hf_dir
-    return init_path if is_hf_dir(init_path) else init_path.parent.parent / "tokenizer"
-
-
-def init_weights(init_path: Path):
-    """Weights of --init: a checkpoint's model.safetensors or an HF directory's (strictly mapped later)."""
-    from nanoforge.export import is_hf_dir, read_hf_weights
-    return read_hf_weights(init_path) if is_hf_dir(init_path) else ckpt.load_weights_file(init_path)
-
-
-def data_kind(data: Sequence[str]) -> str:
-    """The kind of the given data: a prepared directory's manifest, or the first record of a JSONL file."""
-    if not data:
-        raise NanoforgeError("--data is required: a prepared directory or one or more JSONL files")
-    first = Path(data[0])
-    if first.is_dir():
-        return read_manifest(first)["kind"]
-    check_input_file(first)
-    if is_plain_text(first):  # a .txt/.md file is one pretraining document
-        return "pretrain"
-    with open(first, encoding="utf-8-sig", errors="replace") as f:
-        for line_no, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    kind = detect_kind(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise NanoforgeError(f"{first}:{line_no}: invalid JSON: {e.msg}") from None
-                if kind is None:
-                    raise NanoforgeError(f"{first}:{line_no}: cannot tell the kind of record (no \"text\", "
-                                         f"\"conversations\" or \"chosen\"/\"rejected\" key)")
-                return kind
-    raise NanoforgeError(f"{first}: no records")
 
 
 def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str | Path, config_file: str | None,

@@ -14,22 +14,25 @@ from nanoforge.config import PRESETS, ModelConfig, TrainConfig, build_config, co
 from nanoforge.data.batches import PretrainBatches, SFTBatches, eval_batches
 from nanoforge.data.dpo import DPOBatches, count_pairs, reference_logps
 from nanoforge.data.shards import TokenShards, check_tokenizer
+from nanoforge.data.sources import data_kind
 from nanoforge.device import resolve_device
 from nanoforge.errors import NanoforgeError
-from nanoforge.evaluate import generate_samples, load_prompts, write_samples
 from nanoforge.infer.generate import SamplingConfig
+from nanoforge.infer.samples import generate_samples, load_prompts, write_samples
 from nanoforge.model.gpt import GPT
-from nanoforge.model.lora import LoraConfig, LoraModel, adapter_metadata, check_base, load_adapter_checkpoint
-from nanoforge.plan import fit_micro_batch
+from nanoforge.loader import (adapter_metadata, check_base, init_tokenizer_dir, init_weights, load_adapter_checkpoint,
+                              load_model)
+from nanoforge.model.lora import LoraConfig, LoraModel
+from nanoforge.train.microbatch import fit_micro_batch
 from nanoforge.report import write_run_report
 from nanoforge.tokenizer import load_tokenizer
 from nanoforge.train import checkpoint as ckpt
 from nanoforge.train.distributed import main_first, setup, world
 from nanoforge.train.loop import Stage, TrainingInterrupted, train
 from nanoforge.train.objectives import causal_lm_loss, dpo_loss, make_distill_loss
-from nanoforge.train.rundir import (check_resume_options, check_same_origin, copy_tokenizer, data_kind,
-                                    finetune_setup, fit_vocab, fresh_run_guard, init_tokenizer_dir, init_weights,
-                                    open_run, resolve_data, saved_data_dir, write_run_config)
+from nanoforge.train.rundir import (check_resume_options, check_same_origin, copy_tokenizer, finetune_setup,
+                                    fit_vocab, fresh_run_guard, open_run, resolve_data, saved_data_dir,
+                                    write_run_config)
 
 
 SAMPLE_MAX_TOKENS = 48
@@ -218,14 +221,14 @@ def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str
     return train_and_report(stage, model, mcfg, tcfg, run_dir, resume, quiet)
 
 
-def lora_merge(run: str | Path, out: str | Path, force: bool = False) -> Path:
+def lora_merge(run: str | Path, out: str | Path) -> Path:
     """`nanoforge lora merge`: fold a LoRA run's adapters into its base and write a plain run directory
     (config, tokenizer, one checkpoint) that chat, export and further training read like any other."""
 
     src = ckpt.resolve_checkpoint(run)
     state = ckpt.load_state(src)
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not force:
+    if out.exists() and any(out.iterdir()):
         raise NanoforgeError(f"{out} exists and is not empty; choose another --out")
     model = load_adapter_checkpoint(src)
     cfg = state.get("config", {})
@@ -314,7 +317,7 @@ def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str
         raise NanoforgeError("--teacher is required: the run or checkpoint to distill from")
     if temperature <= 0 or not 0 <= alpha <= 1:
         raise NanoforgeError(f"--temperature {temperature} must be > 0 and --alpha {alpha} in [0, 1]")
-    teacher_model, teacher_tok, teacher_path = ckpt.load_model(teacher)
+    teacher_model, teacher_tok, teacher_path = load_model(teacher)
     teacher_model.eval().requires_grad_(False)
     options = {"teacher": str(teacher_path.resolve()), "temperature": temperature, "alpha": alpha}
     loss = make_distill_loss(teacher_model, temperature, alpha)

@@ -1,0 +1,171 @@
+"""What each `nanoforge` command does once cli.py has parsed its arguments: one small function per command,
+calling the module that does the work. cli.py imports this module only after parsing, so that `--help` and
+usage errors need neither torch nor these modules."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from nanoforge.bench import format_bench, run_bench, write_json
+from nanoforge.config import MODEL_FIELDS, TRAIN_FIELDS, build_config, parse_value
+from nanoforge.data.prepare import prepare_dataset
+from nanoforge.demo import run_demo
+from nanoforge.errors import NanoforgeError
+from nanoforge.evaluate import run_eval
+from nanoforge.export import export_gguf, export_hf
+from nanoforge.infer.chat import run_chat, run_generate
+from nanoforge.model.lora import LoraConfig
+from nanoforge.plan import format_plan, make_plan
+from nanoforge.report import write_report
+from nanoforge.tokenizer import train_tokenizer
+from nanoforge.train.distributed import is_main
+from nanoforge.train.loop import TrainingInterrupted
+from nanoforge.train.rundir import check_resume_options
+from nanoforge.train.stages import distill, dpo, lora_merge, pretrain, sft
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed command; its exit status (errors are one line on stderr, not a traceback)."""
+    if not is_main():  # under torchrun only rank 0 talks to the user
+        sys.stdout = open(os.devnull, "w")
+    try:
+        COMMANDS[args.command](args)
+        return 0
+    except NanoforgeError as e:
+        print(f"error: {e}" if not isinstance(e, TrainingInterrupted) else str(e), file=sys.stderr)
+        return 128 + e.signum if isinstance(e, TrainingInterrupted) else 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The config fields given on the command line (cli.add_config_flags's --field-name flags)."""
+    out = {}
+    for name, f in {**MODEL_FIELDS, **TRAIN_FIELDS}.items():
+        text = getattr(args, f"cfg_{name}", None)
+        if text is not None:
+            out[name] = parse_value(name, f, text)
+    return out
+
+
+def cmd_demo(args) -> None:
+    run_demo(args.out, minutes=args.minutes)
+
+
+def cmd_report(args) -> None:
+    print(f"report written to {write_report(args.runs, args.out)}")
+
+
+def cmd_tokenizer(args) -> None:
+    tok = train_tokenizer(args.data, vocab_size=args.vocab_size, out_dir=args.out, min_frequency=args.min_frequency)
+    print(f"tokenizer with {tok.vocab_size} tokens written to {args.out}")
+
+
+def cmd_prepare(args) -> None:
+    prepare_dataset(args.kind, args.data, args.tokenizer, args.out, val_fraction=args.val_fraction,
+                    workers=args.workers, skip_invalid=args.skip_invalid, force=args.force)
+
+
+def cmd_pretrain(args) -> None:
+    preset = args.preset or (None if (args.config or args.resume or args.init) else "mini")
+    summary = pretrain(args.data, args.out, preset=preset, config_file=args.config,
+                       overrides=config_overrides(args), resume=args.resume, tokenizer=args.tokenizer,
+                       quiet=args.quiet, init=args.init)
+    print(f"pretrain finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
+
+
+def cmd_sft(args) -> None:
+    summary = sft(args.init, args.data, args.out, config_file=args.config, overrides=config_overrides(args),
+                  resume=args.resume, quiet=args.quiet)
+    print(f"sft finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
+
+
+def cmd_lora(args) -> None:
+    if args.action == "merge":
+        if not args.run:
+            raise NanoforgeError("lora merge needs the LoRA run: nanoforge lora merge RUN --out DIR")
+        print(f"merged model written to {lora_merge(args.run, args.out)}")
+        return
+    given = {k: v for k, v in dict(rank=args.rank, alpha=args.alpha, dropout=args.dropout,
+                                   targets=args.targets).items() if v is not None}
+    lcfg = LoraConfig(**given)
+    if args.resume:
+        check_resume_options(Path(args.out), {key: (f"--{key[5:]}", value) for key, value in lcfg.to_dict().items()
+                                              if key[5:] in given})
+    summary = sft(args.init, args.data, args.out, config_file=args.config, overrides=config_overrides(args),
+                  resume=args.resume, quiet=args.quiet, lora=lcfg)
+    print(f"lora finished at step {summary['step']}: adapters in {summary['checkpoint']}")
+
+
+def cmd_dpo(args) -> None:
+    summary = dpo(args.init, args.data, args.out, config_file=args.config, overrides=config_overrides(args),
+                  resume=args.resume, beta=args.beta, quiet=args.quiet)
+    print(f"dpo finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
+
+
+def cmd_distill(args) -> None:
+    summary = distill(args.teacher, args.init, args.data, args.out, config_file=args.config,
+                      overrides=config_overrides(args), resume=args.resume, temperature=args.temperature,
+                      alpha=args.alpha, quiet=args.quiet)
+    print(f"distill finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
+
+
+def cmd_plan(args) -> None:
+    preset = args.preset or (None if args.config else "mini")
+    mcfg, tcfg = build_config(preset, args.config, config_overrides(args))
+    p = make_plan(mcfg, tcfg, args.device, args.global_batch, args.tokens, args.mfu, args.tokens_per_s)
+    print(format_plan(p, mcfg, tcfg, args.tokens))
+
+
+def cmd_bench(args) -> None:
+    preset = args.preset or (None if args.config else "mini")
+    res = run_bench(preset, args.config, config_overrides(args), steps=args.steps, warmup=args.warmup,
+                    data=args.data, compare_naive=args.compare_naive,
+                    log=(lambda *a: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True)))
+    print(format_bench(res))
+    if args.json:
+        write_json(res, args.json)
+
+
+def cmd_eval(args) -> None:
+    run_eval(args.run, data=args.data, bench=args.bench, fmt=args.format, shots=args.shots, dev=args.dev,
+             samples=args.samples, prompts_file=args.prompts, chat=args.chat, batch_size=args.batch_size,
+             seq_len=args.seq_len, max_tokens=args.max_tokens, limit=args.limit, precision=args.precision,
+             device=args.device, write=not args.no_write, json_out=args.json, progress=not args.quiet,
+             split=args.split)
+
+
+def cmd_export(args) -> None:
+    out = (export_hf(args.run, args.out, force=args.force) if args.format == "hf"
+           else export_gguf(args.run, args.out, dtype=args.dtype, force=args.force))
+    print(f"wrote {out}")
+
+
+def cmd_serve(args) -> None:
+    from nanoforge.infer.server import run_server  # here: it needs fastapi and uvicorn, the optional `serve` extra
+    run_server(args.run, host=args.host, port=args.port,
+               api_key=args.api_key or os.environ.get("NANOFORGE_API_KEY") or None,
+               device=args.device, precision=args.precision, request_timeout=args.request_timeout or None,
+               max_pending=args.max_pending)
+
+
+def cmd_generate(args) -> None:
+    run_generate(args.run, prompt=args.prompt, num_samples=args.num_samples, temperature=args.temperature,
+                 top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                 max_new_tokens=args.max_new_tokens, seed=args.seed, device=args.device, precision=args.precision)
+
+
+def cmd_chat(args) -> None:
+    run_chat(args.run, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+             repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_new_tokens,
+             system=args.system, seed=args.seed, device=args.device, precision=args.precision)
+
+
+COMMANDS = {"demo": cmd_demo, "report": cmd_report, "tokenizer": cmd_tokenizer, "prepare": cmd_prepare,
+            "pretrain": cmd_pretrain, "sft": cmd_sft, "lora": cmd_lora, "dpo": cmd_dpo, "distill": cmd_distill,
+            "plan": cmd_plan, "bench": cmd_bench, "eval": cmd_eval, "export": cmd_export, "serve": cmd_serve,
+            "generate": cmd_generate, "chat": cmd_chat}

@@ -1,0 +1,391 @@
+"""The parallel half of `nanoforge prepare` (data/prepare.py): input files read in chunks, and each chunk
+parsed, validated and tokenized in a worker process.
+
+A plain-text file (.txt, .text, .md) is pretraining text, read in chunks cut where the pre-tokenizer would
+split anyway (see _text_cut), tokenized like the rest, and joined back into whole documents. With
+val_fraction f = 0 the file is one train document. With f > 0 its tail is held out, as nanoGPT does with one
+corpus file (a per-document draw would leave one file with no validation split at all): the val split gets a
+document that starts at the first line start at or after byte size - floor(f*size), and the head is one
+train document; each is exactly its own text tokenized, plus eos. The manifest's source entry then says
+"val_from_byte" and counts 2 records. A file with no line start in that tail (too short, or one long last
+line) stays whole in train, and the log says so. Text documents are not counted by the per-record rule for
+JSONL, so JSONL records go to the same split whatever .txt files come before them in the input (before plain
+text was split, a .txt file counted as one record there).
+
+Preparing is parallel: the parent reads each file in ~2 MB chunks of whole lines and hands them to worker
+processes, which parse, validate and tokenize; results come back and are written in input order, so the
+output is byte-identical for any number of workers. At most 2 chunks per worker are in flight, which bounds
+memory whatever the input size (`Pool.imap` would read the whole input ahead).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import multiprocessing
+import os
+import signal
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from nanoforge.data.jsonl import (MAX_RECORD_BYTES, UTF8_BOM, DataError, SkipCounter, parse_line,
+                                  record_too_long)
+from nanoforge.data.sources import is_plain_text
+from nanoforge.tokenizer import ChatTemplateError
+
+ENCODE_BATCH_CHARS = 1 << 18  # texts per encode_batch call, bounds the Rust-side memory of one call
+
+
+@dataclass
+class SourceStats:
+    """What the manifest records about one input file; filled in as its chunks are read and processed."""
+
+    path: Path
+    records: int = 0
+    size: int = 0
+    hasher: "hashlib._Hash" = field(default_factory=hashlib.sha256)
+    skips: SkipCounter = field(default_factory=SkipCounter)
+    # plain text with val_fraction > 0: the byte offset and line where its val document starts, or why
+    # the file stays whole in train
+    val_start: int | None = None
+    val_line: int = 0
+    kept_whole: str = ""
+
+    def to_json(self) -> dict:
+        entry = {"path": str(self.path.resolve()), "bytes": self.size, "sha256": self.hasher.hexdigest(),
+                 "records": self.records, "skipped": self.skips.skipped}
+        if self.val_start is not None:
+            entry["val_from_byte"] = self.val_start
+        return entry
+
+
+# ---- reading chunks
+
+
+@dataclass
+class ChunkTask:
+    kind: str
+    file_index: int
+    path: str
+    first_line: int
+    data: bytes
+    skip_invalid: bool
+    # plain text: the chunk is a piece of one of the file's documents (its head, or its held-out tail when
+    # `text_val`); `text_end` says it is the last piece of that document
+    plain_text: bool = False
+    text_end: bool = True
+    text_val: bool = False
+
+
+def chunk_tasks(kind: str, sources: list[SourceStats], chunk_bytes: int, skip_invalid: bool,
+                 val_fraction: float = 0.0) -> Iterator[ChunkTask]:
+    for index, source in enumerate(sources):
+        if is_plain_text(source.path):
+            if kind != "pretrain":
+                raise DataError(f"plain text is pretraining data; {kind} needs JSONL records", source.path)
+            for first_line, data, last, val in _text_chunks(source, chunk_bytes, val_fraction):
+                yield ChunkTask(kind, index, str(source.path), first_line, data, skip_invalid, True, last, val)
+            continue
+        for first_line, data in _line_chunks(source, chunk_bytes):
+            yield ChunkTask(kind, index, str(source.path), first_line, data, skip_invalid)
+
+
+# ASCII whitespace; the pre-tokenizer's \s also matches a few non-ASCII spaces (U+00A0, U+3000, ...)
+_WHITESPACE = b" \t\n\r\x0b\x0c"
+
+
+def _text_cut(data: bytes) -> int:
+    """Where to cut `data` (bytes of UTF-8 text) so that tokenizing the two parts gives the same tokens as
+    tokenizing the whole: just before the last whitespace run that holds a line break and follows a
+    non-space character; 0 if there is no such place.
+
+    Why there: BPE merges never cross pre-tokens, so equal pre-tokens mean equal tokens. The byte-level
+    pre-tokenizer (GPT-2's regex) ends a word, number or punctuation run at whitespace, and starts a new
+    match at the first whitespace character after one; it looks ahead, never behind. Cut before the whole
+    run, the first part ends with the same pre-token as in the whole text, and the second part is matched
+    from the same position with the same look-ahead. Cutting after the newline instead would change things:
+    "a  \n" at the end of a part makes one pre-token of "  \n", where the whole text has "  " and "\n". A
+    non-ASCII space just before the run (rare) can change how that one run is split, never the text:
+    decoding stays exact. The cut is at an ASCII byte, so never inside a UTF-8 character."""
+    newline = data.rfind(b"\n")
+    while newline > 0:
+        cut = len(data[:newline].rstrip(_WHITESPACE))
+        if cut > 0:
+            return cut
+        newline = -1  # everything before is whitespace
+    return 0
+
+
+def _text_val_target(size: int, val_fraction: float) -> int | None:
+    """The byte offset from which a plain-text file of `size` bytes is held out: its val document starts at
+    the first line start at or after it. None when there is nothing to hold out (val_fraction*size < 1)."""
+    held_out = math.floor(val_fraction * size)
+    return size - held_out if held_out > 0 else None
+
+
+def _text_chunks(source: SourceStats, chunk_bytes: int,
+                 val_fraction: float = 0.0) -> Iterator[tuple[int, bytes, bool, bool]]:
+    """(first line number, bytes, ends its document, is in the val document) pieces of a plain-text file,
+    each cut by _text_cut; hashes and sizes the file on the way. Never holds more than a chunk (plus one
+    unbroken stretch).
+
+    With val_fraction > 0 the head ends with the first line break at or after byte target - 1 (see
+    _text_val_target; the file size is its stat, known before reading), so the tail starts at a line start
+    and the two are separate documents. No other piece of the head reaches past that line break: _text_cut
+    cuts before the last line break of what has been read, and what holds that one is cut there first. Head
+    and tail are tokenized as two texts (each document is exactly encode(its own text) + eos), so unlike a
+    cut inside a document this one may go after the line break."""
+    target = _text_val_target(source.path.stat().st_size, val_fraction)
+    line_no, pending, offset, in_val = 1, b"", 0, False  # offset: where `pending` starts in the file
+    with open(source.path, "rb") as f:
+        block = f.read(chunk_bytes)
+        while block:
+            source.hasher.update(block)
+            source.size += len(block)
+            data = pending + block
+            block = f.read(chunk_bytes)
+            if target is not None and not in_val:  # the head: look for the line break that ends it
+                newline = data.find(b"\n", max(target - 1 - offset, 0))
+                if newline >= 0 and (newline + 1 < len(data) or block):  # the tail is not empty
+                    yield line_no, data[:newline + 1], True, False
+                    line_no += data.count(b"\n", 0, newline + 1)
+                    source.val_start, source.val_line = offset + newline + 1, line_no
+                    data, offset, in_val = data[newline + 1:], offset + newline + 1, True
+                elif not block:
+                    source.kept_whole = (f"no line starts in its last {source.size - target:,} bytes "
+                                         f"({val_fraction:g} of the file) to hold out for validation")
+                    target = None
+            cut = _text_cut(data) if block else len(data)
+            if cut == 0:  # no place to cut yet: keep reading, but not without bound
+                if len(data) > MAX_RECORD_BYTES:
+                    raise DataError(f"no line break in {len(data) / 1e6:.0f} MB; plain text is read in pieces "
+                                    "cut at line breaks", source.path, line_no)
+                pending = data
+                continue
+            yield line_no, data[:cut], not block, in_val
+            line_no += data.count(b"\n", 0, cut)
+            pending, offset = data[cut:], offset + cut
+    if val_fraction > 0 and target is None and not source.kept_whole and source.size:
+        source.kept_whole = (f"{source.size:,} bytes are too few to hold out {val_fraction:g} of them "
+                             "for validation")
+
+
+def _line_chunks(source: SourceStats, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """(first line number, bytes) chunks of whole lines; hashes and sizes the file on the way."""
+    line_no, pending = 1, []  # pending: blocks of a line longer than one block, joined once it ends
+    with open(source.path, "rb") as f:
+        while True:
+            block = f.read(chunk_bytes)
+            if not block:
+                break
+            source.hasher.update(block)
+            source.size += len(block)
+            cut = block.rfind(b"\n") + 1
+            if cut == 0:  # no line ends in this block: keep reading, but not without bound
+                pending.append(block)
+                size = sum(map(len, pending))
+                if size > MAX_RECORD_BYTES:
+                    raise record_too_long(size, source.path, line_no)
+                continue
+            data = b"".join(pending) + block[:cut]
+            pending = [block[cut:]] if cut < len(block) else []
+            yield line_no, data
+            line_no += data.count(b"\n")
+    if pending:
+        yield line_no, b"".join(pending)
+
+
+# ---- encoding chunks (runs in the workers)
+
+
+@dataclass
+class ChunkResult:
+    file_index: int
+    tokens: np.ndarray  # (N,) all documents of the chunk, concatenated
+    doc_lens: np.ndarray  # (D,) int64 tokens per document
+    doc_bytes: np.ndarray  # (D,) int64 UTF-8 bytes of each document's source text
+    mask: np.ndarray | None  # (N,) uint8 loss mask for sft and dpo
+    skips: SkipCounter
+    continues: bool = False  # the last document goes on in the next chunk (a piece of a plain-text file)
+    text_split: str = ""  # plain text: the split its document goes to (JSONL: "", drawn per record)
+
+
+_worker_tokenizer = None
+
+
+def _init_worker(tokenizer) -> None:
+    """Pool initializer: one tokenizer per process; no Rust threads (the processes are the parallelism)."""
+    global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # Ctrl-C reaches the whole process group; the parent handles it (and terminates us), so the workers
+    # must not print a traceback each.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _worker_tokenizer = tokenizer
+
+
+def _encode_chunk_in_worker(task: ChunkTask) -> ChunkResult:
+    return encode_chunk(task, _worker_tokenizer)
+
+
+def encode_chunk(task: ChunkTask, tokenizer) -> ChunkResult:
+    """Parse, validate and tokenize the lines of one chunk. Raises the DataError of its first bad line."""
+    if task.plain_text:
+        return _encode_text(task, tokenizer)
+    skips = SkipCounter()
+    records = []
+    for offset, raw in enumerate(task.data.split(b"\n")):
+        line_no = task.first_line + offset
+        try:
+            record = parse_line(raw, task.kind, task.path, line_no)
+        except DataError as e:
+            if not task.skip_invalid:
+                raise
+            skips.add(e)
+            continue
+        if record is not None:
+            records.append((line_no, record))
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+    encode = {"pretrain": _encode_pretrain, "sft": _encode_sft, "dpo": _encode_dpo}[task.kind]
+    tokens, lens, nbytes, mask = encode(records, tokenizer, dtype, task, skips)
+    return ChunkResult(task.file_index, tokens, lens, nbytes, mask, skips)
+
+
+def _encode_pretrain(records, tokenizer, dtype, task: ChunkTask, skips: SkipCounter):
+    """Each document is encode(text) + [eos]. Texts go through the batch encoder a few hundred KB at a time
+    (bounds the Rust-side memory of one call) and are collected into one flat list: one numpy conversion per
+    chunk is much cheaper than one per document."""
+    flat, lens, nbytes, batch, batch_chars = [], [], [], [], 0
+    eos = tokenizer.eos_id
+
+    def flush():
+        for ids in tokenizer.encode_batch(batch):
+            flat.extend(ids)
+            flat.append(eos)
+            lens.append(len(ids) + 1)
+        batch.clear()
+
+    for _, record in records:
+        text = record["text"]
+        nbytes.append(len(text.encode("utf-8")))
+        batch.append(text)
+        batch_chars += len(text)
+        if batch_chars >= ENCODE_BATCH_CHARS:
+            flush()
+            batch_chars = 0
+    if batch:
+        flush()
+    return (np.array(flat, dtype=dtype), np.array(lens, dtype=np.int64), np.array(nbytes, dtype=np.int64), None)
+
+
+def _encode_text(task: ChunkTask, tokenizer) -> ChunkResult:
+    """A piece of one document of a plain-text file (the whole file, or its head or held-out tail): its
+    tokens, plus eos if the document ends here. The result holds that one document, left open (`continues`)
+    unless this is its last piece, and names the split it goes to."""
+    data = task.data[len(UTF8_BOM):] if task.first_line == 1 and task.data.startswith(UTF8_BOM) else task.data
+    if b"\x00" in data:
+        line = task.first_line + data.count(b"\n", 0, data.index(b"\x00"))
+        raise DataError("contains NUL bytes; is this a binary file?", task.path, line)
+    pieces = []  # sub-pieces cut the same way, so one encode call never holds the whole chunk
+    while len(data) > ENCODE_BATCH_CHARS:
+        cut = _text_cut(data[:ENCODE_BATCH_CHARS]) or len(data)
+        pieces.append(data[:cut])
+        data = data[cut:]
+    pieces.append(data)
+    texts, line = [], task.first_line
+    for piece in pieces:
+        try:
+            texts.append(piece.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise DataError(f"invalid UTF-8 (byte 0x{piece[e.start]:02x}); re-encode the file as UTF-8",
+                            task.path, line + piece.count(b"\n", 0, e.start)) from None
+        line += piece.count(b"\n")
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+    flat = [i for ids in tokenizer.encode_batch(texts) for i in ids]
+    if task.text_end:
+        flat.append(tokenizer.eos_id)
+    nbytes = sum(len(p) for p in pieces)
+    return ChunkResult(task.file_index, np.array(flat, dtype=dtype), np.array([len(flat)], dtype=np.int64),
+                       np.array([nbytes], dtype=np.int64), None, SkipCounter(), continues=not task.text_end,
+                       text_split="val" if task.text_val else "train")
+
+
+def _encode_sft(records, tokenizer, dtype, task: ChunkTask, skips: SkipCounter):
+    """Each conversation is rendered with the chat template; the mask marks the assistant tokens.
+    A conversation whose mask cannot be computed is a DataError at its line (or skipped)."""
+    flat, flat_mask, lens, nbytes = [], [], [], []
+    for line_no, record in records:
+        try:
+            ids, mask, text = tokenizer.render_chat_with_text(record["conversations"])
+        except ChatTemplateError as e:
+            error = DataError(str(e), task.path, line_no, '"conversations"')
+            if not task.skip_invalid:
+                raise error from None
+            skips.add(error)
+            continue
+        flat.extend(ids)
+        flat_mask.extend(mask)
+        lens.append(len(ids))
+        nbytes.append(len(text.encode("utf-8")))
+    return (np.array(flat, dtype=dtype), np.array(lens, dtype=np.int64), np.array(nbytes, dtype=np.int64),
+            np.array(flat_mask, dtype=np.uint8))
+
+
+def final_reply_mask(mask: list[int]) -> list[int]:
+    """Keep only the last run of 1s of an assistant mask: the final reply and its <|im_end|>."""
+    out = [0] * len(mask)
+    i = len(mask) - 1
+    while i >= 0 and not mask[i]:
+        i -= 1
+    while i >= 0 and mask[i]:
+        out[i] = 1
+        i -= 1
+    return out
+
+
+def _encode_dpo(records, tokenizer, dtype, task: ChunkTask, skips: SkipCounter):
+    """Each record becomes two documents, chosen then rejected, each rendered with the chat template and
+    masked on its final assistant reply only (Rafailov et al. 2023, arXiv 2305.18290: the DPO log-ratio is
+    over the answer given the shared prompt). A record whose template fails is a DataError (or skipped)."""
+    flat, flat_mask, lens, nbytes = [], [], [], []
+    for line_no, record in records:
+        try:
+            sides = [tokenizer.render_chat_with_text(record[name]) for name in ("chosen", "rejected")]
+        except ChatTemplateError as e:
+            error = DataError(str(e), task.path, line_no, '"chosen"/"rejected"')
+            if not task.skip_invalid:
+                raise error from None
+            skips.add(error)
+            continue
+        for ids, mask, text in sides:
+            flat.extend(ids)
+            flat_mask.extend(final_reply_mask(mask))
+            lens.append(len(ids))
+            nbytes.append(len(text.encode("utf-8")))
+    return (np.array(flat, dtype=dtype), np.array(lens, dtype=np.int64), np.array(nbytes, dtype=np.int64),
+            np.array(flat_mask, dtype=np.uint8))
+
+
+def run_chunks(tasks: Iterator[ChunkTask], tokenizer, workers: int) -> Iterator[ChunkResult]:
+    """Results of `tasks` in input order, computed by `workers` processes with bounded read-ahead."""
+    if workers <= 1:
+        for task in tasks:
+            yield encode_chunk(task, tokenizer)
+        return
+    # spawn: a fresh interpreter per worker, so no Rust thread pool or lock is inherited through fork
+    # (the deadlock tokenizers warns about); its start-up cost (~0.5 s) is paid once per run.
+    context = multiprocessing.get_context("spawn")
+    max_in_flight = 2 * workers
+    with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
+        pending = deque()
+        for task in tasks:
+            pending.append(pool.apply_async(_encode_chunk_in_worker, (task,)))
+            if len(pending) >= max_in_flight:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+    # leaving the `with` block terminates the workers, also when an error or Ctrl-C unwinds through here
+
+

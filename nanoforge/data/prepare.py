@@ -1,0 +1,312 @@
+"""`nanoforge prepare`: JSONL or plain text -> token shards on disk (the layout data/shards.py reads), with a
+manifest; data/chunks.py reads and tokenizes the input in parallel.
+
+Everything is written into a temporary directory next to out_dir and renamed into place at the end: an error
+or Ctrl-C leaves out_dir as it was and no temporary directory behind.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from contextlib import closing
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from nanoforge import __version__, dirlock
+from nanoforge.data.chunks import ChunkResult, SourceStats, chunk_tasks, run_chunks
+from nanoforge.data.jsonl import DataError, check_input_file
+from nanoforge.data.shards import FORMAT, FORMAT_VERSION, MASKED_KINDS
+from nanoforge.errors import NanoforgeError
+from nanoforge.fsutil import fsync_dir
+from nanoforge.tokenizer import Tokenizer, load_tokenizer
+
+SPLITS = ("train", "val")
+SHARD_TOKENS = 100_000_000  # start a new shard after this many tokens (200 MB of uint16)
+CHUNK_BYTES = 2 << 20  # raw JSONL handed to a worker at a time
+PREPARED_KINDS = ("pretrain", "sft", "dpo")
+
+
+def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 0.01, workers: int = 0,
+                    skip_invalid: bool = False, force: bool = False, log: Callable[[str], None] = print, *,
+                    chunk_bytes: int = CHUNK_BYTES, max_shard_tokens: int = SHARD_TOKENS) -> dict:
+    """Tokenize JSONL `files` of `kind` into shards in `out_dir`; return the manifest (also written there).
+
+    pretrain: each document is encode(text) + [eos].  sft: each conversation is tokenizer.render_chat(...),
+    ids plus a loss mask on the assistant tokens (no eos: the rendered conversation ends with <|im_end|>\\n).
+    dpo: each record is two documents, chosen then rejected, masked on the final assistant reply only.
+    Record i (0-based over all valid JSONL records in input order) goes to val iff
+    floor((i+1)*val_fraction) > floor(i*val_fraction): deterministic, spread evenly, exactly ~fraction.
+    A plain-text file is split by bytes instead: its tail (from a line start) is one val document.
+    workers=0 uses os.cpu_count() processes (never more than there are chunks); workers=1 runs in this
+    process. Keyword-only chunk_bytes and max_shard_tokens exist for tests and tuning.
+    """
+    started = time.perf_counter()
+    _check_kind(kind)
+    if not 0.0 <= val_fraction < 1.0:
+        raise NanoforgeError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if workers < 0:
+        raise NanoforgeError(f"workers must be >= 0 (0: one per core), got {workers}")
+    tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+    if kind == "pretrain" and tokenizer.eos_id is None:
+        raise NanoforgeError("the tokenizer has no end-of-text token (<|endoftext|> or an eos_token in "
+                             "tokenizer_config.json), which pretraining puts between documents")
+    files = [files] if isinstance(files, (str, os.PathLike)) else list(files)
+    if not files:
+        raise NanoforgeError("no input files given to prepare")
+    paths = [check_input_file(f) for f in files]
+    out_dir = Path(out_dir)
+    _check_out_dir(out_dir, force)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # one prepare per --out at a time: a second one stops here, naming the first, before writing anything
+    with dirlock.acquire(out_dir.parent / f".{out_dir.name}.lock", f"{out_dir} (being prepared)",
+                         unlink_on_release=True):
+        _check_out_dir(out_dir, force)  # again: a prepare that held the lock until now may have filled it
+        return _prepare_locked(kind, paths, tokenizer, out_dir, val_fraction, workers, skip_invalid, force, log,
+                               chunk_bytes, max_shard_tokens, started)
+
+
+def _prepare_locked(kind, paths, tokenizer, out_dir: Path, val_fraction, workers, skip_invalid, force, log,
+                    chunk_bytes, max_shard_tokens, started) -> dict:
+    workers = workers or os.cpu_count() or 1
+    # no more processes than chunks: starting a worker costs ~0.5 s, more than a small input takes
+    workers = max(1, min(workers, math.ceil(sum(p.stat().st_size for p in paths) / chunk_bytes)))
+    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
+
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    writers = {}
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        writers = {split: SplitWriter(tmp, split, dtype, with_mask=kind in MASKED_KINDS,
+                                      max_shard_tokens=max_shard_tokens) for split in SPLITS}
+        sources = [SourceStats(path) for path in paths]
+        tasks = chunk_tasks(kind, sources, chunk_bytes, skip_invalid, val_fraction)
+        docs_seen = 0
+        with closing(run_chunks(tasks, tokenizer, workers)) as results:  # closing stops the workers
+            for result in results:
+                source = sources[result.file_index]
+                source.records += (len(result.doc_lens) - result.continues) // _docs_per_record(kind)
+                source.skips.merge(result.skips)
+                docs_seen = _write_result(result, writers, docs_seen, val_fraction, _docs_per_record(kind))
+        for source in sources:
+            if source.records == 0:
+                raise DataError(f"has no valid {kind} records" +
+                                (f" ({source.skips.skipped} skipped)" if source.skips.skipped else ""), source.path)
+            _log_source(source, log)
+        splits = {split: writer.close() for split, writer in writers.items()}
+        tokenizer.save(tmp / "tokenizer")
+        manifest = _manifest(kind, tokenizer, dtype, val_fraction, sources, splits, workers,
+                             time.perf_counter() - started)
+        _write_json(tmp / "manifest.json", manifest)
+        _swap_into_place(tmp, out_dir, force)
+    except BaseException:  # KeyboardInterrupt too: never leave a half-written directory behind
+        for writer in writers.values():
+            writer.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _log_summary(manifest, out_dir, log)
+    return manifest
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in PREPARED_KINDS:
+        raise NanoforgeError(f"unknown data kind {kind!r}; expected one of pretrain, sft, dpo")
+
+
+def _docs_per_record(kind: str) -> int:
+    """A dpo record is stored as two documents (chosen, rejected); every other kind as one."""
+    return 2 if kind == "dpo" else 1
+
+
+def _check_out_dir(out_dir: Path, force: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NanoforgeError(f"{out_dir}: exists and is not a directory; choose another --out")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        raise NanoforgeError(f"{out_dir}: already exists and is not empty; pass --force to replace it")
+
+def _write_result(result: ChunkResult, writers: dict, docs_seen: int, val_fraction: float,
+                  docs_per_record: int = 1) -> int:
+    """Send each record of the chunk (1 document, or 2 for a dpo pair) to train or val; return the running
+    record count. A piece of plain text goes to the split it was read for and is not counted."""
+    if result.text_split:
+        writers[result.text_split].write(result.tokens, result.doc_lens, int(result.doc_bytes.sum()), None,
+                                         open_last=result.continues)
+        return docs_seen
+    n = len(result.doc_lens) // docs_per_record  # an unfinished document (result.continues) counts here...
+    index = np.arange(docs_seen, docs_seen + n, dtype=np.float64)
+    is_val = np.repeat(np.floor((index + 1) * val_fraction) > np.floor(index * val_fraction),
+                       docs_per_record)  # (D,)
+    token_is_val = np.repeat(is_val, result.doc_lens)  # (N,)
+    for split, doc_sel, tok_sel in (("train", ~is_val, ~token_is_val), ("val", is_val, token_is_val)):
+        if doc_sel.any():
+            mask = None if result.mask is None else result.mask[tok_sel]
+            writers[split].write(result.tokens[tok_sel], result.doc_lens[doc_sel],
+                                 int(result.doc_bytes[doc_sel].sum()), mask,
+                                 open_last=result.continues and bool(doc_sel[-1]))
+    return docs_seen + n - result.continues  # ...but is counted once, by the chunk that ends it
+
+
+# ---- writing
+
+
+class SplitWriter:
+    """Appends documents to the shards of one split, starting a new shard after max_shard_tokens."""
+
+    def __init__(self, directory: Path, split: str, dtype: np.dtype, with_mask: bool, max_shard_tokens: int):
+        self.directory, self.split, self.dtype = directory, split, dtype
+        self.with_mask, self.max_shard_tokens = with_mask, max_shard_tokens
+        self.shards: list[dict] = []
+        self.bytes = 0
+        self._files = None  # (bin, idx, mask) of the open shard; opened on the first document
+        self._doc_open = False  # the last document written goes on in the next write (plain text)
+
+    def write(self, tokens: np.ndarray, doc_lens: np.ndarray, nbytes: int, mask: np.ndarray | None,
+              open_last: bool = False) -> None:
+        """Append documents; with open_last the last one goes on in the next write (its end is not yet
+        recorded, and its shard stays open however full: documents never span shards)."""
+        self.bytes += nbytes
+        while len(doc_lens):
+            if self._files is None:
+                self._open_shard()
+            shard = self.shards[-1]
+            # documents never span shards: take those that start before the shard is full
+            starts = np.cumsum(doc_lens) - doc_lens
+            take = max(1, int(np.searchsorted(starts, self.max_shard_tokens - shard["tokens"], side="left")))
+            ntok = int(doc_lens[:take].sum())
+            ends_here = take - (open_last and take == len(doc_lens))  # documents whose end is written now
+            bin_f, idx_f, mask_f = self._files
+            bin_f.write(np.ascontiguousarray(tokens[:ntok], dtype=self.dtype).tobytes())
+            ends = shard["tokens"] + np.cumsum(doc_lens[:ends_here], dtype=np.int64)
+            idx_f.write(ends.astype(np.int64).tobytes())
+            if mask_f is not None:
+                mask_f.write(np.ascontiguousarray(mask[:ntok], dtype=np.uint8).tobytes())
+                mask = mask[ntok:]
+            shard["tokens"] += ntok
+            shard["docs"] += ends_here
+            tokens, doc_lens = tokens[ntok:], doc_lens[take:]
+            self._doc_open = ends_here < take
+            if shard["tokens"] >= self.max_shard_tokens and not self._doc_open:
+                self._close_shard()
+
+    def _open_shard(self) -> None:
+        name = f"{self.split}_{len(self.shards):05d}"
+        self.shards.append({"name": name, "tokens": 0, "docs": 0})
+        files = [open(self.directory / f"{name}.bin", "wb"), open(self.directory / f"{name}.idx", "wb")]
+        files.append(open(self.directory / f"{name}.mask", "wb") if self.with_mask else None)
+        files[1].write(np.zeros(1, dtype=np.int64).tobytes())  # the first document starts at 0
+        self._files = files
+
+    def _close_shard(self) -> None:
+        for f in self._files:
+            if f is not None:
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+        self._files = None
+
+    def close(self) -> dict:
+        """Finish the split; return its manifest entry."""
+        if self._files is not None:
+            self._close_shard()
+        return {"shards": self.shards, "tokens": sum(s["tokens"] for s in self.shards),
+                "docs": sum(s["docs"] for s in self.shards), "bytes": self.bytes}
+
+    def abort(self) -> None:
+        if self._files is not None:
+            for f in self._files:
+                if f is not None:
+                    f.close()
+            self._files = None
+
+
+def _manifest(kind, tokenizer, dtype, val_fraction, sources, splits, workers, seconds) -> dict:
+    input_bytes = sum(s.size for s in sources)
+    tokens = sum(s["tokens"] for s in splits.values())
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "kind": kind,
+        "tokenizer": {"sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id},
+        "dtype": dtype.name,
+        **({"layout": "pairs"} if kind == "dpo" else {}),  # doc 2i chosen, 2i+1 rejected
+        "val_fraction": val_fraction,
+        "sources": [s.to_json() for s in sources],
+        "splits": splits,
+        "stats": {"seconds": round(seconds, 3), "workers": workers,
+                  "tokens_per_s": round(tokens / max(seconds, 1e-9)),
+                  "mb_per_s": round(input_bytes / 1e6 / max(seconds, 1e-9), 3)},
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "nanoforge_version": __version__,
+    }
+
+
+def _write_json(path: Path, obj) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, ensure_ascii=False, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_tree(directory: Path) -> None:
+    """Flush every file and directory under `directory` to disk before it is renamed into place."""
+    for root, _, names in os.walk(directory):
+        for name in names:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(Path(root))
+
+
+def _swap_into_place(tmp: Path, out_dir: Path, force: bool) -> None:
+    """Rename the finished temp dir onto out_dir. An existing out_dir is moved aside first and deleted only
+    once the new one is in place (two renames: a crash in between leaves the old data under .NAME.old-PID)."""
+    _fsync_tree(tmp)
+    if out_dir.is_dir():
+        if any(out_dir.iterdir()):
+            if not force:  # checked at the start too; someone may have written there since
+                raise NanoforgeError(f"{out_dir}: already exists and is not empty; pass --force to replace it")
+            old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+            os.rename(out_dir, old)
+            try:
+                os.rename(tmp, out_dir)
+            except BaseException:
+                os.rename(old, out_dir)
+                raise
+            shutil.rmtree(old)
+        else:
+            out_dir.rmdir()
+            os.rename(tmp, out_dir)
+    else:
+        os.rename(tmp, out_dir)
+    fsync_dir(out_dir.parent)
+
+
+def _log_source(source: SourceStats, log) -> None:
+    if source.val_start is not None:
+        log(f"{source.path}: plain text, {source.size:,} bytes: train the first {source.val_start:,}, "
+            f"val the last {source.size - source.val_start:,} (from line {source.val_line:,})")
+        return
+    if source.kept_whole:
+        log(f"{source.path}: plain text, kept whole in train: {source.kept_whole}")
+        return
+    log(f"{source.path}: {source.records} records" +
+        (f", skipped {source.skips.skipped} invalid" if source.skips.skipped else ""))
+    if source.skips.skipped:
+        log(source.skips.summary())
+
+
+def _log_summary(manifest: dict, out_dir: Path, log) -> None:
+    train, val = manifest["splits"]["train"], manifest["splits"]["val"]
+    stats = manifest["stats"]
+    log(f"prepared {out_dir}: train {train['tokens']:,} tokens / {train['docs']:,} docs, "
+        f"val {val['tokens']:,} tokens / {val['docs']:,} docs ({manifest['dtype']}); "
+        f"{stats['seconds']:.1f} s, {stats['mb_per_s']:.2f} MB/s, {stats['tokens_per_s']:,} tokens/s")
+
+

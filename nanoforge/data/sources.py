@@ -1,0 +1,55 @@
+"""What --data names: one directory made by `nanoforge prepare`, or raw files (JSONL, plain text) to prepare
+on the fly; and the kind of data they hold. Training (train/rundir.py) and `nanoforge eval` both ask here."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from nanoforge.data.jsonl import check_input_file, detect_kind
+from nanoforge.data.shards import read_manifest
+from nanoforge.errors import NanoforgeError
+from nanoforge.tokenizer import PLAIN_TEXT_SUFFIXES
+
+
+def is_plain_text(path) -> bool:
+    return Path(path).suffix.lower() in PLAIN_TEXT_SUFFIXES
+
+
+def prepared_dir(data: Sequence) -> Path | None:
+    """The prepared directory `data` names (one directory, alone, with a valid manifest.json), or None when
+    it names raw files to prepare on the fly. No data, or a directory among files, is an error."""
+    paths = [Path(p) for p in data]
+    if not paths:
+        raise NanoforgeError("--data is required: a prepared directory or one or more JSONL files")
+    if len(paths) == 1 and paths[0].is_dir():
+        read_manifest(paths[0])  # raises, naming the directory, when it is not prepared data
+        return paths[0]
+    for p in paths:
+        if p.is_dir():
+            raise NanoforgeError(f"{p}: a directory; give JSONL files, or one directory made by "
+                                 "`nanoforge prepare`")
+    return None
+
+
+def data_kind(data: Sequence[str]) -> str:
+    """The kind of the given data: a prepared directory's manifest, or the first record of a JSONL file."""
+    prepared = prepared_dir(data)
+    if prepared is not None:
+        return read_manifest(prepared)["kind"]
+    first = Path(data[0])
+    check_input_file(first)
+    if is_plain_text(first):  # a .txt/.md file is one pretraining document
+        return "pretrain"
+    with open(first, encoding="utf-8-sig", errors="replace") as f:
+        for line_no, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    kind = detect_kind(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise NanoforgeError(f"{first}:{line_no}: invalid JSON: {e.msg}") from None
+                if kind is None:
+                    raise NanoforgeError(f"{first}:{line_no}: cannot tell the kind of record (no \"text\", "
+                                         f"\"conversations\" or \"chosen\"/\"rejected\" key)")
+                return kind
+    raise NanoforgeError(f"{first}: no records")

@@ -1,0 +1,63 @@
+"""What the evaluations (evaluate.py, eval/choice.py) share: the model to score, the precision check, its
+window, a progress line and the printed table."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Iterable, Sequence
+
+from nanoforge.device import resolve_device
+from nanoforge.errors import NanoforgeError
+from nanoforge.loader import load_model
+
+
+def load_run(run, device: str):
+    """`run` is a run/checkpoint/HF directory, or an already loaded (model, tokenizer) pair (tests, training)."""
+    dev = resolve_device(device)
+    if isinstance(run, tuple):
+        model, tokenizer = run
+        return model.to(dev), tokenizer, dev, None
+    model, tokenizer, ckpt = load_model(run, dev)
+    return model, tokenizer, dev, ckpt
+
+
+def check_precision(precision: str) -> None:
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise NanoforgeError(f"--precision {precision!r} must be one of fp32, bf16, fp16")
+
+
+def context_length(model) -> int:
+    """The most positions the model attends over (its trained max_seq_len)."""
+    return int(model.cfg.max_seq_len)
+
+
+class Progress:
+    """One updating line on stderr (only when asked for and stderr is the place for it)."""
+
+    def __init__(self, enabled: bool, what: str, total: int | None = None):
+        self.enabled, self.what, self.total = enabled, what, total
+        self.started = time.perf_counter()
+        self.last = 0.0
+
+    def update(self, done: int, extra: str = "") -> None:
+        now = time.perf_counter()
+        if not self.enabled or now - self.last < 0.5:
+            return
+        self.last = now
+        rate = done / max(now - self.started, 1e-9)
+        total = f"/{self.total:,}" if self.total else ""
+        print(f"\r{self.what}: {done:,}{total} ({rate:,.0f}/s) {extra}   ", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled and self.last:
+            print(file=sys.stderr, flush=True)
+
+
+def format_table(header: Sequence[str], rows: Iterable[Sequence]) -> str:
+    """A plain aligned text table (what `nanoforge eval` prints)."""
+    cells = [[str(h) for h in header]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
