@@ -319,7 +319,10 @@ def test_sft_data_scores_assistant_tokens_and_their_bytes(untrained, tmp_path):
             keep = torch.tensor(mask[1:]) == 1
             nll += F.cross_entropy(model(x)[0].double()[keep], y[keep], reduction="sum").item()
             n += int(keep.sum())
-    replies = sum(len(m["content"].encode("utf-8")) for c in convs for m in c if m["role"] == "assistant")
+    # the supervised text of a turn is all of what the template renders for it (an empty think block, as the
+    # tokenizer's thinking template writes one, then the content); <|im_end|> is a control token, 0 bytes
+    think = "<think>\n\n</think>\n\n"
+    replies = sum(len((think + m["content"]).encode("utf-8")) for c in convs for m in c if m["role"] == "assistant")
     assert got["tokens"] == n and got["bytes"] == replies
     assert got["loss"] == pytest.approx(nll / n, rel=1e-5)
     assert got["bpb"] == pytest.approx(nll / math.log(2) / replies, rel=1e-5)
