@@ -148,7 +148,7 @@ def main() -> int:
         check("--compile", compiled)
 
     def sft_packed():
-        ok(nanoforge(["sft", "--init", "bf16", "--data", "sft", "--out", "sftrun", "--seq-len", "64", *dev,
+        ok(nanoforge(["sft", "--init", "bf16", "--data", "sft", "--out", "sftrun", "--seq-len", "128", *dev,
                       "--max-steps", "10", "--eval-every", "10", "--tensorboard", "false", "--quiet"], work))
         val = [r["val_loss"] for r in records(work / "sftrun") if "val_loss" in r]
         assert val and val[-1] == val[-1], val
