@@ -28,6 +28,7 @@ from nanoforge.config import ModelConfig
 from nanoforge.errors import NanoforgeError
 from nanoforge.hf import HF_ARCHITECTURES
 from nanoforge.loader import load_model
+from nanoforge.tokenizer import SPLIT_PATTERN
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -264,10 +265,25 @@ def gguf_vocab(tokenizer, vocab_size: int) -> tuple[list[str], list[int], list[s
     return tokens, [int(t) for t in types], merges
 
 
+def gguf_pre_tokenizer(tokenizer) -> str:
+    """llama.cpp's name for how the tokenizer splits text before BPE: "gpt-2" (a ByteLevel pre-tokenizer with
+    GPT-2's pattern: older nanoforge tokenizers, MiniMind's) or "qwen2" (SPLIT_PATTERN, as `tokenizer train`
+    writes now). Any other pre-tokenizer would be tokenized differently by llama.cpp, so it is refused."""
+    pre = json.loads(tokenizer.backend.to_str()).get("pre_tokenizer") or {}
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return "gpt-2"
+    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+    if (len(parts) == 2 and parts[0].get("type") == "Split" and parts[0].get("pattern") == {"Regex": SPLIT_PATTERN}
+            and parts[1].get("type") == "ByteLevel" and not parts[1].get("use_regex", True)):
+        return "qwen2"
+    raise NanoforgeError(f"GGUF export: llama.cpp has no pre-tokenizer matching this tokenizer's {pre.get('type')!r} "
+                         "one; only GPT-2's ByteLevel and nanoforge's own (Qwen2's pattern) can be exported")
+
+
 def add_gguf_tokenizer(writer, tokenizer, vocab_size: int) -> None:
     tokens, types, merges = gguf_vocab(tokenizer, vocab_size)
     writer.add_tokenizer_model("gpt2")  # llama.cpp's name for byte-level BPE
-    writer.add_tokenizer_pre("gpt-2")  # ByteLevel pre-tokenizer with the GPT-2 split regex, as we train
+    writer.add_tokenizer_pre(gguf_pre_tokenizer(tokenizer))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)

@@ -34,6 +34,12 @@ from nanoforge.toolcalls import normalize_conversation
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"<|reserved_{i}|>" for i in range(13)]
 EOS_TOKEN, IM_START = SPECIAL_TOKENS[:2]
 
+# How `tokenizer train` cuts text into pieces before BPE (the pattern Qwen2's tokenizers use; llama.cpp knows
+# it as the "qwen2" pre-tokenizer). Unlike GPT-2's pattern, a run of newlines is one piece whatever follows it,
+# so "</think>\n\n" ends a generation prompt with the same tokens that training saw before the answer (GPT-2's
+# splits "\n\nText" into "\n", "\n", "Text" but a trailing "\n\n" into one token); digits are one piece each.
+SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+                 r"|\s+(?!\S)|\s+")
 DEFAULT_MODEL_MAX_LENGTH = 32768
 PLAIN_TEXT_SUFFIXES = (".txt", ".text", ".md")
 _TEXT_BLOCK_BYTES = 1 << 20  # plain-text files are fed to the trainer in ~1 MB blocks cut at newlines
@@ -360,7 +366,7 @@ def train_tokenizer(files, vocab_size: int = 6400, out_dir: str | os.PathLike | 
     (<think>, <tool_call>, ...) take the last six ids, as added tokens that are not special, and the tokenizer
     gets the template that renders thinking and tool calls (chat_template.THINKING_TOOLS_TEMPLATE).
     """
-    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 
     files = [files] if isinstance(files, (str, os.PathLike)) else list(files)
     if not files:
@@ -372,7 +378,9 @@ def train_tokenizer(files, vocab_size: int = 6400, out_dir: str | os.PathLike | 
     paths = [check_input_file(f) for f in files]
 
     inner = HFTokenizer(models.BPE())
-    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    inner.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     inner.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(TOOL_TAGS), min_frequency=min_frequency,
                                   special_tokens=SPECIAL_TOKENS, show_progress=False,

@@ -4,13 +4,15 @@ import json
 
 import pytest
 import torch
+from tokenizers import Tokenizer as HFTokenizer
 
 from nanoforge.config import ModelConfig
 from nanoforge.errors import NanoforgeError
-from nanoforge.export import export_gguf, export_hf, permute_for_llama_cpp, write_gguf, write_hf_dir
+from nanoforge.export import export_gguf, export_hf, gguf_pre_tokenizer, permute_for_llama_cpp, write_gguf, write_hf_dir
 from nanoforge.hf import is_hf_dir
 from nanoforge.loader import load_hf_model
 from nanoforge.model.gpt import GPT
+from nanoforge.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -303,8 +305,8 @@ def test_gguf_reads_back(run_dir, ours, tmp_path):
     assert field("llama.attention.layer_norm_rms_epsilon") == pytest.approx(cfg.norm_eps)
     assert field("tokenizer.ggml.model") == "gpt2"
     # what llama.cpp needs to tokenize and prompt as we do (benchmarks/gguf_llamacpp.py checks it in llama.cpp):
-    # the GPT-2 split regex of our ByteLevel pre-tokenizer, and no BOS inserted before a prompt
-    assert field("tokenizer.ggml.pre") == "gpt-2"
+    # the split pattern of our pre-tokenizer (Qwen2's, "qwen2" in llama.cpp), and no BOS inserted before a prompt
+    assert field("tokenizer.ggml.pre") == "qwen2"
     assert field("tokenizer.ggml.add_bos_token") is False
     assert field("tokenizer.ggml.add_eos_token") is False
     tokens = field("tokenizer.ggml.tokens")
@@ -356,3 +358,14 @@ def test_gguf_untied_f16_has_output(tiny_tokenizer, tmp_path):
     with torch.no_grad():
         mine = model(torch.tensor([ids]))[0]
     assert (gguf_logits(out, ids) - mine).abs().max().item() < 0.05 * mine.abs().max().item()  # f16 rounding
+
+
+def test_gguf_pre_tokenizer_names_what_llama_cpp_must_split_with(tiny_tokenizer):
+    assert gguf_pre_tokenizer(tiny_tokenizer) == "qwen2"  # what `tokenizer train` writes now
+    backend = json.loads(tiny_tokenizer.backend.to_str())
+    backend["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                                "use_regex": True}  # older nanoforge tokenizers and MiniMind's
+    assert gguf_pre_tokenizer(Tokenizer(HFTokenizer.from_str(json.dumps(backend)))) == "gpt-2"
+    backend["pre_tokenizer"] = {"type": "Whitespace"}
+    with pytest.raises(NanoforgeError, match="no pre-tokenizer matching"):
+        gguf_pre_tokenizer(Tokenizer(HFTokenizer.from_str(json.dumps(backend))))

@@ -158,6 +158,24 @@ def test_generation_prompt_with_thinking_on_and_off(thinking, tiny_tokenizer, ti
         "<think>\n" if thinking else "</think>\n\n")
 
 
+@pytest.mark.parametrize("reply", ["Paris is the capital.", "春天来了。", "42 apples", "(a) yes", "  spaced"])
+@pytest.mark.parametrize("thinking", [False, True])
+def test_generation_prompt_is_the_start_of_what_training_saw(reply, thinking, tiny_tokenizer):
+    """The ids of a generation prompt are exactly the first ids of the conversation with the answer, so the
+    model continues from the tokens it was trained on. With GPT-2's split pattern (MiniMind's tokenizer) this
+    fails: a prompt ending in "</think>\n\n" ends in one "\n\n" token, which training only ever saw before
+    "</think>"; `tokenizer train`'s pattern keeps a run of newlines one piece whatever follows."""
+    prompt = [{"role": "user", "content": "What is it?"}]
+    answer = {"role": "assistant", "content": reply, **({"reasoning_content": "Think it over."} if thinking else {})}
+    ids, _ = tiny_tokenizer.render_chat(prompt, True, open_thinking=thinking)
+    full, mask = tiny_tokenizer.render_chat(prompt + [answer])
+    if thinking:  # the prompt opens the think block; the answer's turn fills it
+        assert full[:len(ids)] == ids
+    else:
+        assert full[:len(ids)] == ids and not any(mask[:len(ids) - 4])
+    assert tiny_tokenizer.decode(full[len(ids):]).startswith("Think it over." if thinking else reply)
+
+
 def test_tool_calls_as_json_string_render_like_the_list(tiny_tokenizer, minimind):
     as_list = _tool_chat(CALLS_OPENAI)
     as_string = _tool_chat(json.dumps(CALLS_OPENAI, ensure_ascii=False))
