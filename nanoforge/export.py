@@ -28,7 +28,6 @@ from nanoforge.config import ModelConfig
 from nanoforge.errors import NanoforgeError
 from nanoforge.hf import HF_ARCHITECTURES
 from nanoforge.loader import load_model
-from nanoforge.tokenizer import SPLIT_PATTERN
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -269,15 +268,12 @@ def gguf_pre_tokenizer(tokenizer) -> str:
     """llama.cpp's name for how the tokenizer splits text before BPE: "gpt-2" (a ByteLevel pre-tokenizer with
     GPT-2's pattern: older nanoforge tokenizers, MiniMind's) or "qwen2" (SPLIT_PATTERN, as `tokenizer train`
     writes now). Any other pre-tokenizer would be tokenized differently by llama.cpp, so it is refused."""
-    pre = json.loads(tokenizer.backend.to_str()).get("pre_tokenizer") or {}
-    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
-        return "gpt-2"
-    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
-    if (len(parts) == 2 and parts[0].get("type") == "Split" and parts[0].get("pattern") == {"Regex": SPLIT_PATTERN}
-            and parts[1].get("type") == "ByteLevel" and not parts[1].get("use_regex", True)):
-        return "qwen2"
-    raise NanoforgeError(f"GGUF export: llama.cpp has no pre-tokenizer matching this tokenizer's {pre.get('type')!r} "
-                         "one; only GPT-2's ByteLevel and nanoforge's own (Qwen2's pattern) can be exported")
+    if tokenizer.split_pattern is None:
+        pre = json.loads(tokenizer.backend.to_str()).get("pre_tokenizer") or {}
+        raise NanoforgeError(f"GGUF export: llama.cpp has no pre-tokenizer matching this tokenizer's "
+                             f"{pre.get('type')!r} one; only GPT-2's ByteLevel and nanoforge's own (Qwen2's "
+                             "pattern) can be exported")
+    return tokenizer.split_pattern
 
 
 def add_gguf_tokenizer(writer, tokenizer, vocab_size: int) -> None:

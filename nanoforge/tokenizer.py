@@ -17,8 +17,8 @@ the ids differ from HF's apply_chat_template + encode (which would make those re
 """
 from __future__ import annotations
 
-import bisect
 import codecs
+import functools
 import hashlib
 import json
 import os
@@ -75,6 +75,20 @@ class Tokenizer:
             name = _token_text(self.config.get("eos_token"))
             eos = self._tok.token_to_id(name) if name else None
         return eos
+
+    @functools.cached_property
+    def split_pattern(self) -> str | None:
+        """How text is cut before BPE, in llama.cpp's names: "qwen2" (SPLIT_PATTERN, what `tokenizer train`
+        writes), "gpt-2" (a ByteLevel pre-tokenizer with GPT-2's pattern: older nanoforge tokenizers, MiniMind's),
+        or None for anything else."""
+        pre = json.loads(self._tok.to_str()).get("pre_tokenizer") or {}
+        if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+            return "gpt-2"
+        parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+        if (len(parts) == 2 and parts[0].get("type") == "Split" and parts[0].get("pattern") == {"Regex": SPLIT_PATTERN}
+                and parts[1].get("type") == "ByteLevel" and not parts[1].get("use_regex", True)):
+            return "qwen2"
+        return None
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, sha256={self.sha256[:12]})"

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer as HFTokenizer
 
 from nanoforge.data.batches import PretrainBatches, eval_batches
 from nanoforge.data.jsonl import DataError
@@ -157,6 +158,22 @@ def test_plain_text_is_one_document_that_decodes_back_exactly(tmp_path, shared_d
         assert ids == whole  # chunk joins change no token
         assert tiny_tokenizer.decode(ids[:-1]) == text
         assert shards.doc_offsets().tolist() == [0, len(ids)]
+
+
+def test_plain_text_cuts_keep_tokens_for_gpt2_split_pattern_too(tmp_path, shared_data, tiny_tokenizer):
+    """Older tokenizers (and MiniMind's) split with GPT-2's pattern, where a safe cut is elsewhere (before the
+    whitespace, not after the line break): the same vocabulary with that pre-tokenizer joins back exactly too."""
+    backend = json.loads(tiny_tokenizer.backend.to_str())
+    backend["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                                "use_regex": True}
+    gpt2 = Tokenizer(HFTokenizer.from_str(json.dumps(backend)), config=tiny_tokenizer.config)
+    assert gpt2.split_pattern == "gpt-2" and tiny_tokenizer.split_pattern == "qwen2"
+    path, text = shakespeare_txt(shared_data, tmp_path)
+    for tok in (gpt2, tiny_tokenizer):
+        out = tmp_path / f"{tok.split_pattern}"
+        prepare_dataset("pretrain", [path], tok, out, val_fraction=0.0, workers=1, chunk_bytes=2048, **QUIET)
+        shards = TokenShards(out, "train")
+        assert shards.read(0, len(shards)).tolist() == tok.encode(text) + [tok.eos_id], tok.split_pattern
 
 
 def test_plain_text_and_jsonl_mix_and_shards_never_split_the_text(tmp_path, shared_data, pretrain_file,

@@ -105,14 +105,17 @@ def slowed(tiny):
 @pytest.mark.slow
 def test_a_reply_past_the_request_timeout_ends_with_length(slowed):
     model, tok = slowed
-    messages = [{"role": "user", "content": "hi"}]
-    prompt_ids, _ = tok.render_chat(messages, add_generation_prompt=True)
     slow = model.forward
     del model.forward  # the premise, unslowed: left alone, this reply runs long
     stop_ids = [t for t in (tok.eos_id, tok.im_end_id, tok.im_start_id) if t is not None]
     cfg = SamplingConfig(temperature=0, top_k=chat_defaults.DEFAULT_TOP_K, top_p=chat_defaults.DEFAULT_TOP_P,
                          repetition_penalty=chat_defaults.DEFAULT_REPETITION_PENALTY, max_new_tokens=80)
-    full = complete(model, tok, [prompt_ids], cfg, stop_ids)[0]
+    for question in ("hi", "hello", "tell me more", "why?", "go on", "and then?"):  # a random model's reply
+        messages = [{"role": "user", "content": question}]                        # length depends on the prompt
+        prompt_ids, _ = tok.render_chat(messages, add_generation_prompt=True)
+        full = complete(model, tok, [prompt_ids], cfg, stop_ids)[0]
+        if len(full.token_ids) >= 50:
+            break
     assert len(full.token_ids) >= 50, "the test needs a reply that would run long"
     model.forward = slow
     body = {"messages": messages, "max_tokens": 80, "temperature": 0}

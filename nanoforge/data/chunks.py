@@ -81,12 +81,12 @@ class ChunkTask:
 
 
 def chunk_tasks(kind: str, sources: list[SourceStats], chunk_bytes: int, skip_invalid: bool,
-                 val_fraction: float = 0.0) -> Iterator[ChunkTask]:
+                 val_fraction: float = 0.0, split_pattern: str | None = "gpt-2") -> Iterator[ChunkTask]:
     for index, source in enumerate(sources):
         if is_plain_text(source.path):
             if kind != "pretrain":
                 raise DataError(f"plain text is pretraining data; {kind} needs JSONL records", source.path)
-            for first_line, data, last, val in _text_chunks(source, chunk_bytes, val_fraction):
+            for first_line, data, last, val in _text_chunks(source, chunk_bytes, val_fraction, split_pattern):
                 yield ChunkTask(kind, index, str(source.path), first_line, data, skip_invalid, True, last, val)
             continue
         for first_line, data in _line_chunks(source, chunk_bytes):
@@ -97,10 +97,11 @@ def chunk_tasks(kind: str, sources: list[SourceStats], chunk_bytes: int, skip_in
 _WHITESPACE = b" \t\n\r\x0b\x0c"
 
 
-def _text_cut(data: bytes) -> int:
+def _text_cut(data: bytes, split_pattern: str | None = "gpt-2") -> int:
     """Where to cut `data` (bytes of UTF-8 text) so that tokenizing the two parts gives the same tokens as
-    tokenizing the whole: just before the last whitespace run that holds a line break and follows a
-    non-space character; 0 if there is no such place.
+    tokenizing the whole, for the tokenizer's split pattern (Tokenizer.split_pattern); 0 if there is no such
+    place. GPT-2's pattern (and any other): just before the last whitespace run that holds a line break and
+    follows a non-space character. Qwen2's ("qwen2", what `tokenizer train` writes): see _cut_after_line_break.
 
     Why there: BPE merges never cross pre-tokens, so equal pre-tokens mean equal tokens. The byte-level
     pre-tokenizer (GPT-2's regex) ends a word, number or punctuation run at whitespace, and starts a new
@@ -110,12 +111,34 @@ def _text_cut(data: bytes) -> int:
     "a  \n" at the end of a part makes one pre-token of "  \n", where the whole text has "  " and "\n". A
     non-ASCII space just before the run (rare) can change how that one run is split, never the text:
     decoding stays exact. The cut is at an ASCII byte, so never inside a UTF-8 character."""
+    if split_pattern == "qwen2":
+        return _cut_after_line_break(data)
     newline = data.rfind(b"\n")
     while newline > 0:
         cut = len(data[:newline].rstrip(_WHITESPACE))
         if cut > 0:
             return cut
         newline = -1  # everything before is whitespace
+    return 0
+
+
+def _cut_after_line_break(data: bytes) -> int:
+    """Just after the last line break that a non-space character follows. Qwen2's pattern never matches across
+    that place: every alternative that can hold a line break ends at it (a newline run, punctuation with its
+    trailing newlines), and none starts with one before a letter, digit or mark. Both parts start their
+    matching there as the whole text does, and a piece ending in a line break is matched before any look-ahead
+    alternative is tried. (Cutting before the whitespace, as for GPT-2, would split ".\n\n", one piece here.)"""
+    newline = data.rfind(b"\n")
+    while newline >= 0:
+        lead = data[newline + 1:newline + 2]
+        size = 1 if lead < b"\x80" else 2 if lead < b"\xe0" else 3 if lead < b"\xf0" else 4
+        try:
+            after = data[newline + 1:newline + 1 + size].decode("utf-8") if lead else ""
+        except UnicodeDecodeError:  # cut off at the end of `data`, or not UTF-8: not a place to cut
+            after = ""
+        if len(after) == 1 and not after.isspace():
+            return newline + 1
+        newline = data.rfind(b"\n", 0, newline)
     return 0
 
 
@@ -126,8 +149,8 @@ def _text_val_target(size: int, val_fraction: float) -> int | None:
     return size - held_out if held_out > 0 else None
 
 
-def _text_chunks(source: SourceStats, chunk_bytes: int,
-                 val_fraction: float = 0.0) -> Iterator[tuple[int, bytes, bool, bool]]:
+def _text_chunks(source: SourceStats, chunk_bytes: int, val_fraction: float = 0.0,
+                 split_pattern: str | None = "gpt-2") -> Iterator[tuple[int, bytes, bool, bool]]:
     """(first line number, bytes, ends its document, is in the val document) pieces of a plain-text file,
     each cut by _text_cut; hashes and sizes the file on the way. Never holds more than a chunk (plus one
     unbroken stretch).
@@ -158,7 +181,7 @@ def _text_chunks(source: SourceStats, chunk_bytes: int,
                     source.kept_whole = (f"no line starts in its last {source.size - target:,} bytes "
                                          f"({val_fraction:g} of the file) to hold out for validation")
                     target = None
-            cut = _text_cut(data) if block else len(data)
+            cut = _text_cut(data, split_pattern) if block else len(data)
             if cut == 0:  # no place to cut yet: keep reading, but not without bound
                 if len(data) > MAX_RECORD_BYTES:
                     raise DataError(f"no line break in {len(data) / 1e6:.0f} MB; plain text is read in pieces "
@@ -290,7 +313,7 @@ def _encode_text(task: ChunkTask, tokenizer) -> ChunkResult:
         raise DataError("contains NUL bytes; is this a binary file?", task.path, line)
     pieces = []  # sub-pieces cut the same way, so one encode call never holds the whole chunk
     while len(data) > ENCODE_BATCH_CHARS:
-        cut = _text_cut(data[:ENCODE_BATCH_CHARS]) or len(data)
+        cut = _text_cut(data[:ENCODE_BATCH_CHARS], tokenizer.split_pattern) or len(data)
         pieces.append(data[:cut])
         data = data[cut:]
     pieces.append(data)

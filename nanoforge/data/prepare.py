@@ -87,7 +87,7 @@ def _prepare_locked(kind, paths, tokenizer, out_dir: Path, val_fraction, workers
         writers = {split: SplitWriter(tmp, split, dtype, with_mask=kind in MASKED_KINDS,
                                       max_shard_tokens=max_shard_tokens) for split in SPLITS}
         sources = [SourceStats(path) for path in paths]
-        tasks = chunk_tasks(kind, sources, chunk_bytes, skip_invalid, val_fraction)
+        tasks = chunk_tasks(kind, sources, chunk_bytes, skip_invalid, val_fraction, tokenizer.split_pattern)
         docs_seen = 0
         with closing(run_chunks(tasks, tokenizer, workers)) as results:  # closing stops the workers
             for result in results:
