@@ -58,6 +58,8 @@ PROMPTS = [
     "且说曹操逃出城外，",
     "黑额鸣冠雉是大型的鸟类，",
     "It's 2004, and 《无字碑歌》 was filmed in  two   spaces",
+    # newline runs before text, digits and a tag: where Qwen2's split pattern and GPT-2's differ
+    "Q: 12+345=?\n\nA: <think>\n\n</think>\n\nIt is",
 ]
 
 # name -> extra `nanoforge pretrain` flags; the GGUF architecture follows from the model

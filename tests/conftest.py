@@ -80,6 +80,9 @@ _FALLBACK_TEXTS = [
     "春天来了，小河里的冰化了，岸边的柳树也发芽了。",
     "我们明天一起去图书馆看书吧，那里很安静。",
     "Numbers like 3.14159 and 2024 appear in text too; so do symbols: #, %, & and emoji 🙂.",
+    # more distinct words, so that a 512-token vocabulary is reachable whatever the split pattern
+    "Yesterday, seventeen curious zebras quietly walked beyond the marketplace, whispering jokes.",
+    "窗外下着小雨，妈妈正在厨房里做晚饭，弟弟在客厅写作业。",
 ]
 
 

@@ -450,14 +450,19 @@ def test_a_client_leaving_stops_its_generation(slow_server, local):
     server, state = slow_server
     model, tok = local
     messages = [{"role": "user", "content": "hi"}]
-    body = {"messages": messages, "stream": True, "max_tokens": 100, "temperature": 1.0, "seed": 1}
     prompt_ids, _ = tok.render_chat(messages, add_generation_prompt=True)
     slowed = model.forward
     del model.forward  # the unslowed model, to check the premise: left alone, this reply runs long
-    full = complete(model, tok, [prompt_ids], server_cfg(temperature=1.0, seed=1, max_new_tokens=100),
-                    chat_stop_ids(tok))[0]
+    try:
+        for seed in range(1, 11):  # a random model's reply length depends on the seed: take one that runs long
+            full = complete(model, tok, [prompt_ids], server_cfg(temperature=1.0, seed=seed, max_new_tokens=100),
+                            chat_stop_ids(tok))[0]
+            if len(full.token_ids) >= 80:
+                break
+    finally:
+        model.forward = slowed
     assert len(full.token_ids) >= 80, "the test needs a reply that would run long"
-    model.forward = slowed
+    body = {"messages": messages, "stream": True, "max_tokens": 100, "temperature": 1.0, "seed": seed}
     state["calls"] = 0
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as response:
         lines = response.iter_lines()

@@ -169,10 +169,9 @@ def test_generation_prompt_is_the_start_of_what_training_saw(reply, thinking, ti
     answer = {"role": "assistant", "content": reply, **({"reasoning_content": "Think it over."} if thinking else {})}
     ids, _ = tiny_tokenizer.render_chat(prompt, True, open_thinking=thinking)
     full, mask = tiny_tokenizer.render_chat(prompt + [answer])
-    if thinking:  # the prompt opens the think block; the answer's turn fills it
-        assert full[:len(ids)] == ids
-    else:
-        assert full[:len(ids)] == ids and not any(mask[:len(ids) - 4])
+    assert full[:len(ids)] == ids
+    turn = len(ids) - 1 - ids[::-1].index(tiny_tokenizer.token_to_id("<think>"))  # where the answer's turn starts
+    assert not any(mask[:turn]) and all(mask[turn:len(ids)])  # the prompt's part of the turn is trained on too
     assert tiny_tokenizer.decode(full[len(ids):]).startswith("Think it over." if thinking else reply)
 
 
