@@ -99,6 +99,21 @@ THINKING_TOOLS_TEMPLATE = r"""
 """
 
 
+# What both our thinking template and MiniMind-3's write at the head of an assistant turn with no reasoning.
+# `render_text(..., drop_empty_think=True)` removes it from every assistant turn (not from a generation prompt,
+# which stays as the template wrote it), so a model also learns turns without one.
+ASSISTANT_HEADER = "<|im_start|>assistant\n"
+EMPTY_THINK = "<think>\n\n</think>\n\n"
+
+
+def without_empty_think(text: str) -> str:
+    """`text` with every empty think block right after an assistant header removed; a generation prompt at the
+    very end keeps its own."""
+    prompt = ASSISTANT_HEADER + EMPTY_THINK
+    head, tail = (text[:-len(prompt)], prompt) if text.endswith(prompt) else (text, "")
+    return head.replace(prompt, ASSISTANT_HEADER) + tail
+
+
 class ChatTemplateError(NanoforgeError):
     """The chat template and a conversation do not fit together (no ChatML tokens, unmaskable render)."""
 

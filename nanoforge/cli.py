@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "file, its last bytes from a line start (0: no validation split)")
     prep.add_argument("--workers", type=int, default=0, help="tokenizer processes (0: all cores)")
     prep.add_argument("--skip-invalid", action="store_true", help="skip and count bad records instead of stopping")
+    prep.add_argument("--drop-empty-think", type=float, default=0.0, metavar="P",
+                      help="sft: render a seeded share P (0..1) of the records without the empty think blocks of "
+                           "their assistant turns, so the model learns both forms (MiniMind-3's recipe)")
     prep.add_argument("--force", action="store_true", help="replace --out if it exists")
 
     pre = sub.add_parser("pretrain", help="pretrain a GPT on a token stream", formatter_class=fmt)

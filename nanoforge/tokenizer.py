@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 from nanoforge.chat_template import (CHAT_TEMPLATE, IM_END, THINKING_TOOLS_TEMPLATE, TOOL_TAGS, ChatTemplateError,
-                                     assistant_mask, assistant_turns, check_disguise, compile_template, disguise)
+                                     assistant_mask, assistant_turns, check_disguise, compile_template, disguise,
+                                     without_empty_think)
 from nanoforge.data.jsonl import DataError, check_input_file, detect_kind, parse_line
 from nanoforge.errors import NanoforgeError
 from nanoforge.toolcalls import normalize_conversation
@@ -170,18 +171,20 @@ class Tokenizer:
 
     # ---- chat
 
-    def render_text(self, messages: Sequence[dict], add_generation_prompt: bool = False, tools=None,
-                    **template_kwargs) -> str:
+    def render_text(self, messages: Sequence[dict], add_generation_prompt: bool = False, tools=None, *,
+                    drop_empty_think: bool = False, **template_kwargs) -> str:
         """The conversation as text, exactly as HF `apply_chat_template(messages, tools=tools,
         add_generation_prompt=..., tokenize=False, **template_kwargs)` renders it (`open_thinking` and
         `enable_thinking` are such kwargs). A JSON-string `tool_calls` or `tools`, and `tools` carried by the
-        opening system message, are parsed first (toolcalls.py); shape errors name the message and field."""
+        opening system message, are parsed first (toolcalls.py); shape errors name the message and field.
+        drop_empty_think=True removes the empty think block from every assistant turn (without_empty_think:
+        SFT data with and without one, as MiniMind-3 trains); never part of HF's render."""
         messages, tools = normalize_conversation(messages, tools)
         if self._compiled_template is None:
             self._compiled_template = compile_template(self.chat_template)
         names = self._template_names()
         try:
-            return self._compiled_template.render(
+            text = self._compiled_template.render(
                 **template_kwargs, messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
                 bos_token=names["bos_token"], eos_token=names["eos_token"], pad_token=names["pad_token"],
                 unk_token=names["unk_token"], additional_special_tokens=names["additional_special_tokens"])
@@ -189,6 +192,7 @@ class Tokenizer:
             raise
         except Exception as e:  # jinja2 errors and whatever the template's own expressions raise
             raise ChatTemplateError(f"the chat template could not render this conversation: {e}") from e
+        return without_empty_think(text) if drop_empty_think else text
 
     def _template_names(self) -> dict:
         """The special-token names HF passes to templates (bos_token, eos_token, ...); computed once."""
@@ -214,13 +218,15 @@ class Tokenizer:
         return ids, mask
 
     def render_chat_with_text(self, messages: Sequence[dict], add_generation_prompt: bool = False, tools=None,
-                              **template_kwargs):
-        """render_chat plus the rendered text (`prepare` counts its UTF-8 bytes for bits per byte)."""
+                              *, drop_empty_think: bool = False, **template_kwargs):
+        """render_chat plus the rendered text (`prepare` counts its UTF-8 bytes for bits per byte).
+        drop_empty_think: as render_text's (the mask then covers the shorter turns)."""
         if self.im_start_id is None or self.im_end_id is None:
             raise ChatTemplateError(
                 "this tokenizer has no <|im_start|>/<|im_end|> tokens, so it cannot render ChatML "
                 "conversations; use a tokenizer trained by `nanoforge tokenizer train` or another ChatML one")
         messages, tools = normalize_conversation(messages, tools)
+        template_kwargs = {**template_kwargs, "drop_empty_think": drop_empty_think}
         text = self.render_text(messages, add_generation_prompt, tools, **template_kwargs)
         encoding = self._tok.encode(text, add_special_tokens=False)
         ids, offsets = encoding.ids, encoding.offsets

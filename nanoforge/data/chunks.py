@@ -33,6 +33,7 @@ import numpy as np
 
 from nanoforge.data.jsonl import (MAX_RECORD_BYTES, UTF8_BOM, DataError, SkipCounter, parse_line,
                                   record_too_long)
+from nanoforge.data.sft_records import drops_empty_think, render_sft_record
 from nanoforge.data.sources import is_plain_text
 from nanoforge.tokenizer import ChatTemplateError
 
@@ -78,10 +79,12 @@ class ChunkTask:
     plain_text: bool = False
     text_end: bool = True
     text_val: bool = False
+    drop_empty_think: float = 0.0  # sft: the seeded share of records rendered without empty think blocks
 
 
 def chunk_tasks(kind: str, sources: list[SourceStats], chunk_bytes: int, skip_invalid: bool,
-                 val_fraction: float = 0.0, split_pattern: str | None = "gpt-2") -> Iterator[ChunkTask]:
+                 val_fraction: float = 0.0, split_pattern: str | None = "gpt-2",
+                 drop_empty_think: float = 0.0) -> Iterator[ChunkTask]:
     for index, source in enumerate(sources):
         if is_plain_text(source.path):
             if kind != "pretrain":
@@ -90,7 +93,8 @@ def chunk_tasks(kind: str, sources: list[SourceStats], chunk_bytes: int, skip_in
                 yield ChunkTask(kind, index, str(source.path), first_line, data, skip_invalid, True, last, val)
             continue
         for first_line, data in _line_chunks(source, chunk_bytes):
-            yield ChunkTask(kind, index, str(source.path), first_line, data, skip_invalid)
+            yield ChunkTask(kind, index, str(source.path), first_line, data, skip_invalid,
+                            drop_empty_think=drop_empty_think)
 
 
 # ASCII whitespace; the pre-tokenizer's \s also matches a few non-ASCII spaces (U+00A0, U+3000, ...)
@@ -336,12 +340,14 @@ def _encode_text(task: ChunkTask, tokenizer) -> ChunkResult:
 
 
 def _encode_sft(records, tokenizer, dtype, task: ChunkTask, skips: SkipCounter):
-    """Each conversation is rendered with the chat template; the mask marks the assistant tokens.
-    A conversation whose mask cannot be computed is a DataError at its line (or skipped)."""
+    """Each conversation is rendered with the chat template (data/sft_records.py: its tools, a seeded share
+    without empty think blocks); the mask marks the assistant tokens. A conversation whose mask cannot be
+    computed, or whose tool use the template cannot render, is a DataError at its line (or skipped)."""
     flat, flat_mask, lens, nbytes = [], [], [], []
     for line_no, record in records:
+        drop = drops_empty_think(task.drop_empty_think, task.file_index, line_no)
         try:
-            ids, mask, text = tokenizer.render_chat_with_text(record["conversations"])
+            ids, mask, text = render_sft_record(tokenizer, record["conversations"], drop)
         except ChatTemplateError as e:
             error = DataError(str(e), task.path, line_no, '"conversations"')
             if not task.skip_invalid:

@@ -8,6 +8,8 @@ commonly produce: a UTF-8 byte-order mark on line 1, CRLF line ends, blank lines
 Formats (see DESIGN.md, "Data formats"):
     pretrain  {"text": "..."}
     sft       {"conversations": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+              also MiniMind-3's tool use: "tools" on the system message, an assistant's "tool_calls" and
+              "reasoning_content", role "tool" for results (see _check_messages)
     dpo       {"chosen": [messages], "rejected": [messages]}  same prefix, different final assistant turn
 """
 from __future__ import annotations
@@ -96,43 +98,181 @@ class SkipCounter:
 # ---------------------------------------------------------------------------------------------- schema
 
 
-def _check_messages(messages: Any, name: str) -> None:
+def _check_messages(messages: Any, name: str, tools: bool = False) -> None:
     """A conversation: at most one leading system message, then user/assistant strictly alternating,
-    starting with user and ending with assistant (what MiniMind's SFT and DPO loaders assume)."""
+    starting with user and ending with assistant (what MiniMind's SFT and DPO loaders assume).
+
+    tools=True (SFT) also accepts MiniMind-3's tool use: `tools` on the opening system message, an
+    assistant's `tool_calls` (content may then be null) and `reasoning_content`, and `tool` messages, which
+    follow an assistant message with tool_calls (at most one per call) and are followed by an assistant."""
     if not isinstance(messages, list):
         raise RecordError(f"must be a list of messages, got {_type_name(messages)}", f'"{name}"')
     if not messages:
         raise RecordError("is an empty conversation; it needs at least a user and an assistant message",
                           f'"{name}"')
+    declared = _declared_tools(messages, name) if tools else None
+    calls = answered = 0  # tool calls of the last assistant message, and tool messages answering them
     for i, message in enumerate(messages):
         where = f'"{name}"[{i}]'
-        if not isinstance(message, dict):
-            raise RecordError(f"must be an object with role and content, got {_type_name(message)}", where)
-        for key in ("role", "content"):
-            if key not in message:
-                raise RecordError(f'missing "{key}"', where)
-            if not isinstance(message[key], str):
-                raise RecordError(f"must be a string, got {_type_name(message[key])}", f"{where}.{key}")
+        _check_role_and_content(message, where, tools)
         role = message["role"]
-        if role not in ROLES:
-            raise RecordError(f'"{role}" is not one of {", ".join(ROLES)}', f"{where}.role")
-        expected = _expected_role(messages, i)
+        if tools:
+            _check_tool_fields(message, where, i, declared)
+        expected = _expected_role(messages, i, calls, answered)
         if role not in expected:
             previous = f'after "{messages[i - 1]["role"]}"' if i else "as the first message"
             wanted = " or ".join(f'"{r}"' for r in expected)
-            raise RecordError(f'expected {wanted} {previous}, got "{role}" (at most one leading system '
-                              "message, then user and assistant alternating)", f"{where}.role")
+            raise RecordError(f'expected {wanted} {previous}, got "{role}" ({_order_rule(messages, i, calls)})',
+                              f"{where}.role")
+        if role == "assistant":
+            calls, answered = len(_parsed_json(message.get("tool_calls")) or []) if tools else 0, 0
+        elif role == "tool":
+            answered += 1
     last = messages[-1]["role"]
     if last != "assistant":
         raise RecordError(f'must end with an assistant message, ends with "{last}"', f'"{name}"')
 
 
-def _expected_role(messages: list, i: int) -> tuple[str, ...]:
-    """The roles allowed at position i given the ones before it."""
+def _check_role_and_content(message: Any, where: str, tools: bool) -> None:
+    if not isinstance(message, dict):
+        raise RecordError(f"must be an object with role and content, got {_type_name(message)}", where)
+    for key in ("role", "content"):
+        if key not in message and not (key == "content" and tools and _has_calls(message)):
+            raise RecordError(f'missing "{key}"', where)
+    if not isinstance(message["role"], str):
+        raise RecordError(f"must be a string, got {_type_name(message['role'])}", f"{where}.role")
+    role, content = message["role"], message.get("content")
+    if not isinstance(content, str):
+        if content is None and tools and role == "assistant" and _has_calls(message):
+            pass  # a turn that only calls tools
+        elif content is None and tools:
+            raise RecordError("must be a string, got null (null is allowed only in an assistant message with "
+                              "tool_calls)", f"{where}.content")
+        else:
+            raise RecordError(f"must be a string, got {_type_name(content)}", f"{where}.content")
+    roles = ROLES + (("tool",) if tools else ())
+    if role not in roles:
+        extra = " (or tool, answering an assistant's tool_calls)" if tools else ""
+        raise RecordError(f'"{role}" is not one of {", ".join(ROLES)}{extra}', f"{where}.role")
+
+
+def _expected_role(messages: list, i: int, calls: int = 0, answered: int = 0) -> tuple[str, ...]:
+    """The roles allowed at position i given the ones before it (`calls`: tool calls of the last assistant
+    message, `answered`: the tool messages after it so far)."""
     if i == 0:
         return ("system", "user")
     previous = messages[i - 1]["role"]
-    return ("assistant",) if previous == "user" else ("user",)
+    if previous == "user":
+        return ("assistant",)
+    if previous == "assistant" and calls:
+        return ("tool",)
+    if previous == "tool":
+        return ("tool", "assistant") if answered < calls else ("assistant",)
+    return ("user",)
+
+
+def _order_rule(messages: list, i: int, calls: int) -> str:
+    role, previous = messages[i]["role"], messages[i - 1]["role"] if i else None
+    if role == "tool" and not (previous in ("assistant", "tool") and calls):
+        return "a tool message answers a call in the tool_calls of the assistant message before it"
+    if role == "tool":
+        return f"no more tool messages than the {calls} tool_calls they answer"
+    if previous in ("assistant", "tool") and calls:
+        return f"the {calls} tool_calls are answered by tool messages, then the assistant replies"
+    return "at most one leading system message, then user and assistant alternating"
+
+
+def _parsed_json(value: Any) -> Any:
+    """A JSON-string field parsed (an empty string is no calls, as the renderer reads it); else as it is."""
+    if not isinstance(value, str):
+        return value
+    return json.loads(value) if value.strip() else []
+
+
+def _json_field(value: Any, field: str, parse=_parsed_json) -> Any:
+    try:
+        return parse(value) if isinstance(value, str) else value
+    except json.JSONDecodeError as e:
+        raise RecordError(f"not valid JSON: {e.msg} at column {e.colno}", field) from None
+
+
+def _has_calls(message: dict) -> bool:
+    """Whether an assistant message calls tools (invalid JSON counts as calls: its own check reports it)."""
+    try:
+        return bool(_parsed_json(message.get("tool_calls")))
+    except json.JSONDecodeError:
+        return True
+
+
+def _declared_tools(messages: list, name: str) -> set[str] | None:
+    """The tool names the opening system message declares in `tools` (None when it declares none)."""
+    for i, message in enumerate(messages):
+        if isinstance(message, dict) and message.get("tools") is not None and not (
+                i == 0 and message.get("role") == "system"):
+            raise RecordError("only the opening system message declares tools", f'"{name}"[{i}].tools')
+    first = messages[0]
+    if not isinstance(first, dict) or first.get("tools") is None:
+        return None
+    where = f'"{name}"[0].tools'
+    tools = _json_field(first["tools"], where)
+    if not isinstance(tools, list):
+        raise RecordError(f"must be a list of tool schemas (or a JSON string of one), got {_type_name(tools)}",
+                          where)
+    names = set()
+    for j, tool in enumerate(tools):
+        inner = tool.get("function") if isinstance(tool, dict) and isinstance(tool.get("function"), dict) else tool
+        if not (isinstance(inner, dict) and isinstance(inner.get("name"), str) and inner["name"]):
+            raise RecordError('must be a tool schema with a string "name" (or OpenAI\'s {"type": "function", '
+                              f'"function": {{"name": ..., "parameters": ...}}}}), got {_type_name(tool)}',
+                              f"{where}[{j}]")
+        names.add(inner["name"])
+    return names
+
+
+def _check_tool_fields(message: dict, where: str, i: int, declared: set[str] | None) -> None:
+    """reasoning_content and tool_calls of one message (SFT); JSON strings must parse."""
+    role = message["role"]
+    reasoning = message.get("reasoning_content")
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise RecordError(f"must be a string, got {_type_name(reasoning)}", f"{where}.reasoning_content")
+    calls = message.get("tool_calls")
+    if calls is None:
+        return
+    if role != "assistant":
+        raise RecordError(f"only assistant messages call tools (this is a {role} message)", f"{where}.tool_calls")
+    calls = _json_field(calls, f"{where}.tool_calls")
+    if isinstance(calls, dict):
+        raise RecordError("must be a list of calls, got one object (wrap it in a list)", f"{where}.tool_calls")
+    if not isinstance(calls, list):
+        raise RecordError(f"must be a list of calls (or a JSON string of one), got {_type_name(calls)}",
+                          f"{where}.tool_calls")
+    for k, call in enumerate(calls):
+        _check_call(call, f"{where}.tool_calls[{k}]", declared)
+
+
+def _check_call(call: Any, where: str, declared: set[str] | None) -> None:
+    if not isinstance(call, dict):
+        raise RecordError('must be an object: {"name": ..., "arguments": ...} or OpenAI\'s {"type": "function", '
+                          f'"function": {{"name": ..., "arguments": ...}}}}, got {_type_name(call)}', where)
+    if "function" in call:
+        where, call = f"{where}.function", call["function"]
+        if not isinstance(call, dict):
+            raise RecordError(f'must be an object with "name" and "arguments", got {_type_name(call)}', where)
+    name = call.get("name")
+    if name is None:
+        raise RecordError('missing "name"', where)
+    if not isinstance(name, str) or not name:
+        raise RecordError(f"must be a non-empty string, got {_type_name(name)}", f"{where}.name")
+    if declared is not None and name not in declared:
+        known = ", ".join(sorted(declared)) or "none"
+        raise RecordError(f'"{name}" is not a tool the record declares (in the system message\'s tools: {known})',
+                          f"{where}.name")
+    if "arguments" not in call:
+        raise RecordError('missing "arguments" (an object, or a JSON string of one)', where)
+    arguments = _json_field(call["arguments"], f"{where}.arguments", json.loads)
+    if not isinstance(arguments, dict):
+        raise RecordError(f"must be an object of arguments (or a JSON string of one), got {_type_name(arguments)}",
+                          f"{where}.arguments")
 
 
 def _check_pretrain(obj: dict) -> None:
@@ -149,7 +289,7 @@ def _check_sft(obj: dict) -> None:
     if "conversations" not in obj:
         raise RecordError('missing "conversations" (SFT records look like {"conversations": [{"role": ..., '
                           f'"content": ...}}, ...]}}); keys: {_keys(obj)}')
-    _check_messages(obj["conversations"], "conversations")
+    _check_messages(obj["conversations"], "conversations", tools=True)
 
 
 def _check_dpo(obj: dict) -> None:

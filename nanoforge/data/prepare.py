@@ -21,6 +21,7 @@ import numpy as np
 from nanoforge import __version__, dirlock
 from nanoforge.data.chunks import ChunkResult, SourceStats, chunk_tasks, run_chunks
 from nanoforge.data.jsonl import DataError, check_input_file
+from nanoforge.data.sft_records import DROP_THINK_SEED
 from nanoforge.data.shards import FORMAT, FORMAT_VERSION, MASKED_KINDS
 from nanoforge.errors import NanoforgeError
 from nanoforge.fsutil import fsync_dir
@@ -34,7 +35,8 @@ PREPARED_KINDS = ("pretrain", "sft", "dpo")
 
 def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 0.01, workers: int = 0,
                     skip_invalid: bool = False, force: bool = False, log: Callable[[str], None] = print, *,
-                    chunk_bytes: int = CHUNK_BYTES, max_shard_tokens: int = SHARD_TOKENS) -> dict:
+                    chunk_bytes: int = CHUNK_BYTES, max_shard_tokens: int = SHARD_TOKENS,
+                    drop_empty_think: float = 0.0) -> dict:
     """Tokenize JSONL `files` of `kind` into shards in `out_dir`; return the manifest (also written there).
 
     pretrain: each document is encode(text) + [eos].  sft: each conversation is tokenizer.render_chat(...),
@@ -45,6 +47,8 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
     A plain-text file is split by bytes instead: its tail (from a line start) is one val document.
     workers=0 uses os.cpu_count() processes (never more than there are chunks); workers=1 runs in this
     process. Keyword-only chunk_bytes and max_shard_tokens exist for tests and tuning.
+    drop_empty_think (sft): the share of records, chosen by a seeded hash of file index and line
+    (data/sft_records.py), whose assistant turns are rendered without their empty think blocks.
     """
     started = time.perf_counter()
     _check_kind(kind)
@@ -52,6 +56,10 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
         raise NanoforgeError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if workers < 0:
         raise NanoforgeError(f"workers must be >= 0 (0: one per core), got {workers}")
+    if not 0.0 <= drop_empty_think <= 1.0:
+        raise NanoforgeError(f"drop_empty_think must be in [0, 1], got {drop_empty_think}")
+    if drop_empty_think and kind != "sft":
+        raise NanoforgeError(f"drop_empty_think applies to sft records only, not {kind}")
     tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     if kind == "pretrain" and tokenizer.eos_id is None:
         raise NanoforgeError("the tokenizer has no end-of-text token (<|endoftext|> or an eos_token in "
@@ -68,11 +76,11 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
                          unlink_on_release=True):
         _check_out_dir(out_dir, force)  # again: a prepare that held the lock until now may have filled it
         return _prepare_locked(kind, paths, tokenizer, out_dir, val_fraction, workers, skip_invalid, force, log,
-                               chunk_bytes, max_shard_tokens, started)
+                               chunk_bytes, max_shard_tokens, started, drop_empty_think)
 
 
 def _prepare_locked(kind, paths, tokenizer, out_dir: Path, val_fraction, workers, skip_invalid, force, log,
-                    chunk_bytes, max_shard_tokens, started) -> dict:
+                    chunk_bytes, max_shard_tokens, started, drop_empty_think=0.0) -> dict:
     workers = workers or os.cpu_count() or 1
     # no more processes than chunks: starting a worker costs ~0.5 s, more than a small input takes
     workers = max(1, min(workers, math.ceil(sum(p.stat().st_size for p in paths) / chunk_bytes)))
@@ -87,7 +95,8 @@ def _prepare_locked(kind, paths, tokenizer, out_dir: Path, val_fraction, workers
         writers = {split: SplitWriter(tmp, split, dtype, with_mask=kind in MASKED_KINDS,
                                       max_shard_tokens=max_shard_tokens) for split in SPLITS}
         sources = [SourceStats(path) for path in paths]
-        tasks = chunk_tasks(kind, sources, chunk_bytes, skip_invalid, val_fraction, tokenizer.split_pattern)
+        tasks = chunk_tasks(kind, sources, chunk_bytes, skip_invalid, val_fraction, tokenizer.split_pattern,
+                            drop_empty_think)
         docs_seen = 0
         with closing(run_chunks(tasks, tokenizer, workers)) as results:  # closing stops the workers
             for result in results:
@@ -103,7 +112,7 @@ def _prepare_locked(kind, paths, tokenizer, out_dir: Path, val_fraction, workers
         splits = {split: writer.close() for split, writer in writers.items()}
         tokenizer.save(tmp / "tokenizer")
         manifest = _manifest(kind, tokenizer, dtype, val_fraction, sources, splits, workers,
-                             time.perf_counter() - started)
+                             time.perf_counter() - started, drop_empty_think)
         _write_json(tmp / "manifest.json", manifest)
         _swap_into_place(tmp, out_dir, force)
     except BaseException:  # KeyboardInterrupt too: never leave a half-written directory behind
@@ -226,7 +235,7 @@ class SplitWriter:
             self._files = None
 
 
-def _manifest(kind, tokenizer, dtype, val_fraction, sources, splits, workers, seconds) -> dict:
+def _manifest(kind, tokenizer, dtype, val_fraction, sources, splits, workers, seconds, drop_empty_think) -> dict:
     input_bytes = sum(s.size for s in sources)
     tokens = sum(s["tokens"] for s in splits.values())
     return {
@@ -237,6 +246,8 @@ def _manifest(kind, tokenizer, dtype, val_fraction, sources, splits, workers, se
         "dtype": dtype.name,
         **({"layout": "pairs"} if kind == "dpo" else {}),  # doc 2i chosen, 2i+1 rejected
         "val_fraction": val_fraction,
+        # sft: the seeded share of records rendered without empty think blocks (data/sft_records.py)
+        **({"drop_empty_think": {"share": drop_empty_think, "seed": DROP_THINK_SEED}} if kind == "sft" else {}),
         "sources": [s.to_json() for s in sources],
         "splits": splits,
         "stats": {"seconds": round(seconds, 3), "workers": workers,

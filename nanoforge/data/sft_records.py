@@ -1,0 +1,53 @@
+"""Rendering one SFT record for `prepare` (data/chunks.py): the tokenizer's chat template with the record's
+tools, refusing a template that would silently drop its tool calls or results, and the seeded choice of the
+records whose empty think blocks are left out (`prepare --drop-empty-think P`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+from nanoforge.chat_template import ChatTemplateError
+
+# Fixed: which records drop their empty think blocks depends only on P, the file's index and the line.
+DROP_THINK_SEED = 16
+
+NO_TOOL_SUPPORT = ("the tokenizer's chat template has no tool support: it would render this record without its "
+                   "{what}; use a tokenizer whose template renders MiniMind-3's tool format (one written by "
+                   "`nanoforge tokenizer train`, or MiniMind-3's tokenizer)")
+
+
+def drops_empty_think(share: float, file_index: int, line_no: int) -> bool:
+    """Whether the record at (file_index, line_no) is one of the seeded `share` rendered without empty think
+    blocks: a hash of the place, so the same for any number of workers and every run."""
+    if share <= 0:
+        return False
+    digest = hashlib.sha256(f"{DROP_THINK_SEED}:{file_index}:{line_no}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2 ** 64 < share
+
+
+def tool_use(conversation: list) -> tuple[bool, bool]:
+    """(has tool calls, has tool results) of a validated conversation."""
+    calls = results = False
+    for message in conversation:
+        value = message.get("tool_calls")
+        if isinstance(value, str):
+            value = json.loads(value) if value.strip() else []
+        calls = calls or bool(value)
+        results = results or message.get("role") == "tool"
+    return calls, results
+
+
+def render_sft_record(tokenizer, conversation: list, drop_empty_think: bool = False):
+    """(ids, mask, text) of one conversation; ChatTemplateError when it cannot be rendered faithfully."""
+    calls, results = tool_use(conversation)
+    what = " and ".join(w for w, used in (("tool calls", calls), ("tool results", results)) if used)
+    try:
+        ids, mask, text = tokenizer.render_chat_with_text(conversation, drop_empty_think=drop_empty_think)
+    except ChatTemplateError as e:
+        if what and "tool_call" not in (tokenizer.chat_template or ""):
+            raise ChatTemplateError(NO_TOOL_SUPPORT.format(what=what)) from e
+        raise
+    if (calls and "<tool_call>" not in text) or (results and "<tool_response>" not in text):
+        raise ChatTemplateError(NO_TOOL_SUPPORT.format(what=what))
+    return ids, mask, text
