@@ -21,6 +21,8 @@ from nanoforge.data.shards import TokenShards
 from nanoforge.errors import NanoforgeError
 from nanoforge.tokenizer import Tokenizer, load_tokenizer
 
+from test_tokenizer import _masked_runs
+
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
@@ -93,15 +95,7 @@ def test_tool_records_prepare_with_masks_over_whole_assistant_turns(tmp_path, to
         if conversation[0].get("tools"):
             assert '"name": "get_weather"' in text.split("<|im_end|>")[0]  # the system turn declares the tools
         # token by token: each masked run decodes to one whole assistant turn, in order, and nothing else
-        runs, run = [], []
-        for token, m in zip(tokens.tolist(), mask.tolist()):
-            if m:
-                run.append(token)
-            elif run:
-                runs.append(run)
-                run = []
-        if run:
-            runs.append(run)
+        runs = _masked_runs(tokens.tolist(), mask.tolist())
         assert [tokenizer.decode(r) for r in runs] == assistant_spans(text)
         assert len(runs) == sum(m["role"] == "assistant" for m in conversation)
 

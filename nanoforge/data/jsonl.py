@@ -137,13 +137,13 @@ def _check_role_and_content(message: Any, where: str, tools: bool) -> None:
     if not isinstance(message, dict):
         raise RecordError(f"must be an object with role and content, got {_type_name(message)}", where)
     for key in ("role", "content"):
-        if key not in message and not (key == "content" and tools and _has_calls(message)):
+        if key not in message and not (key == "content" and tools and has_tool_calls(message)):
             raise RecordError(f'missing "{key}"', where)
     if not isinstance(message["role"], str):
         raise RecordError(f"must be a string, got {_type_name(message['role'])}", f"{where}.role")
     role, content = message["role"], message.get("content")
     if not isinstance(content, str):
-        if content is None and tools and role == "assistant" and _has_calls(message):
+        if content is None and tools and role == "assistant" and has_tool_calls(message):
             pass  # a turn that only calls tools
         elif content is None and tools:
             raise RecordError("must be a string, got null (null is allowed only in an assistant message with "
@@ -196,7 +196,7 @@ def _json_field(value: Any, field: str, parse=_parsed_json) -> Any:
         raise RecordError(f"not valid JSON: {e.msg} at column {e.colno}", field) from None
 
 
-def _has_calls(message: dict) -> bool:
+def has_tool_calls(message: dict) -> bool:
     """Whether an assistant message calls tools (invalid JSON counts as calls: its own check reports it)."""
     try:
         return bool(_parsed_json(message.get("tool_calls")))

@@ -5,9 +5,9 @@ records whose empty think blocks are left out (`prepare --drop-empty-think P`).
 from __future__ import annotations
 
 import hashlib
-import json
 
 from nanoforge.chat_template import ChatTemplateError
+from nanoforge.data.jsonl import has_tool_calls
 
 # Fixed: which records drop their empty think blocks depends only on P, the file's index and the line.
 DROP_THINK_SEED = 16
@@ -28,14 +28,7 @@ def drops_empty_think(share: float, file_index: int, line_no: int) -> bool:
 
 def tool_use(conversation: list) -> tuple[bool, bool]:
     """(has tool calls, has tool results) of a validated conversation."""
-    calls = results = False
-    for message in conversation:
-        value = message.get("tool_calls")
-        if isinstance(value, str):
-            value = json.loads(value) if value.strip() else []
-        calls = calls or bool(value)
-        results = results or message.get("role") == "tool"
-    return calls, results
+    return (any(has_tool_calls(m) for m in conversation), any(m.get("role") == "tool" for m in conversation))
 
 
 def render_sft_record(tokenizer, conversation: list, drop_empty_think: bool = False):
