@@ -1,0 +1,70 @@
+"""A tiny run that has learnt to call the calculator: SFT'd until it reproduces a dozen calculator
+conversations greedily, with and without thinking. Tests of `chat --tools`, `serve` with tools, the web page
+and `eval --toolcall` use it to drive the real tool path end to end (a random model never writes a call).
+
+Each conversation: a question "What is A op B?", the assistant's call calculator {"expression": "A op B"}
+(after the reasoning "I should compute A op B." when thinking is on), the tool's result, and the answer
+"The answer is R.". Built once per test session (about half a minute on 2 CPU cores).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from nanoforge.tools.calculator import CALCULATOR_SCHEMA, evaluate
+
+QUESTIONS = [(12, "*", 7), (48, "/", 2), (345, "+", 678), (90, "-", 37), (15, "*", 15), (81, "/", 9),
+             (250, "+", 250), (1000, "-", 1), (6, "*", 13), (72, "/", 8), (123, "+", 456), (500, "-", 125)]
+ANSWER = "The answer is {}."
+REASONING = "I should compute {}."
+_RUNS: dict[str, Path] = {}
+
+
+def question(a, op, b) -> str:
+    return f"What is {a} {op} {b}?"
+
+
+def conversation(a, op, b, think: bool) -> list[dict]:
+    """One training conversation, as an SFT record's messages (tools declared on the system turn)."""
+    expression = f"{a} {op} {b}"
+    result = evaluate(expression)
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}]}
+    if think:
+        call["reasoning_content"] = REASONING.format(expression)
+    return [{"role": "system", "content": "You are a helpful assistant.", "tools": [CALCULATOR_SCHEMA]},
+            {"role": "user", "content": question(a, op, b)}, call,
+            {"role": "tool", "content": result},
+            {"role": "assistant", "content": ANSWER.format(result)}]
+
+
+def write_tool_sft(path: Path) -> Path:
+    with open(path, "w", encoding="utf-8") as f:
+        for q in QUESTIONS:
+            for think in (False, True):
+                f.write(json.dumps({"conversations": conversation(*q, think=think)}) + "\n")
+    return path
+
+
+def make_tool_run(tmp_path_factory, tokenizer) -> Path:
+    """The run directory (built once per session): tiny shape with a 1024-token context, SFT'd 300 steps."""
+    if "run" not in _RUNS:
+        from conftest import tiny_corpus
+        from nanoforge.data.prepare import prepare_dataset
+        from nanoforge.train.stages import pretrain, sft
+
+        work = tmp_path_factory.mktemp("tool_run")
+        quiet = dict(log=lambda *a: None)
+        prepare_dataset("pretrain", tiny_corpus(work)[:1], tokenizer, work / "pre", val_fraction=0.1, workers=1,
+                        **quiet)
+        pretrain([str(work / "pre")], work / "base", preset="tiny", quiet=True,
+                 overrides={"max_steps": 1, "tensorboard": False, "eval_every": 0, "seq_len": 32,
+                            "max_seq_len": 1024, "precision": "fp32"})
+        prepare_dataset("sft", [write_tool_sft(work / "tools.jsonl")], tokenizer, work / "sft", val_fraction=0.0,
+                        workers=1, **quiet)
+        sft(str(work / "base"), [str(work / "sft")], work / "run", quiet=True,
+            overrides={"max_steps": 400, "lr": 3e-3, "warmup_steps": 10, "seq_len": 1024, "batch_size": 4,
+                       "eval_every": 0, "save_every": 0, "tensorboard": False, "precision": "fp32",
+                       "sample_every": 0})
+        _RUNS["run"] = work / "run"
+    return _RUNS["run"]
