@@ -102,6 +102,11 @@ class Tokenizer:
         return state
 
     @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders tool calls and results (MiniMind-3's format, ours since it)."""
+        return "<tool_call>" in (self.chat_template or "")
+
+    @property
     def backend(self):
         """The underlying `tokenizers.Tokenizer`, for the rare caller that needs offsets or the vocab."""
         return self._tok

@@ -38,7 +38,7 @@ def render_sft_record(tokenizer, conversation: list, drop_empty_think: bool = Fa
     try:
         ids, mask, text = tokenizer.render_chat_with_text(conversation, drop_empty_think=drop_empty_think)
     except ChatTemplateError as e:
-        if what and "tool_call" not in (tokenizer.chat_template or ""):
+        if what and not tokenizer.supports_tools:
             raise ChatTemplateError(NO_TOOL_SUPPORT.format(what=what)) from e
         raise
     if (calls and "<tool_call>" not in text) or (results and "<tool_response>" not in text):
