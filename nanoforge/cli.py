@@ -234,6 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "finish_reason length (0: no limit)")
     serve.add_argument("--max-pending", type=int, default=64, help="requests waiting beyond this get 503 server_busy")
     chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--think", action="store_true", help="open the think block: the model reasons first, shown "
+                      "apart from its answer (a template in MiniMind-3's format)")
+    chat.add_argument("--tools", default=None, metavar="NAME[,NAME]",
+                      help="built-in tools to offer and run when the model calls them: calculator")
+    chat.add_argument("--max-tool-turns", type=int, default=5, help="tool rounds per message before giving up")
     chat.add_argument("--device", default=chat_defaults.DEFAULT_DEVICE, help="auto, cpu, cuda, cuda:N, mps")
     chat.add_argument("--precision", default=chat_defaults.DEFAULT_PRECISION,
                       choices=chat_defaults.PRECISION_CHOICES, help="inference precision")

@@ -163,7 +163,8 @@ def cmd_generate(args) -> None:
 def cmd_chat(args) -> None:
     run_chat(args.run, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
              repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_new_tokens,
-             system=args.system, seed=args.seed, device=args.device, precision=args.precision)
+             system=args.system, seed=args.seed, device=args.device, precision=args.precision,
+             tools=args.tools, think=args.think, max_tool_turns=args.max_tool_turns)
 
 
 COMMANDS = {"demo": cmd_demo, "report": cmd_report, "tokenizer": cmd_tokenizer, "prepare": cmd_prepare,

@@ -4,7 +4,7 @@ and `eval --toolcall` use it to drive the real tool path end to end (a random mo
 
 Each conversation: a question "What is A op B?", the assistant's call calculator {"expression": "A op B"}
 (after the reasoning "I should compute A op B." when thinking is on), the tool's result, and the answer
-"The answer is R.". Built once per test session (about half a minute on 2 CPU cores).
+"The answer is R." (after "The calculator gave R." when thinking is on). Built once per test session (about half a minute on 2 CPU cores).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ QUESTIONS = [(12, "*", 7), (48, "/", 2), (345, "+", 678), (90, "-", 37), (15, "*
              (250, "+", 250), (1000, "-", 1), (6, "*", 13), (72, "/", 8), (123, "+", 456), (500, "-", 125)]
 ANSWER = "The answer is {}."
 REASONING = "I should compute {}."
+REASONING_AFTER = "The calculator gave {}."
 _RUNS: dict[str, Path] = {}
 
 
@@ -30,12 +31,12 @@ def conversation(a, op, b, think: bool) -> list[dict]:
     result = evaluate(expression)
     call = {"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}]}
+    answer = {"role": "assistant", "content": ANSWER.format(result)}
     if think:
         call["reasoning_content"] = REASONING.format(expression)
+        answer["reasoning_content"] = REASONING_AFTER.format(result)
     return [{"role": "system", "content": "You are a helpful assistant.", "tools": [CALCULATOR_SCHEMA]},
-            {"role": "user", "content": question(a, op, b)}, call,
-            {"role": "tool", "content": result},
-            {"role": "assistant", "content": ANSWER.format(result)}]
+            {"role": "user", "content": question(a, op, b)}, call, {"role": "tool", "content": result}, answer]
 
 
 def write_tool_sft(path: Path) -> Path:
@@ -59,11 +60,11 @@ def make_tool_run(tmp_path_factory, tokenizer) -> Path:
                         **quiet)
         pretrain([str(work / "pre")], work / "base", preset="tiny", quiet=True,
                  overrides={"max_steps": 1, "tensorboard": False, "eval_every": 0, "seq_len": 32,
-                            "max_seq_len": 1024, "precision": "fp32"})
+                            "max_seq_len": 1024, "d_model": 128, "precision": "fp32"})
         prepare_dataset("sft", [write_tool_sft(work / "tools.jsonl")], tokenizer, work / "sft", val_fraction=0.0,
                         workers=1, **quiet)
         sft(str(work / "base"), [str(work / "sft")], work / "run", quiet=True,
-            overrides={"max_steps": 400, "lr": 3e-3, "warmup_steps": 10, "seq_len": 1024, "batch_size": 4,
+            overrides={"max_steps": 500, "lr": 3e-3, "warmup_steps": 10, "seq_len": 1024, "batch_size": 4,
                        "eval_every": 0, "save_every": 0, "tensorboard": False, "precision": "fp32",
                        "sample_every": 0})
         _RUNS["run"] = work / "run"

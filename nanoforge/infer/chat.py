@@ -3,12 +3,18 @@
 The conversation is a list of messages rendered with the tokenizer's chat template, the same one SFT trained
 on, so the model sees exactly the format it learned. Piped input (`echo hi | nanoforge chat RUN`) is one
 message and one reply, for scripts.
+
+With a template in MiniMind-3's format (tokenizers from `nanoforge tokenizer train`, MiniMind-3's own) each
+reply is parsed as it streams (infer/toolparse.py, the parser the server uses): reasoning is printed apart
+from the answer (`--think` opens it), and tool calls are shown as calls. With `--tools calculator` the tools
+are declared in the system turn, each call is run and its result fed back, until the model answers without a
+call (at most --max-tool-turns rounds per message).
 """
 from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Callable, TextIO
+from typing import Callable, Sequence, TextIO
 
 import torch
 
@@ -18,7 +24,11 @@ from nanoforge.infer.defaults import (DEFAULT_DEVICE, DEFAULT_MAX_NEW_TOKENS, DE
                                      DEFAULT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P,
                                      PRECISION_CHOICES)
 from nanoforge.infer.generate import SamplingConfig, stream
+from nanoforge.infer.toolparse import THINK_OPEN, Reply, StreamParser, reply_from_events
+from nanoforge.infer.toolturn import assistant_message, parse_tool_names, tool_messages, tool_schemas
 from nanoforge.loader import load_model
+
+DEFAULT_MAX_TOOL_TURNS = 5
 
 HELP = """commands:
   /reset        forget the conversation (the system prompt stays)
@@ -29,15 +39,18 @@ HELP = """commands:
 
 def chat_loop(model, tokenizer, cfg: SamplingConfig, system: str | None, input_stream: TextIO,
               output_stream: TextIO, interactive: bool, precision: str = "fp32",
-              on_prompt: Callable[[list[int]], None] | None = None) -> list[dict]:
+              on_prompt: Callable[[list[int]], None] | None = None, tools: Sequence[str] = (),
+              think: bool = False, max_tool_turns: int = DEFAULT_MAX_TOOL_TURNS) -> list[dict]:
     """Run a conversation on the given streams; return the messages it ended with.
 
     Interactive: a `you> ` prompt per line, commands (see HELP), each reply streamed after `bot> `.
     Otherwise: all of `input_stream` is one user message; its reply is printed and the loop returns.
     `on_prompt` is called with the token ids of each rendered prompt before its reply is generated (tests
-    use it to see what the model was given).
+    use it to see what the model was given). `tools`: names of built-in tools to offer and run; `think`: open
+    the think block of every reply.
     """
     session = _Session(model, tokenizer, cfg, system, output_stream, interactive, precision, on_prompt)
+    session.enable(list(tools), think, max_tool_turns)
     if not interactive:
         text = input_stream.read().strip()
         if not text:
@@ -99,6 +112,7 @@ class _Session:
         self.prompt_budget = context - self.reply_room
         self.said_dropping = False
         self.turns = 0
+        self.tools, self.think, self.max_tool_turns = [], False, DEFAULT_MAX_TOOL_TURNS
 
     def _fresh(self) -> list[dict]:
         return [{"role": "system", "content": self.system}] if self.system else []
@@ -126,49 +140,92 @@ class _Session:
             self.write(f"unknown command {name}; /help lists the commands\n")
         return True
 
+    def enable(self, tools: list[str], think: bool, max_tool_turns: int) -> None:
+        """Offer and run the named built-in tools, open thinking; both need MiniMind-3's template format."""
+        if (tools or think) and not self.tokenizer.supports_tools:
+            raise NanoforgeError(f"{'--tools' if tools else '--think'} needs a chat template with thinking and tool "
+                                 "calls (MiniMind-3's format, written by `nanoforge tokenizer train`); this "
+                                 "model's tokenizer has plain ChatML")
+        if max_tool_turns < 1:
+            raise NanoforgeError(f"--max-tool-turns must be >= 1, got {max_tool_turns}")
+        self.tools, self.think, self.max_tool_turns = tools, think, max_tool_turns
+
     def reply(self, text: str, prefix: str) -> None:
-        """Add the user's message, generate and print the reply, add it to the history."""
+        """Add the user's message; generate, print and keep the reply, and while it calls tools (enabled with
+        --tools), run them, print and keep their results and let the model go on."""
         self.messages.append({"role": "user", "content": text})
-        ids = self._prompt_that_fits()
-        if ids is None:
-            return
+        for round_ in range(self.max_tool_turns + 1):
+            prompt = self._prompt_that_fits()
+            if prompt is None:
+                return
+            reply, interrupted = self._generate(*prompt, prefix=prefix if round_ == 0 else "")
+            self.messages.append(assistant_message(reply))
+            if interrupted or not (reply.tool_calls and self.tools):
+                return
+            if round_ == self.max_tool_turns:
+                self.write(f"(stopped: the model still calls tools after {self.max_tool_turns} rounds)\n")
+                return
+            for message in tool_messages(reply, self.tools):
+                self.write(f"[{message['name']} -> {message['content']}]\n")
+                self.messages.append(message)
+
+    def _generate(self, ids: list[int], thinking_open: bool, prefix: str) -> tuple[Reply, bool]:
+        """Stream one reply to the output: (the parsed reply (with a plain-ChatML template, all of it is
+        content), whether Ctrl-C cut it short)."""
         if self.on_prompt is not None:
             self.on_prompt(ids)
         self.write(prefix)
-        pieces = []
         self.turns += 1
         cfg = self.cfg
         if cfg.seed is not None:  # the session is reproducible, but each turn draws fresh random numbers
             cfg = dataclasses.replace(cfg, seed=cfg.seed + self.turns - 1)
+        parser = StreamParser(thinking_open) if self.tokenizer.supports_tools else None
+        shown, pieces, interrupted = _ReplyPrinter(self.write), [], False
         try:
             for piece in stream(self.model, self.tokenizer, ids, cfg, self.stop_ids, self.precision):
                 pieces.append(piece)
-                self.write(piece)
+                shown.show(parser.feed(piece) if parser else [("content", piece)])
         except KeyboardInterrupt:  # Ctrl-C during a reply stops the reply, not the chat
+            interrupted = True
+        if parser:
+            shown.show(parser.close())
+        if interrupted:
             self.write(" (interrupted)")
         self.write("\n")
-        self.messages.append({"role": "assistant", "content": "".join(pieces)})
+        if parser is None:
+            return Reply(reasoning=None, content="".join(pieces)), interrupted
+        return reply_from_events(shown.events, parser.saw_think), interrupted
 
-    def _prompt_that_fits(self) -> list[int] | None:
-        """The rendered prompt, after dropping the oldest user/assistant pairs until it fits the context
-        with room for the reply. None (and a note) when the new message is too long even on its own; the
-        history is then left as it was."""
+    def _render(self, messages: list[dict]) -> tuple[list[int], bool]:
+        """(prompt ids, whether the prompt opened the think block) of `messages` with the generation prompt."""
+        kwargs = {"open_thinking": True} if self.think else {}
+        ids, _, text = self.tokenizer.render_chat_with_text(messages, add_generation_prompt=True,
+                                                            tools=tool_schemas(self.tools), **kwargs)
+        return ids, text.endswith(THINK_OPEN + "\n")
+
+    def _prompt_that_fits(self) -> tuple[list[int], bool] | None:
+        """The rendered prompt (as _render), after dropping the oldest exchanges (a user message and all that
+        answered it) until it fits the context with room for the reply. None (and a note) when the newest
+        exchange is too long even on its own; the history is then left as it was."""
         first = 1 if self.system else 0
-        alone, _ = self.tokenizer.render_chat(self.messages[:first] + self.messages[-1:], add_generation_prompt=True)
-        if len(alone) > self.prompt_budget:
-            self.messages.pop()
-            self._too_long(len(alone))
+        newest = max(i for i, m in enumerate(self.messages) if m["role"] == "user")
+        alone = self._render(self.messages[:first] + self.messages[newest:])
+        if len(alone[0]) > self.prompt_budget:
+            if newest == len(self.messages) - 1:
+                self.messages.pop()
+            self._too_long(len(alone[0]))
             return None
         while True:
-            ids, _ = self.tokenizer.render_chat(self.messages, add_generation_prompt=True)
-            if len(ids) <= self.prompt_budget:
-                return ids
+            prompt = self._render(self.messages)
+            if len(prompt[0]) <= self.prompt_budget:
+                return prompt
             if not self.said_dropping:
                 self.write(f"(the conversation no longer fits the model's context of "
                            f"{self.prompt_budget + self.reply_room} tokens with room for a "
                            f"{self.reply_room}-token reply: dropping the oldest turns from now on)\n")
                 self.said_dropping = True
-            del self.messages[first:first + 2]
+            next_user = next(i for i, m in enumerate(self.messages) if i > first and m["role"] == "user")
+            del self.messages[first:next_user]
 
     def _too_long(self, n_tokens: int) -> None:
         message = (f"this message makes a prompt of {n_tokens} tokens, but the model has room for "
@@ -179,14 +236,41 @@ class _Session:
         self.write(f"({message})\n")  # in a session the user can simply try again
 
 
+class _ReplyPrinter:
+    """Writes a reply's parsed events as they come: reasoning inside `(thinking) ... (end of thinking)`,
+    content as it is, each tool call on a line of its own as `[call NAME ARGUMENTS]`, a malformed one as a note.
+    Keeps the events (`events`) for the reply they make."""
+
+    def __init__(self, write: Callable[[str], None]):
+        self.write, self.events, self.section = write, [], None
+
+    def show(self, events: list) -> None:
+        for kind, value in events:
+            self.events.append((kind, value))
+            if kind != self.section and self.section == "reasoning":
+                self.write(" (end of thinking)\n")
+            if kind == "reasoning":
+                self.write(("(thinking) " if self.section != "reasoning" else "") + value)
+            elif kind == "content":
+                self.write(value)
+            else:  # a call, or a malformed one: each on a line of its own
+                self.write("\n" if self.section in ("content", "tool_call", "error") else "")
+                self.write(f"[call {value['name']} {value['arguments']}]" if kind == "tool_call"
+                           else f"(malformed tool call: {value})")
+            self.section = kind
+
+
 def run_chat(run_dir, temperature: float = DEFAULT_TEMPERATURE, top_k: int = DEFAULT_TOP_K,
              top_p: float = DEFAULT_TOP_P, repetition_penalty: float = DEFAULT_REPETITION_PENALTY,
              max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, system: str | None = None, seed: int | None = None,
-             device: str = DEFAULT_DEVICE, precision: str = DEFAULT_PRECISION) -> None:
+             device: str = DEFAULT_DEVICE, precision: str = DEFAULT_PRECISION, tools: str | None = None,
+             think: bool = False, max_tool_turns: int = DEFAULT_MAX_TOOL_TURNS) -> None:
     """`nanoforge chat RUN`: load the run's latest checkpoint (or a checkpoint directory) and chat on the
-    terminal; with piped standard input, answer it once and return."""
+    terminal; with piped standard input, answer it once and return. `tools`: "calculator" (comma-separated
+    built-in tool names) to offer and run; `think`: open the think block of each reply."""
     cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                          max_new_tokens=max_new_tokens, seed=seed)
+    tool_names = parse_tool_names(tools)
     target = resolve_device(device)
     precision = resolve_precision(precision, target)
     model, tokenizer, checkpoint = load_model(run_dir, device=target)
@@ -194,7 +278,8 @@ def run_chat(run_dir, temperature: float = DEFAULT_TEMPERATURE, top_k: int = DEF
     if interactive:
         print(f"loaded {checkpoint} ({model.num_params() / 1e6:.1f}M parameters) on {target}, {precision}",
               file=sys.stderr)
-    chat_loop(model, tokenizer, cfg, system, sys.stdin, sys.stdout, interactive, precision=precision)
+    chat_loop(model, tokenizer, cfg, system, sys.stdin, sys.stdout, interactive, precision=precision,
+              tools=tool_names, think=think, max_tool_turns=max_tool_turns)
 
 
 def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, temperature: float = DEFAULT_TEMPERATURE,
