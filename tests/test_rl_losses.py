@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from nanoforge.rl.losses import approx_kl, gae, group_advantages, kl_k3, normalise, policy_loss, value_loss
+from nanoforge.rl.losses import (approx_kl, gae, group_advantages, kl_k3, loss_count, normalise, policy_loss,
+                                 value_loss)
 
 
 def _grad(loss: str, logp: torch.Tensor, old_logp: torch.Tensor, adv, mask, **kw) -> torch.Tensor:
@@ -113,6 +114,9 @@ def test_token_and_sequence_normalisation_differ_on_unequal_lengths():
     assert (s.item(), n.item()) == (7.0, 5)  # 7/5: the long sequence weighs 4 of 5
     s, n = normalise(per_token, mask, "sequence")
     assert (s.item(), n.item()) == (4.0, 2)  # (1 + 3) / 2: each sequence weighs alike
+    assert loss_count(mask, "token") == 5 and loss_count(mask, "sequence") == 2  # a stage's count_fn agrees
+    with pytest.raises(ValueError, match="not one of"):
+        normalise(per_token, mask, "tokens")
     # an empty sequence neither adds nor dilutes
     s, n = normalise(torch.ones(3, 2), torch.tensor([[1, 1], [0, 0], [1, 0]]), "sequence")
     assert (s.item(), n.item()) == (2.0, 2)

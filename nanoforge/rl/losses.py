@@ -62,15 +62,22 @@ def normalise(per_token: torch.Tensor, mask: torch.Tensor, norm: str) -> tuple[t
     S counts the sequences with at least one masked token (an empty one neither adds nor dilutes). Token
     normalisation weighs long replies more; sequence normalisation weighs every reply alike.
     """
+    m = mask.bool()
+    count = loss_count(m, norm)
+    x = torch.where(m, per_token, torch.zeros_like(per_token))
+    if norm == "token":
+        return x.sum(), count
+    per_sequence = x.sum(dim=1) / m.sum(dim=1).clamp(min=1)  # (B,)
+    return per_sequence.sum(), count
+
+
+def loss_count(mask: torch.Tensor, norm: str) -> torch.Tensor:
+    """What a step's loss is divided by (a stage's count_fn): masked tokens ("token"), or sequences with at
+    least one masked token ("sequence"). mask (B, T) -> int64 scalar."""
     if norm not in NORMS:
         raise ValueError(f"loss normalisation {norm!r} is not one of {', '.join(NORMS)}")
     m = mask.bool()
-    x = torch.where(m, per_token, torch.zeros_like(per_token))
-    if norm == "token":
-        return x.sum(), m.sum()
-    lengths = m.sum(dim=1)  # (B,)
-    per_sequence = x.sum(dim=1) / lengths.clamp(min=1)  # (B,)
-    return per_sequence.sum(), (lengths > 0).sum()
+    return m.sum() if norm == "token" else (m.sum(dim=1) > 0).sum()
 
 
 def _surrogate(loss: str, ratio, logp, adv, epsilon: float, epsilon_high: float | None, cispo_max: float):
@@ -108,7 +115,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     ratio = exp(logp - old_logp), plus beta * kl_k3(logp, ref_logp) when ref_logp is given and beta > 0;
     normalised per `norm` (see normalise).
 
-    advantages: (B,) one per sequence (GRPO's group advantages) or (B, T) per token (PPO's GAE).
+    advantages: (B,) one per sequence (GRPO's group advantages) or (B, T) per token (PPO's GAE: PPO's policy
+    loss is loss="grpo", the clipped surrogate, with those).
     old_logp, ref_logp and the advantages are constants (detached). Returns (sum, count, extras) with extras
     clip_fraction (share of masked tokens where clipping acted), ratio (mean) and, with ref_logp, kl (mean k3).
     """
