@@ -57,6 +57,18 @@ def test_agentic_record_with_gt_and_tools_on_the_system_message(tmp_path):
     assert plain.gt == ["Paris"] and plain.answer is None
 
 
+def test_a_prompt_may_end_with_tool_results_but_not_with_a_calling_assistant(tmp_path):
+    call = {"name": "calculator", "arguments": {"expression": "17*23"}}
+    system = {"role": "system", "content": "Use tools.", "tools": TOOLS}
+    head = [system, {"role": "user", "content": "17*23?"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    path = _write(tmp_path, [{"conversations": head + [{"role": "tool", "content": "391"}], "gt": "391"},
+                             {"conversations": head, "gt": "391"}])
+    with pytest.raises(DataError, match=r':2: "conversations"\[2\].content: the prompt ends with an assistant'):
+        read_prompts(path)
+    [record] = read_prompts(path, limit=1)
+    assert record.messages[-1] == {"role": "tool", "content": "391"} and record.tools == TOOLS
+
+
 @pytest.mark.parametrize("line, where, message", [
     ('{"conversations": [', ':2', "invalid JSON"),
     ({"prompt": "hi"}, ':2', 'expected "conversations"'),
