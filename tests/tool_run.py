@@ -48,23 +48,32 @@ def write_tool_sft(path: Path) -> Path:
 
 
 def make_tool_run(tmp_path_factory, tokenizer) -> Path:
-    """The run directory (built once per session): tiny shape with a 1024-token context, SFT'd 300 steps."""
+    """The run directory (built once per session). Its tokenizer is trained on the tiny corpus plus the
+    rendered conversations (with `tokenizer`, any one with the tools template), so the long tools system turn
+    is a few hundred tokens, not seven hundred, and a tiny model learns the calls in a few hundred steps."""
     if "run" not in _RUNS:
         from conftest import tiny_corpus
         from nanoforge.data.prepare import prepare_dataset
+        from nanoforge.tokenizer import train_tokenizer
         from nanoforge.train.stages import pretrain, sft
 
         work = tmp_path_factory.mktemp("tool_run")
         quiet = dict(log=lambda *a: None)
-        prepare_dataset("pretrain", tiny_corpus(work)[:1], tokenizer, work / "pre", val_fraction=0.1, workers=1,
-                        **quiet)
-        pretrain([str(work / "pre")], work / "base", preset="tiny", quiet=True,
+        records = write_tool_sft(work / "tools.jsonl")
+        rendered = work / "rendered.jsonl"
+        with open(records, encoding="utf-8") as f, open(rendered, "w", encoding="utf-8") as out:
+            for line in f:
+                text = tokenizer.render_text(json.loads(line)["conversations"])
+                out.write(json.dumps({"text": text}) + "\n")
+        corpus = tiny_corpus(work)[:1]
+        tok = train_tokenizer([*corpus, rendered], vocab_size=1024, out_dir=work / "tok")
+        prepare_dataset("pretrain", corpus, tok, work / "pre", val_fraction=0.1, workers=1, **quiet)
+        pretrain([str(work / "pre")], work / "base", preset="tiny", quiet=True, tokenizer=str(work / "tok"),
                  overrides={"max_steps": 1, "tensorboard": False, "eval_every": 0, "seq_len": 32,
-                            "max_seq_len": 1024, "d_model": 128, "precision": "fp32"})
-        prepare_dataset("sft", [write_tool_sft(work / "tools.jsonl")], tokenizer, work / "sft", val_fraction=0.0,
-                        workers=1, **quiet)
+                            "max_seq_len": 512, "precision": "fp32"})
+        prepare_dataset("sft", [records], tok, work / "sft", val_fraction=0.0, workers=1, **quiet)
         sft(str(work / "base"), [str(work / "sft")], work / "run", quiet=True,
-            overrides={"max_steps": 500, "lr": 3e-3, "warmup_steps": 10, "seq_len": 1024, "batch_size": 4,
+            overrides={"max_steps": 300, "lr": 3e-3, "warmup_steps": 10, "seq_len": 512, "batch_size": 4,
                        "eval_every": 0, "save_every": 0, "tensorboard": False, "precision": "fp32",
                        "sample_every": 0})
         _RUNS["run"] = work / "run"
