@@ -134,3 +134,11 @@ def tiny_tokenizer(tiny_tokenizer_dir):
     from nanoforge.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tool_run_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """The tiny run SFT'd on calculator conversations (tests/tool_run.py), built once per session."""
+    from tool_run import make_tool_run
+
+    return make_tool_run(tmp_path_factory, tiny_tokenizer)
