@@ -131,6 +131,10 @@ def to_int(text):
 # ---------------------------------------------------------------------------------------------- the tool loop
 
 
+# Every test from here on needs the tool run, built once per session (about 40 s on 2 idle cores, more on busy
+# ones): marked slow, so that `make test` stays quick; CI runs them.
+
+
 @pytest.fixture(scope="module")
 def tool_model(tool_run_dir):
     model, tokenizer, _ = load_model(tool_run_dir, "cpu")
@@ -141,6 +145,7 @@ def _asks(system=True):
     return [([SYSTEM] if system else []) + [{"role": "user", "content": question(*q)}] for q in QUESTIONS]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("think", [False, True])
 def test_batched_loop_equals_one_at_a_time(tool_model, think):
     model, tokenizer = tool_model
@@ -164,6 +169,7 @@ def test_batched_loop_equals_one_at_a_time(tool_model, think):
             assert r.final_content == r.messages[-1]["content"] and not r.replies[-1].tool_calls
 
 
+@pytest.mark.slow
 def test_loop_ends_rows_that_do_not_fit_and_stops_at_max_turns(tool_model):
     model, tokenizer = tool_model
     cfg = SamplingConfig(temperature=0, max_new_tokens=64)
@@ -246,7 +252,7 @@ def test_gsm8k_eval_with_and_without_the_calculator(tool_model, tmp_path):
                                cfg, tools=tools)
         right = [re.findall(r"\d+", r.final_content)[-1:] == [t] for r, t in zip(direct, truths)]
         assert result["accuracy"] == sum(right) / len(right)
-        assert [row["correct"] for row in result["records"]] == right
+        assert [row["correct"] for row in result["per_record"]] == right
         assert result["mean_turns"] == sum(r.turns for r in direct) / len(direct)
         assert "accuracy" in lines[0] and "tokens/s" in lines[0]
         if tools:
@@ -273,5 +279,5 @@ def test_gsm8k_through_the_cli_writes_json(tool_run_dir, tool_model, tmp_path):
     here = run_eval(tool_model, gsm8k=path, tools="calculator", limit=4, max_new_tokens=64, progress=False,
                     log=lambda *a: None)["gsm8k"]
     assert got["file"] == str(path) and got["problems"] == 4
-    assert [row["content"] for row in got["records"]] == [row["content"] for row in here["records"]]
+    assert [row["content"] for row in got["per_record"]] == [row["content"] for row in here["per_record"]]
     assert got["accuracy"] == here["accuracy"]

@@ -121,7 +121,7 @@ def evaluate_gsm8k(model, tokenizer, problems: list[Problem], tools=(), think: b
     bar.close()
     rows = [_graded(p, r) for p, r in zip(problems, rollouts)]
     result = _summary(rows, rollouts, seconds, bool(tools))
-    result.update(tools=list(tools), think=think, records=rows)
+    result.update(tools=list(tools), think=think, per_record=rows)
     log(format_table([f"gsm8k ({len(rows)} problems" + (", tools: " + ",".join(tools) if tools else "") + ")",
                       "value"], _table_rows(result)))
     return result

@@ -96,7 +96,7 @@ def evaluate_toolcall(model, tokenizer, cases: list[dict], think: bool = False, 
     bar.close()
     rows = [_graded(c, r) for c, r in zip(cases, rollouts)]
     result = _summary(rows, rollouts, seconds)
-    result.update(think=think, records=rows)
+    result.update(think=think, per_record=rows)
     log(format_table([f"toolcall ({len(rows)} records)", "value"], _table_rows(result)))
     return result
 
