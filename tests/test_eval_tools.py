@@ -12,7 +12,7 @@ import pytest
 from conftest import _missing_shared_data, shared_data_dir
 from nanoforge.data.jsonl import DataError
 from nanoforge.eval.gsm8k import extract_answer, gold_answer, numbers_equal, read_gsm8k
-from nanoforge.eval.toolcall import read_toolcall, same_answer
+from nanoforge.eval.toolcall import calls_match, read_toolcall, same_answer, valid_call
 from nanoforge.evaluate import run_eval
 from nanoforge.infer.generate import SamplingConfig
 from nanoforge.infer.toolloop import run_in_batches, run_tool_loop
@@ -161,10 +161,12 @@ def test_batched_loop_equals_one_at_a_time(tool_model, think):
     # the tool run calls the calculator and then answers; every call's result is the calculator's own
     assert sum(r.turns >= 2 for r in batched) >= 9
     for r in batched:
+        calls = {c["id"]: c for m in r.messages for c in m.get("tool_calls", [])}
+        assert len(calls) == sum(len(reply.tool_calls) for reply in r.replies)  # ids unique in the conversation
         for message in r.messages:
             if message["role"] == "tool":
-                call = next(c for m in r.messages for c in m.get("tool_calls", []) if c["id"] == message["tool_call_id"])
-                assert message["content"] == evaluate(json.loads(call["function"]["arguments"])["expression"])
+                arguments = json.loads(calls[message["tool_call_id"]]["function"]["arguments"])
+                assert message["content"] == evaluate(arguments["expression"])
         if r.end == "answer":
             assert r.final_content == r.messages[-1]["content"] and not r.replies[-1].tool_calls
 
@@ -220,6 +222,37 @@ def test_toolcall_eval_on_the_tool_runs_own_conversations(tool_model, tmp_path):
     assert result["answer_accuracy"] == correct / n
 
 
+def test_toolcall_records_and_call_checks_by_hand(tmp_path):
+    schema = {"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+        "required": ["city"]}}}
+    calling = [{"role": "system", "content": "Be brief.", "tools": json.dumps([schema])},
+               {"role": "user", "content": "Weather in Oslo?"},
+               {"role": "assistant", "content": None, "tool_calls": json.dumps(
+                   [{"name": "lookup", "arguments": json.dumps({"city": "Oslo"})}])},
+               {"role": "tool", "content": "4 C"},
+               {"role": "assistant", "content": "<think>\nit is cold\n</think>\n\nIt is 4 C."}]
+    plain = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    path = _write(tmp_path / "calls.jsonl", [{"conversations": calling}, {"conversations": plain}])
+    first, second = read_toolcall(path)
+    assert first["prompt"] == calling[:2] and first["schemas"] == {"lookup": schema["function"]}
+    assert first["calls"] == [("lookup", {"city": "Oslo"})] and first["answer"] == "It is 4 C."
+    assert second == {"where": f"{path}:2", "prompt": plain[:1], "schemas": {}, "calls": [], "answer": "Hello!"}
+    assert len(read_toolcall(path, limit=1)) == 1
+
+    def call(name, arguments):
+        return {"id": "call_0", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+    schemas = first["schemas"]
+    assert valid_call(call("lookup", {"city": "Oslo", "unit": "C"}), schemas)
+    assert not valid_call(call("lookup", {"unit": "C"}), schemas)  # a required argument missing
+    assert not valid_call(call("weather", {"city": "Oslo"}), schemas)  # not a declared tool
+    reference = [("lookup", {"city": "Oslo"}), ("lookup", {"city": "Bergen"})]
+    assert calls_match([call("lookup", {"city": "Bergen"}), call("lookup", {"city": "Oslo"})], reference)
+    assert not calls_match([call("lookup", {"city": "Oslo"})], reference)
+    assert not calls_match([call("lookup", {"city": "Oslo", "unit": "C"}), call("lookup", {"city": "Bergen"})],
+                           reference)
+
+
 def test_same_answer_ignores_only_whitespace():
     assert same_answer("  The answer is\n 84. ", "The answer is 84.")
     assert not same_answer("The answer is 84", "The answer is 84.")
@@ -233,7 +266,8 @@ def _questions_file(path: Path) -> Path:
     records = []
     for a, op, b in QUESTIONS:
         truth = evaluate(f"{a} {op} {b}")
-        records.append({"question": question(a, op, b), "answer": f"{a} {op} {b} = <<{a}{op}{b}={truth}>>\n#### {truth}"})
+        steps = f"{a} {op} {b} = <<{a}{op}{b}={truth}>>{truth}"
+        records.append({"question": question(a, op, b), "answer": f"{steps}\n#### {truth}"})
     return _write(path, records)
 
 

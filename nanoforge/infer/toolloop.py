@@ -102,7 +102,8 @@ def run_tool_loop(model, tokenizer, conversations: Sequence[Sequence[dict]], cfg
 
 def _add_reply(rollout: Rollout, completion: Completion, tools: Sequence[str], think: bool) -> bool:
     """Append one generated reply (and its tool results) to the rollout; True when it called tools."""
-    reply = parse_reply(completion.text, thinking_open=think)
+    # call ids unique within the conversation: call_{turn}_{index}
+    reply = parse_reply(completion.text, thinking_open=think, id_prefix=f"call_{rollout.turns}_")
     rollout.replies.append(reply)
     rollout.completions.append(completion)
     rollout.messages.append(assistant_message(reply))
