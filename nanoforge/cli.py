@@ -192,9 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "rates of the first reply, and answer accuracy with the built-in tools run")
     ev.add_argument("--tools", metavar="NAMES", help="built-in tools --gsm8k may call (calculator)")
     ev.add_argument("--think", action="store_true", help="open the think block in --gsm8k/--toolcall prompts")
-    ev.add_argument("--max-new-tokens", type=int, default=256, help="tokens per reply for --gsm8k/--toolcall")
-    ev.add_argument("--max-turns", type=int, default=4, help="replies per problem for --gsm8k/--toolcall "
-                    "(each tool call costs one)")
+    ev.add_argument("--max-new-tokens", type=int, default=256, metavar="N",
+                    help="tokens per reply for --gsm8k/--toolcall")
+    ev.add_argument("--max-turns", type=int, default=4, metavar="N", help="replies per problem for "
+                    "--gsm8k/--toolcall (each reply that calls tools costs one)")
     ev.add_argument("--limit", type=int, help="score at most this many questions")
     ev.add_argument("--samples", action="store_true", help="generate replies to a fixed prompt set")
     ev.add_argument("--prompts", metavar="FILE", help="prompts for --samples, one per line")

@@ -309,6 +309,8 @@ def run_eval(run, data=None, bench=None, fmt: str = "auto", shots: int = 0, dev=
     `split` picks the split of a prepared directory (default: all of --data; val of the run's own data)."""
     # before the model loads, so that a wrong --tools or a bad file fails at once
     tool_names = parse_tool_names(tools)
+    if (gsm8k or toolcall) and (max_new_tokens < 1 or max_turns < 1):
+        raise NanoforgeError(f"--max-new-tokens ({max_new_tokens}) and --max-turns ({max_turns}) must be >= 1")
     problems = read_gsm8k(gsm8k, limit) if gsm8k else None
     cases = read_toolcall(toolcall, limit) if toolcall else None
     if not data and not bench and not samples and not gsm8k and not toolcall:
