@@ -1,6 +1,6 @@
 """Generative evaluation with tools: the batched tool loop (infer/toolloop.py), `eval --gsm8k` (eval/gsm8k.py)
 and `eval --toolcall` (eval/toolcall.py), checked against answers known by hand and against the tool run
-(tests/tool_run.py), a tiny model SF'd to call the calculator."""
+(tests/tool_run.py), a tiny model SFT'd to call the calculator."""
 import json
 import re
 import subprocess
