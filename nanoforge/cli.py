@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(bench)
 
-    ev = sub.add_parser("eval", help="loss / bits per byte on data, multiple-choice benchmarks, samples",
+    ev = sub.add_parser("eval", help="loss / bits per byte on data, multiple-choice benchmarks, GSM8K, tool calls, "
+                        "samples",
                         formatter_class=fmt)
     ev.add_argument("run", metavar="RUN", help="run directory, checkpoint or HF model directory")
     ev.add_argument("--data", nargs="+", metavar="PATH",
@@ -185,6 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="benchmark format")
     ev.add_argument("--shots", type=int, default=0, help="solved examples before each question (from the dev split)")
     ev.add_argument("--dev", metavar="FILE", help="dev examples for --shots with a JSONL benchmark")
+    ev.add_argument("--gsm8k", metavar="FILE", help='GSM8K JSONL ({"question", "answer" ending "#### N"}): '
+                    "accuracy of greedy generated answers")
+    ev.add_argument("--toolcall", metavar="FILE", help="SFT JSONL with tool calls: parse, valid-call and call-match "
+                    "rates of the first reply, and answer accuracy with the built-in tools run")
+    ev.add_argument("--tools", metavar="NAMES", help="built-in tools --gsm8k may call (calculator)")
+    ev.add_argument("--think", action="store_true", help="open the think block in --gsm8k/--toolcall prompts")
+    ev.add_argument("--max-new-tokens", type=int, default=256, metavar="N",
+                    help="tokens per reply for --gsm8k/--toolcall")
+    ev.add_argument("--max-turns", type=int, default=4, metavar="N", help="replies per problem for "
+                    "--gsm8k/--toolcall (each reply that calls tools costs one)")
     ev.add_argument("--limit", type=int, help="score at most this many questions")
     ev.add_argument("--samples", action="store_true", help="generate replies to a fixed prompt set")
     ev.add_argument("--prompts", metavar="FILE", help="prompts for --samples, one per line")

@@ -137,7 +137,8 @@ def cmd_eval(args) -> None:
              samples=args.samples, prompts_file=args.prompts, chat=args.chat, batch_size=args.batch_size,
              seq_len=args.seq_len, max_tokens=args.max_tokens, limit=args.limit, precision=args.precision,
              device=args.device, write=not args.no_write, json_out=args.json, progress=not args.quiet,
-             split=args.split)
+             split=args.split, gsm8k=args.gsm8k, toolcall=args.toolcall, tools=args.tools, think=args.think,
+             max_new_tokens=args.max_new_tokens, max_turns=args.max_turns)
 
 
 def cmd_export(args) -> None:

@@ -1,9 +1,11 @@
 """`nanoforge eval`: evaluation of a trained run; and here, loss and bits per byte on data.
 
-Three questions, one function each:
+Five questions, one function each:
 
     evaluate_data                        how well does it predict this text?  loss, perplexity, bits per byte
     evaluate_choices (eval/choice.py)    does it pick the right answer?       accuracy per subject, 95% CI
+    evaluate_gsm8k (eval/gsm8k.py)       does it solve the word problem?      accuracy, tool-call parse rate
+    evaluate_toolcall (eval/toolcall.py) does it call tools right?            parse/valid/match rates, answers
     generate_samples (infer/samples.py)  what does it actually write?         a few completions, samples.jsonl
 
 Bits per byte (bpb) is the total negative log-likelihood in bits divided by the UTF-8 bytes of the text it
@@ -33,8 +35,11 @@ from nanoforge.device import autocast_context
 from nanoforge.errors import NanoforgeError
 from nanoforge.eval.choice import evaluate_choices
 from nanoforge.eval.common import Progress, check_precision, context_length, format_table, load_run
+from nanoforge.eval.gsm8k import evaluate_gsm8k, read_gsm8k
+from nanoforge.eval.toolcall import evaluate_toolcall, read_toolcall
 from nanoforge.infer.generate import SamplingConfig
 from nanoforge.infer.samples import eval_mode, generate_samples, load_prompts, write_samples
+from nanoforge.infer.toolturn import parse_tool_names
 from nanoforge.train.checkpoint import load_state
 
 
@@ -294,16 +299,25 @@ def run_eval(run, data=None, bench=None, fmt: str = "auto", shots: int = 0, dev=
              prompts_file=None, chat: bool = False, batch_size: int = 8, seq_len: int | None = None,
              max_tokens: int | None = None, limit: int | None = None, precision: str = "fp32",
              device: str = "auto", write: bool = True, json_out=None, progress: bool = True,
-             split: str | None = None, log: Callable[[str], None] = print) -> dict:
-    """`nanoforge eval RUN [--data F ...] [--bench PATH] [--samples]`: any of the three, loading the model
-    once; writes RUN/samples.jsonl for --samples (unless write=False) and the whole result to --json.
+             split: str | None = None, gsm8k=None, toolcall=None, tools: str | None = None, think: bool = False,
+             max_new_tokens: int = 256, max_turns: int = 4, log: Callable[[str], None] = print) -> dict:
+    """`nanoforge eval RUN [--data F ...] [--bench PATH] [--gsm8k F] [--toolcall F] [--samples]`: any of them,
+    loading the model once; `tools` (--tools calculator) are the built-in tools --gsm8k may call. Writes
+    RUN/samples.jsonl for --samples (unless write=False) and the whole result to --json.
     With none of them, the run's own held-out data: the whole validation split of the prepared directory it
     trained on (every token, whatever the batch size, unlike the capped validation during training).
     `split` picks the split of a prepared directory (default: all of --data; val of the run's own data)."""
-    if not data and not bench and not samples:
+    # before the model loads, so that a wrong --tools or a bad file fails at once
+    tool_names = parse_tool_names(tools)
+    if (gsm8k or toolcall) and (max_new_tokens < 1 or max_turns < 1):
+        raise NanoforgeError(f"--max-new-tokens ({max_new_tokens}) and --max-turns ({max_turns}) must be >= 1")
+    problems = read_gsm8k(gsm8k, limit) if gsm8k else None
+    cases = read_toolcall(toolcall, limit) if toolcall else None
+    if not data and not bench and not samples and not gsm8k and not toolcall:
         own = None if isinstance(run, tuple) else own_validation_data(run)
         if own is None:
-            raise NanoforgeError("nothing to evaluate: give --data FILE..., --bench PATH and/or --samples "
+            raise NanoforgeError("nothing to evaluate: give --data FILE..., --bench PATH, --gsm8k FILE, "
+                                 "--toolcall FILE and/or --samples "
                                  f"({run} has no prepared data with a validation split to default to)")
         data, split = [str(own)], split or "val"
         log(f"evaluating on the {split} split of {own}, the data the run trained on")
@@ -318,6 +332,13 @@ def run_eval(run, data=None, bench=None, fmt: str = "auto", shots: int = 0, dev=
         out["bench"] = evaluate_choices(loaded, bench, fmt=fmt, shots=shots, dev_path=dev, batch_size=batch_size,
                                         limit=limit, precision=precision, device=str(dev_device),
                                         progress=progress, log=log)
+    generation = dict(think=think, batch_size=batch_size, max_new_tokens=max_new_tokens, max_turns=max_turns,
+                      precision=precision, progress=progress, log=log)
+    if gsm8k:
+        out["gsm8k"] = {"file": str(gsm8k), **evaluate_gsm8k(model, tokenizer, problems, tools=tool_names,
+                                                             **generation)}
+    if toolcall:
+        out["toolcall"] = {"file": str(toolcall), **evaluate_toolcall(model, tokenizer, cases, **generation)}
     if samples:
         prompts = load_prompts(prompts_file) if prompts_file else None
         got = generate_samples(model, tokenizer, prompts, SamplingConfig(temperature=0.8, top_p=0.95,

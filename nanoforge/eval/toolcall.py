@@ -1,0 +1,161 @@
+"""`eval --toolcall FILE`: does the model call the right tool with the right arguments, and answer right?
+
+The file holds SFT records (`{"conversations": [...]}`, validated as `prepare --kind sft` does, tools declared
+on the opening system message). For each record:
+    prompt     the conversation up to its first assistant message
+    reference  that message's tool calls, and the content of the conversation's last assistant message (a
+               leading think block taken off) as the final answer
+The prompt is decoded greedily through the tool loop (infer/toolloop.py); the built-in tools the record declares
+are run for real, any other tool's call gets an "Error: ..." result.
+
+Metrics (the model's first reply against the reference's first assistant message):
+    parse rate         records whose reply has at least one tool call and no malformed tool-call block,
+                       over the records whose reference calls tools
+    valid-call rate    the reply's calls that name a tool the record declares and whose arguments (a JSON
+                       object) hold every key the tool's schema lists as required, over all calls the first
+                       replies made (n/a when none)
+    call-match rate    records whose reply's calls equal the reference's: the same names with equal parsed
+                       arguments, in any order, over the records whose reference calls tools
+    no-call agreement  records whose reply calls no tool, over the records whose reference calls none
+    answer accuracy    records whose final content (the last reply's, after the tools ran) equals the
+                       reference's, both stripped and with runs of whitespace made one space, over the records
+                       whose reference calls only built-in tools (the only ones whose results can be reproduced)
+"""
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+from nanoforge.data.jsonl import iter_records
+from nanoforge.errors import NanoforgeError
+from nanoforge.eval.common import Progress, format_table
+from nanoforge.infer.generate import SamplingConfig
+from nanoforge.infer.toolloop import Rollout, run_in_batches
+from nanoforge.infer.toolparse import parse_reply
+from nanoforge.tools.calculator import BUILTIN_TOOLS
+
+
+def _function(item: dict) -> dict:
+    """OpenAI's {"type": "function", "function": {...}} or a bare {...} -> the inner object."""
+    return item["function"] if isinstance(item.get("function"), dict) else item
+
+
+def _loaded(value):
+    return json.loads(value) if isinstance(value, str) else value  # a JSON-string field of an SFT record
+
+
+def read_toolcall(path, limit: int | None = None) -> list[dict]:
+    """One case per SFT record: prompt messages, declared schemas by name, reference calls and answer."""
+    if limit is not None and limit < 1:
+        raise NanoforgeError(f"--limit must be >= 1, got {limit}")
+    cases = []
+    for line_no, record in iter_records(path, "sft"):
+        if limit is not None and len(cases) >= limit:
+            break
+        messages = record["conversations"]
+        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        declared = (_loaded(messages[0].get("tools")) or []) if messages[0]["role"] == "system" else []
+        calls = [_function(c) for c in _loaded(messages[first].get("tool_calls")) or []]
+        final = parse_reply(messages[-1].get("content") or "", thinking_open=False).content
+        cases.append({"where": f"{path}:{line_no}", "prompt": messages[:first],
+                      "schemas": {_function(t)["name"]: _function(t) for t in declared},
+                      "calls": [(c["name"], _loaded(c["arguments"])) for c in calls], "answer": final})
+    return cases
+
+
+def valid_call(call: dict, schemas: dict) -> bool:
+    """A parsed call (OpenAI shape) names a declared tool and gives every required argument."""
+    name = call["function"]["name"]
+    if name not in schemas:
+        return False
+    arguments = json.loads(call["function"]["arguments"])
+    required = (schemas[name].get("parameters") or {}).get("required") or []
+    return isinstance(arguments, dict) and all(key in arguments for key in required)
+
+
+def calls_match(calls: list[dict], reference: list[tuple[str, dict]]) -> bool:
+    """The parsed calls equal the reference's (name, arguments) pairs, in any order."""
+    key = lambda pair: json.dumps(pair, sort_keys=True)  # noqa: E731
+    got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+    return sorted(map(key, got)) == sorted(map(key, reference))
+
+
+def same_answer(content: str, reference: str) -> bool:
+    return " ".join(content.split()) == " ".join(reference.split())
+
+
+def evaluate_toolcall(model, tokenizer, cases: list[dict], think: bool = False, batch_size: int = 8,
+                      max_new_tokens: int = 256, max_turns: int = 4, precision: str = "fp32",
+                      progress: bool = True, log: Callable[[str], None] = print) -> dict:
+    """The metrics of the module docstring on cases (`read_toolcall`, which run_eval calls before loading the
+    model); prints a table through `log` and returns them with one row per record."""
+    cfg = SamplingConfig(temperature=0, max_new_tokens=max_new_tokens)
+    bar = Progress(progress, "toolcall records", len(cases))
+    rollouts, seconds = _rollouts(model, tokenizer, cases, cfg, batch_size, bar, think=think, max_turns=max_turns,
+                                  precision=precision)
+    bar.close()
+    rows = [_graded(c, r) for c, r in zip(cases, rollouts)]
+    result = _summary(rows, rollouts, seconds)
+    result.update(think=think, per_record=rows)
+    log(format_table([f"toolcall ({len(rows)} records)", "value"], _table_rows(result)))
+    return result
+
+
+def _rollouts(model, tokenizer, cases, cfg, batch_size, bar, **loop_args) -> tuple[list[Rollout], float]:
+    """Run the cases through the tool loop, grouped by which built-in tools they declare (the loop runs one set
+    of tools per call); the rollouts in the cases' order and the seconds spent."""
+    groups: dict[tuple, list[int]] = {}
+    for i, case in enumerate(cases):
+        groups.setdefault(tuple(sorted(set(case["schemas"]) & set(BUILTIN_TOOLS))), []).append(i)
+    rollouts: list[Rollout | None] = [None] * len(cases)
+    seconds, done = 0.0, 0
+    for tools, members in groups.items():
+        got, spent = run_in_batches(model, tokenizer, [cases[i]["prompt"] for i in members], cfg, batch_size,
+                                    lambda n: bar.update(done + n), tools=tools, **loop_args)
+        for i, rollout in zip(members, got):
+            rollouts[i] = rollout
+        seconds, done = seconds + spent, done + len(members)
+    return rollouts, seconds
+
+
+def _graded(case: dict, rollout: Rollout) -> dict:
+    first = rollout.replies[0] if rollout.replies else None
+    calls = first.tool_calls if first else []
+    runnable = all(name in BUILTIN_TOOLS and name in case["schemas"] for name, _ in case["calls"])
+    return {"where": case["where"], "reference_calls": len(case["calls"]), "calls": len(calls),
+            "parsed": bool(first and calls and not first.errors),
+            "valid_calls": sum(valid_call(c, case["schemas"]) for c in calls),
+            "match": calls_match(calls, case["calls"]), "scored_answer": runnable,
+            "correct": runnable and same_answer(rollout.final_content, case["answer"]),
+            "turns": rollout.turns, "end": rollout.end, "content": rollout.final_content}
+
+
+def _rate(rows: list[dict], key: str) -> float | None:
+    return sum(bool(r[key]) for r in rows) / len(rows) if rows else None
+
+
+def _summary(rows: list[dict], rollouts: list[Rollout], seconds: float) -> dict:
+    calling = [r for r in rows if r["reference_calls"]]
+    silent = [r for r in rows if not r["reference_calls"]]
+    made = sum(r["calls"] for r in rows)
+    tokens = sum(r.new_tokens for r in rollouts)
+    return {"records": len(rows), "records_with_calls": len(calling), "parse_rate": _rate(calling, "parsed"),
+            "valid_call_rate": sum(r["valid_calls"] for r in rows) / made if made else None,
+            "call_match_rate": _rate(calling, "match"),
+            "no_call_agreement": sum(r["calls"] == 0 for r in silent) / len(silent) if silent else None,
+            "answer_records": sum(r["scored_answer"] for r in rows),
+            "answer_accuracy": _rate([r for r in rows if r["scored_answer"]], "correct"),
+            "mean_turns": sum(r.turns for r in rollouts) / len(rows),
+            "new_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)}
+
+
+def _table_rows(result: dict) -> list[list[str]]:
+    def show(value):
+        return "n/a" if value is None else f"{value:.4f}"
+    return [["parse rate", show(result["parse_rate"])], ["valid-call rate", show(result["valid_call_rate"])],
+            ["call-match rate", show(result["call_match_rate"])],
+            ["no-call agreement", show(result["no_call_agreement"])],
+            [f"answer accuracy ({result['answer_records']} records)", show(result["answer_accuracy"])],
+            ["records with reference calls", f"{result['records_with_calls']}"],
+            ["mean turns", f"{result['mean_turns']:.2f}"], ["new tokens", f"{result['new_tokens']:,}"],
+            ["tokens/s", f"{result['tokens_per_s']:,.1f}"]]
