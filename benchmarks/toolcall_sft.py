@@ -151,7 +151,7 @@ def main() -> None:
     work = Path(args.work)
     if not args.eval_only:
         train(work, args)
-    evaluate(work)
+    run_evals(work)
 
 
 def train(work: Path, args) -> None:
@@ -171,7 +171,7 @@ def train(work: Path, args) -> None:
               "--batch-size", "8", "--eval-every", "0", "--save-every", "0", "--sample-every", "0")
 
 
-def evaluate(work: Path) -> None:
+def run_evals(work: Path) -> None:
     run, data = str(work / "run"), work / "data"
     print(nanoforge("eval", run, "--toolcall", str(data / "heldout_tools.jsonl")))
     print(nanoforge("eval", run, "--gsm8k", str(data / "heldout_gsm8k.jsonl"), "--tools", "calculator"))
