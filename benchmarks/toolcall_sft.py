@@ -13,7 +13,7 @@ Then: a tokenizer trained on the rendered training conversations (so the tools s
 1-step pretrain as the init (random weights), `nanoforge sft` for --sft-steps, and the evaluations
 (`--eval-only` runs just those, on WORK/run); docs/tools.md has the figures.
 
-    python benchmarks/toolcall_sft.py --work /tmp/toolcall [--sft-steps 1500] [--gsm8k-limit 3000]
+    python benchmarks/toolcall_sft.py --work /tmp/toolcall [--sft-steps 400] [--gsm8k-limit 1000]
 """
 from __future__ import annotations
 
@@ -139,13 +139,13 @@ def nanoforge(*args: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", default="/tmp/toolcall")
-    parser.add_argument("--gsm8k-limit", type=int, default=2000)
+    parser.add_argument("--gsm8k-limit", type=int, default=1000)
     parser.add_argument("--synthetic", type=int, default=3000)
     parser.add_argument("--no-tool-share", type=float, default=0.3)
     parser.add_argument("--held-out", type=int, default=200)
     parser.add_argument("--vocab-size", type=int, default=2048)
-    parser.add_argument("--sft-steps", type=int, default=600)
-    parser.add_argument("--preset", default="demo")
+    parser.add_argument("--sft-steps", type=int, default=400)
+    parser.add_argument("--preset", default="tiny")
     parser.add_argument("--eval-only", action="store_true")
     args = parser.parse_args()
     work = Path(args.work)
@@ -165,9 +165,9 @@ def train(work: Path, args) -> None:
     nanoforge("prepare", "--kind", "pretrain", "--data", str(data / "rendered.jsonl"), "--tokenizer",
               str(work / "tok"), "--out", str(work / "pre"))
     nanoforge("pretrain", "--preset", args.preset, "--data", str(work / "pre"), "--out", str(work / "init"),
-              "--max-steps", "1", "--seq-len", "1024", "--max-seq-len", "1024", "--eval-every", "0")
+              "--max-steps", "1", "--seq-len", "768", "--max-seq-len", "768", "--eval-every", "0")
     nanoforge("sft", "--init", str(work / "init"), "--data", str(work / "sft"), "--out", str(work / "run"),
-              "--max-steps", str(args.sft_steps), "--lr", "3e-3", "--warmup-steps", "50", "--seq-len", "1024",
+              "--max-steps", str(args.sft_steps), "--lr", "3e-3", "--warmup-steps", "50", "--seq-len", "768",
               "--batch-size", "8", "--eval-every", "0", "--save-every", "0", "--sample-every", "0")
 
 
