@@ -326,3 +326,28 @@ def test_the_pages_tool_endpoints(server):
         assert response.status_code == 400 and set(response.json()["error"]) == ERROR_FIELDS
     listed = httpx.get(server.url + "/v1/nanoforge/tools", headers=auth).json()["data"]
     assert listed == [CALCULATOR_SCHEMA]
+
+
+@slow
+def test_a_plain_chatml_run_refuses_tools_over_http(tmp_path_factory, tiny_tokenizer):
+    """The tool run's weights with a plain-ChatML tokenizer (as tokenizers trained before tool support have),
+    served by its own process: the openai client gets a 400 that says why, and plain chat still works."""
+    import shutil
+
+    source = tool_run.make_tool_run(tmp_path_factory, tiny_tokenizer)
+    plain_run = tmp_path_factory.mktemp("plain") / "plain"
+    shutil.copytree(source, plain_run, ignore=shutil.ignore_patterns("trainer.pt", "tokenizer"))
+    Tokenizer(tiny_tokenizer.backend, chat_template=CHAT_TEMPLATE, config=tiny_tokenizer.config).save(
+        plain_run / "tokenizer")
+    proc = ServerProcess(plain_run, plain_run.parent / "server.log")
+    try:
+        plain = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError, match="no tool support") as refused:
+            plain.chat.completions.create(model="plain", messages=ask(*tool_run.QUESTIONS[0]),
+                                          tools=[CALCULATOR_SCHEMA], max_tokens=8)
+        assert refused.value.body["param"] == "tools"
+        reply = plain.chat.completions.create(model="plain", messages=ask(*tool_run.QUESTIONS[0]), max_tokens=8,
+                                              temperature=0)
+        assert isinstance(reply.choices[0].message.content, str) and not reply.choices[0].message.tool_calls
+    finally:
+        proc.stop()
