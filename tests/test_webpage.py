@@ -1,5 +1,6 @@
 """The web chat page at `/`, in a real headless Chromium against a real server: type, send, watch the reply
-stream in, take a screenshot. Uses Debian's chromium (/usr/bin/chromium, or NANOFORGE_CHROMIUM) through
+stream in, take a screenshot; with the calculator and thinking toggles, against the run SFT'd on calculator
+conversations, see the tool call, its result, the folded reasoning and the final answer. Uses Debian's chromium (/usr/bin/chromium, or NANOFORGE_CHROMIUM) through
 playwright-python; skips when either is missing, unless NANOFORGE_REQUIRE_BROWSER=1 makes that a failure."""
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import zlib
 
 import pytest
 
+import tool_run
 from test_generate import make_tiny_run
 
 pytestmark = pytest.mark.slow
@@ -129,5 +131,117 @@ def test_chat_page_streams_a_reply(server, tmp_path):
             assert page.query_selector_all(".msg") == []
             assert not errors, errors
             assert all(r.url.startswith(server.url) for r in requests), "the page must load nothing from outside"
+        finally:
+            browser.close()
+
+
+# ---------------------------------------------------------------------------------------------- tools and thinking
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory, tiny_tokenizer):
+    """The run SFT'd on calculator conversations (tests/tool_run.py), served without a key."""
+    _chromium()
+    from test_server import ServerProcess
+
+    proc = ServerProcess(tool_run.make_tool_run(tmp_path_factory, tiny_tokenizer),
+                         tmp_path_factory.mktemp("web_tools") / "server.log")
+    yield proc
+    proc.stop()
+
+
+def _ask_with_toggles(page, url, question, toggles, max_tokens):
+    """Open the page, switch the toggles on, ask greedily, and wait until the turn is over (the final answer
+    after any tool rounds)."""
+    page.goto(url + "/")
+    page.wait_for_function("document.getElementById('model').textContent.trim() === 'run'")
+    for toggle in toggles:
+        page.check(toggle)
+    page.fill("#system", "You are a helpful assistant.")
+    page.fill("#temperature", "0")
+    page.fill("#max_tokens", str(max_tokens))
+    page.fill("#input", question)
+    page.click("#send")
+    page.wait_for_selector(".meta", timeout=60_000)
+    assert not page.query_selector(".msg.error"), page.text_content(".msg.error")
+
+
+def _sent_chats(requests) -> list[dict]:
+    return [json.loads(r.post_data) for r in requests if r.url.endswith("/v1/chat/completions")]
+
+
+def test_calculator_on_shows_the_call_the_result_and_the_answer(tool_server):
+    from playwright.sync_api import sync_playwright
+
+    from nanoforge.tools.calculator import CALCULATOR_SCHEMA, run_tool_call
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1000, "height": 700})
+            errors, requests = [], []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("request", lambda r: requests.append(r))
+            _ask_with_toggles(page, tool_server.url, tool_run.question(*tool_run.QUESTIONS[0]), ["#calculator"], 80)
+
+            call_text = page.text_content(".msg.assistant .tool-call")
+            name, _, arguments = call_text.partition(" ")
+            assert name == "calculator" and "expression" in json.loads(arguments)
+            assert page.text_content(".msg.tool .tool-name") == "calculator: "
+            result = run_tool_call({"name": name, "arguments": arguments}, ["calculator"])
+            assert page.text_content(".msg.tool .tool-result") == result
+            bubbles = page.query_selector_all(".msg.assistant")
+            assert len(bubbles) == 2
+            assert bubbles[1].text_content().startswith("The answer is ")
+            assert not page.query_selector("details.reasoning"), "thinking was off"
+
+            first, second = _sent_chats(requests)
+            assert first["tools"] == [CALCULATOR_SCHEMA] and "chat_template_kwargs" not in first
+            assistant, tool = second["messages"][-2:]
+            assert assistant["content"] is None and assistant["tool_calls"][0]["function"] == {
+                "name": name, "arguments": arguments}
+            assert tool == {"role": "tool", "tool_call_id": assistant["tool_calls"][0]["id"], "content": result}
+            assert not errors, errors
+        finally:
+            browser.close()
+
+
+def test_think_on_folds_the_reasoning_and_keeps_tags_out_of_the_answer(tool_server):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1000, "height": 700})
+            errors, requests = [], []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("request", lambda r: requests.append(r))
+            _ask_with_toggles(page, tool_server.url, tool_run.question(*tool_run.QUESTIONS[1]),
+                              ["#think", "#calculator"], 100)
+
+            details = page.query_selector(".msg.assistant details.reasoning")
+            assert details is not None and details.get_attribute("open") is None, "the reasoning starts folded"
+            assert details.query_selector("summary").text_content() == "reasoning"
+            shown = details.query_selector(".reasoning-text").text_content()
+            first = _sent_chats(requests)[0]
+            assert first["chat_template_kwargs"] == {"enable_thinking": True}
+            # the same request, not streamed: the folded text is exactly the model's reasoning
+            import httpx
+
+            whole = httpx.post(tool_server.url + "/v1/chat/completions", json={**first, "stream": False},
+                               timeout=60).json()["choices"][0]["message"]
+            assert shown == whole["reasoning_content"] and shown.startswith("I should compute ")
+            assert page.text_content(".msg.assistant .tool-call").startswith("calculator ")
+            assert page.query_selector(".msg.tool .tool-result") is not None
+            # The turn goes on after the tool result. (With thinking on, this tiny run writes its answer inside
+            # a think block it never closes: its training answers carry no reasoning, so "<think>\n" as the
+            # generation prompt is new to it. Whatever it writes, no tag may reach the content or the calls.)
+            assert len(page.query_selector_all(".msg.assistant")) == 2
+            outside = page.query_selector_all(".msg.assistant .content, .msg.assistant .tool-call")
+            assert outside and not any(tag in el.text_content() for el in outside
+                                       for tag in ("<think>", "</think>", "<tool_call>", "</tool_call>"))
+            details.click()  # unfolds on a click
+            assert details.get_attribute("open") is not None
+            assert not errors, errors
         finally:
             browser.close()

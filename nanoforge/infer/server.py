@@ -2,10 +2,14 @@
 
 Endpoints: `GET /v1/models`, `POST /v1/chat/completions` and `POST /v1/completions` (both streaming by
 server-sent events when `"stream": true`), `GET /health`, and the page at `GET /`. The official `openai`
-clients work against it with `base_url="http://127.0.0.1:8000/v1"`.
+clients work against it with `base_url="http://127.0.0.1:8000/v1"`. Chat takes OpenAI's `tools` and
+`tool_choice`, tool messages and `chat_template_kwargs: {"enable_thinking": true}`, and answers with
+`reasoning_content` and `tool_calls` (infer/chat_request.py, infer/chat_reply.py). For the web page, which
+cannot run Python, `GET /v1/nanoforge/tools` lists the built-in tools and `POST /v1/nanoforge/tools/run`
+runs one.
 
-Requests are read and checked, and replies written, in OpenAI's wire format by infer/protocol.py; every
-error is JSON in OpenAI's shape with a 4xx status for anything the request got wrong.
+Requests are read and checked, and replies written, in OpenAI's wire format by infer/protocol.py and the two
+chat modules; every error is JSON in OpenAI's shape with a 4xx status for anything the request got wrong.
 
 Concurrency: the model and its KV cache are not thread-safe, so requests are *queued*, not batched: one
 worker thread (a single-worker executor, FIFO) generates one reply at a time. The event loop only parses
@@ -24,7 +28,6 @@ import argparse
 import asyncio
 import contextlib
 import errno
-import functools
 import logging
 import os
 import secrets
@@ -46,9 +49,12 @@ from nanoforge.errors import NanoforgeError
 from nanoforge.infer import defaults as chat_defaults
 from nanoforge.infer import protocol
 from nanoforge.infer.chat import resolve_precision
+from nanoforge.infer.chat_reply import ChatChunks, call_id_prefix, chat_body, finish_reason, reply_message
+from nanoforge.infer.chat_request import parse_chat_request
 from nanoforge.infer.generate import Completion, SamplingConfig, stream_completion
 from nanoforge.infer.protocol import APIError, GenerationRequest, Limits
 from nanoforge.loader import load_model
+from nanoforge.tools.calculator import BUILTIN_TOOLS, run_tool_call
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -215,6 +221,7 @@ def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
     _add_error_handlers(app)
     _add_model_routes(app, worker, model_name, api_key)
     _add_generation_routes(app, worker, tokenizer, limits, model_name, api_key, max_body_bytes)
+    _add_tool_routes(app, api_key, max_body_bytes)
     return app
 
 
@@ -274,16 +281,57 @@ def _add_generation_routes(app, worker: _Worker, tokenizer, limits: Limits, mode
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         protocol.check_api_key(request.headers.get("authorization", ""), api_key)
-        req = protocol.parse_chat_request(await _read_json(request, max_body_bytes), tokenizer, limits)
-        return await _answer(worker, req, chat_stop_ids, "chatcmpl", model_name, protocol.chat_body,
-                             protocol.chat_chunk)
+        req = parse_chat_request(await _read_json(request, max_body_bytes), tokenizer, limits)
+        reply_id, now, id_prefix = f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), call_id_prefix()
+
+        def body(done: Completion) -> dict:
+            message, warnings = reply_message(done.text, req, id_prefix)
+            _log_warnings(reply_id, warnings)
+            finish = finish_reason(done.finish_reason, bool(message.get("tool_calls")))
+            return chat_body(model_name, reply_id, now, message, finish, protocol.usage(req.prompt_ids, done))
+
+        return await _answer(worker, req, chat_stop_ids, reply_id, body,
+                             lambda: ChatChunks(model_name, reply_id, now, req, id_prefix))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         protocol.check_api_key(request.headers.get("authorization", ""), api_key)
         req = protocol.parse_completion_request(await _read_json(request, max_body_bytes), tokenizer, limits)
-        return await _answer(worker, req, text_stop_ids, "cmpl", model_name, protocol.text_body,
-                             protocol.text_chunk)
+        reply_id, now = f"cmpl-{secrets.token_hex(12)}", int(time.time())
+
+        def body(done: Completion) -> dict:
+            return protocol.text_body(model_name, reply_id, now, done, protocol.usage(req.prompt_ids, done))
+
+        return await _answer(worker, req, text_stop_ids, reply_id, body,
+                             lambda: protocol.TextChunks(model_name, reply_id, now))
+
+
+def _add_tool_routes(app, api_key: str | None, max_body_bytes: int) -> None:
+    """The built-in tools for the web page, which cannot run Python: GET /v1/nanoforge/tools (their schemas)
+    and POST /v1/nanoforge/tools/run {"name", "arguments"} -> {"content": the result}. Only the built-in
+    tools (tools/calculator.py: no eval, bounded work) run; anything else is answered "Error: ...", as a
+    tool result the model can read."""
+    @app.get("/v1/nanoforge/tools")
+    async def tools(request: Request):
+        protocol.check_api_key(request.headers.get("authorization", ""), api_key)
+        return {"object": "list", "data": list(BUILTIN_TOOLS.values())}
+
+    @app.post("/v1/nanoforge/tools/run")
+    async def run_tool(request: Request):
+        protocol.check_api_key(request.headers.get("authorization", ""), api_key)
+        body = await _read_json(request, max_body_bytes)
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+            raise APIError(400, "the body must be {\"name\": a built-in tool, \"arguments\": its JSON object}",
+                           param="name")
+        arguments = body.get("arguments", {})
+        if not isinstance(arguments, (str, dict)):
+            raise APIError(400, "arguments must be an object or a JSON string of one", param="arguments")
+        return {"content": run_tool_call({"name": body["name"], "arguments": arguments}, BUILTIN_TOOLS)}
+
+
+def _log_warnings(reply_id: str, warnings: list[str]) -> None:
+    for warning in warnings:
+        log.warning("%s: %s", reply_id, warning)
 
 
 async def _read_json(request: Request, max_body_bytes: int) -> Any:
@@ -302,32 +350,32 @@ async def _read_json(request: Request, max_body_bytes: int) -> Any:
     return protocol.parse_json(b"".join(chunks))
 
 
-async def _answer(worker: _Worker, req: GenerationRequest, stop_ids: list[int], prefix: str, model_name: str,
-                  make_body: Callable, make_chunk: Callable):
-    """Answer a checked request: a JSON body, or an event stream of chunks ending in [DONE]."""
-    reply_id, now = f"{prefix}-{secrets.token_hex(12)}", int(time.time())
+async def _answer(worker: _Worker, req: GenerationRequest, stop_ids: list[int], reply_id: str,
+                  body: Callable[[Completion], dict], chunks: Callable[[], Any]):
+    """Answer a checked request: `body(done)` as JSON, or an event stream of `chunks()`'s chunks (a
+    protocol.TextChunks or chat_reply.ChatChunks) ending in [DONE]."""
     if not req.stream:
         try:
             done = await worker.complete(req, stop_ids)
         except NanoforgeError as e:
             raise APIError(400, str(e)) from None
-        return JSONResponse(make_body(model_name, reply_id, now, done, protocol.usage(req.prompt_ids, done)))
+        return JSONResponse(body(done))
 
     worker.check_room()  # a 503 has to come before the stream's 200
-
-    chunk = functools.partial(make_chunk, model_name, reply_id, now)  # (text, finish_reason, first=False)
+    stream = chunks()
 
     async def events():
-        yield protocol.sse(chunk(None, None, first=True))
+        yield protocol.sse(stream.first())
         try:
             async for item in worker.stream(req, stop_ids):
                 if isinstance(item, Completion):
-                    yield protocol.sse(chunk(None, item.finish_reason))
-                    if req.include_usage:
-                        yield protocol.sse({**chunk(None, None), "choices": [],
-                                            "usage": protocol.usage(req.prompt_ids, item)})
-                elif item:
-                    yield protocol.sse(chunk(item, None))
+                    usage = protocol.usage(req.prompt_ids, item) if req.include_usage else None
+                    for chunk in stream.end(item, usage):
+                        yield protocol.sse(chunk)
+                    _log_warnings(reply_id, stream.warnings())
+                else:
+                    for chunk in stream.feed(item):
+                        yield protocol.sse(chunk)
         except Exception as e:  # the 200 is already sent: report it in the stream, as OpenAI does
             ours = isinstance(e, NanoforgeError)
             if not ours:
@@ -338,7 +386,6 @@ async def _answer(worker: _Worker, req: GenerationRequest, stop_ids: list[int], 
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
 
 
 # ----------------------------------------------------------------------------------------------------------
