@@ -1,0 +1,229 @@
+"""Multi-turn tool-use rollouts for RL (MiniMind's agentic RL, `grpo --tools calculator --max-turns N`): every
+trajectory is one flat list of token ids built by concatenation, with a loss mask and the policy's log-probs.
+
+A trajectory starts as its prompt (rendered once, `agent_prompt`). Each round generates the next reply of every
+live trajectory at once (one left-padded batch through the KV-cache decoder, as `generate` does) and appends
+the sampled tokens as they are, stop token included. A reply that stopped and called tools has its calls run;
+then the environment's tokens are appended: exactly what the chat template writes after an assistant turn that
+called tools, from just after its <|im_end|> to the next generation prompt,
+
+    \\n<|im_start|>user\\n<tool_response>\\n{result}\\n</tool_response>[...]<|im_end|>\\n<|im_start|>assistant\\n
+    <think>\\n\\n</think>\\n\\n        (or the open `<think>\\n` with think=True)
+
+and the trajectory goes to the next round. The conversation is never re-rendered and re-tokenised: a
+re-tokenised reply may split differently from the tokens the model sampled, and then the trained log-probs
+would belong to tokens it never produced. The environment text is derived from the template itself
+(`environment_ids` renders a placeholder assistant turn and the real tool messages, and keeps what follows
+the assistant's <|im_end|>), and it is tokenised by `render_chat`, so <|im_start|>/<|im_end|> are control
+tokens and a tool result spelling one stays plain text. Every piece starts right after a control token,
+where the tokenizer's pre-tokenisation starts afresh, so for ordinary text the concatenation equals the
+render of the same conversation token for token (tests/test_rl_agent.py checks one).
+
+    mask      1 on the tokens the model sampled: each reply and the stop token that ended it; 0 on the prompt
+              and on every environment token (tool results and template glue)
+    logprobs  log softmax(logits / T) of each sampled token under the policy at rollout time (T = 1 for greedy
+              decoding), 0.0 where the mask is 0; the unfiltered tempered distribution, what the trainer
+              recomputes, so top-k/top-p (off by default) would make the sampler differ from it
+
+How a trajectory ends (`Trajectory.end`; only "answer" is finished, for the agent reward's penalty):
+    "answer"     a reply that stopped without a well-formed tool call
+    "length"     a reply cut by max_new_tokens (its calls are not run: the template never continues an
+                 assistant turn without its <|im_end|>)
+    "max_turns"  the max_turns-th reply still called tools (they are run and counted, nothing is appended)
+    "context"    the next round (ids + max_new_tokens) would not fit the model's context
+A trajectory only runs when ids + max_new_tokens fits, so no long row shortens another's reply and a batch
+gives the same trajectories as each alone (greedy; up to float rounding).
+
+The stop tokens are the eval loop's (infer/toolloop.stop_ids: <|endoftext|>, <|im_end|>, <|im_start|>); the
+one sampled is kept and trained whichever it is, since it is what the model wrote (a model trained on the
+template ends with <|im_end|>, which the environment text follows). Each round prefills every live trajectory
+from its first token: no cache is kept between rounds (simple, and what the trainer's forward recomputes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from nanoforge.errors import NanoforgeError
+from nanoforge.infer.generate import SamplingConfig, _DecodeState, _step_context, sample_next
+from nanoforge.infer.toolloop import stop_ids
+from nanoforge.infer.toolparse import Reply, parse_reply
+from nanoforge.infer.toolturn import tool_messages, tool_schemas
+from nanoforge.rl.prompts import PromptRecord
+from nanoforge.rl.rewards import AgentTurns, agent_reward_parts
+from nanoforge.tools.calculator import BUILTIN_TOOLS
+
+ENDS = ("answer", "length", "max_turns", "context")
+
+
+@dataclass
+class Trajectory:
+    """One multi-turn rollout. `ids`, `mask` and `logprobs` are aligned, one entry per token; `texts[k]` is
+    reply k as decoded (without its stop token), `replies[k]` that text parsed; `tool_results` holds the
+    result of every call that was run, in order; `reward` is rl.rewards.agent_reward, `reward_parts` its terms."""
+    ids: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    prompt_len: int
+    texts: list[str] = field(default_factory=list)
+    replies: list[Reply] = field(default_factory=list)
+    tool_results: list[str] = field(default_factory=list)
+    end: str = ""
+    reward: float = 0.0
+    reward_parts: dict = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        """Answered without a call, before max_turns, without truncation (and within the context)."""
+        return self.end == "answer"
+
+    @property
+    def turns(self) -> int:
+        return len(self.replies)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(self.mask)
+
+
+def agent_prompt(tokenizer, record: PromptRecord, tools: Sequence[str], think: bool) -> list[int]:
+    """The prompt's token ids: the record's messages with the generation prompt; the schemas of `tools` go in
+    the system turn unless the record's system message declares its own (as SFT records do)."""
+    schemas = None if record.tools is not None else tool_schemas(tools)
+    ids, _ = tokenizer.render_chat(record.messages, add_generation_prompt=True, tools=schemas, open_thinking=think)
+    return ids
+
+
+def environment_ids(tokenizer, messages: Sequence[dict], think: bool) -> list[int]:
+    """The tokens that follow an assistant turn's <|im_end|> when that turn called tools and got the `tool`
+    `messages`: the template's user turn of <tool_response> blocks and the next generation prompt.
+
+    Derived by rendering [a placeholder assistant turn, *messages] with the generation prompt and keeping the
+    ids after the assistant turn's <|im_end|> (its last masked token). The assistant's text cannot change
+    what follows: the template renders a tool message from its own content and the role before it, and the
+    tokenizer starts afresh after a control token."""
+    conversation = [{"role": "assistant", "content": "-"}, *messages]
+    ids, mask = tokenizer.render_chat(conversation, add_generation_prompt=True, open_thinking=think)
+    end = max(i for i, m in enumerate(mask) if m)
+    if ids[end] != tokenizer.im_end_id:
+        raise NanoforgeError("the chat template does not close an assistant turn with <|im_end|>, so the tokens "
+                             "after a tool call cannot be found; agent rollouts need a ChatML tools template")
+    return ids[end + 1:]
+
+
+def agent_rollouts(model, tokenizer, prompts: Sequence[Sequence[int]], records: Sequence[PromptRecord],
+                   tools: Sequence[str], cfg: SamplingConfig, max_turns: int, think: bool = False,
+                   generator: torch.Generator | None = None, precision: str = "fp32") -> list[Trajectory]:
+    """Roll out every prompt (token ids, e.g. `agent_prompt`) with the built-in `tools` until it answers, runs
+    out of turns or of context; one Trajectory each, in order, rewarded by rl.rewards.agent_reward against
+    its record (which needs "gt"). `cfg` gives the temperature and max_new_tokens per reply; `generator`
+    (else a fresh one seeded with cfg.seed, else the global RNG) draws every token of every round, so a run
+    that saves and restores it resumes exactly. `think` means every prompt ends inside an open think block."""
+    _check_arguments(tokenizer, prompts, records, tools, cfg, max_turns)
+    if generator is None and cfg.seed is not None:
+        generator = torch.Generator(device=next(model.parameters()).device).manual_seed(cfg.seed)
+    context = model.model.rotary_emb.n_positions
+    stops = set(stop_ids(tokenizer))
+    trajectories = [Trajectory(list(p), [0] * len(p), [0.0] * len(p), len(p)) for p in prompts]
+    live = []
+    for i, trajectory in enumerate(trajectories):
+        if len(trajectory.ids) + cfg.max_new_tokens > context:
+            trajectory.end = "context"
+        else:
+            live.append(i)
+    for turn in range(max_turns):
+        if not live:
+            break
+        rows = _decode_round(model, [trajectories[i].ids for i in live], cfg, stops, generator, precision)
+        live = [i for i, (tokens, logprobs, stopped) in zip(live, rows)
+                if _add_reply(trajectories[i], tokenizer, tokens, logprobs, stopped, tools, think,
+                              turn + 1 == max_turns, context - cfg.max_new_tokens)]
+    for trajectory, record in zip(trajectories, records):
+        turns = AgentTurns(trajectory.texts, trajectory.tool_results, trajectory.finished)
+        trajectory.reward_parts = agent_reward_parts(turns, {**record.reward_record(), "thinking_open": think})
+        trajectory.reward = trajectory.reward_parts["total"]
+    return trajectories
+
+
+def _check_arguments(tokenizer, prompts, records, tools, cfg: SamplingConfig, max_turns: int) -> None:
+    cfg.validate()
+    if not isinstance(max_turns, int) or max_turns < 1:
+        raise NanoforgeError(f"--max-turns {max_turns!r} must be an integer >= 1")
+    if len(prompts) != len(records):
+        raise NanoforgeError(f"{len(prompts)} prompts for {len(records)} records; give one record per prompt")
+    unknown = [t for t in tools if t not in BUILTIN_TOOLS]
+    if unknown:
+        raise NanoforgeError(f"--tools: unknown tool {unknown[0]!r}; the built-in tools are "
+                             f"{', '.join(sorted(BUILTIN_TOOLS))}")
+    if not tokenizer.supports_tools:
+        raise NanoforgeError("this tokenizer's chat template cannot render tool calls; agent rollouts need a "
+                             "tokenizer trained by `nanoforge tokenizer train` (or MiniMind-3's)")
+    if cfg.repetition_penalty != 1.0 or cfg.stop_strings:
+        raise NanoforgeError("RL rollouts sample from the policy's own distribution and stop on its stop token: "
+                             "repetition_penalty must be 1 and stop_strings empty")
+
+
+def _add_reply(trajectory: Trajectory, tokenizer, tokens: list[int], logprobs: list[float], stopped: bool,
+               tools: Sequence[str], think: bool, last_turn: bool, room: int) -> bool:
+    """Append one sampled reply, run its calls and append the environment's tokens; True when the trajectory
+    goes on to another round. `room`: the longest ids that still leave max_new_tokens of context."""
+    trajectory.ids += tokens
+    trajectory.mask += [1] * len(tokens)
+    trajectory.logprobs += logprobs
+    text = tokenizer.decode(tokens[:-1] if stopped else tokens)
+    # call ids unique within the trajectory: call_{turn}_{index}
+    reply = parse_reply(text, thinking_open=think, id_prefix=f"call_{trajectory.turns}_")
+    trajectory.texts.append(text)
+    trajectory.replies.append(reply)
+    if not stopped:
+        trajectory.end = "length"
+        return False
+    if not reply.tool_calls:
+        trajectory.end = "answer"
+        return False
+    messages = tool_messages(reply, tools)
+    trajectory.tool_results += [m["content"] for m in messages]
+    if last_turn:
+        trajectory.end = "max_turns"
+        return False
+    environment = environment_ids(tokenizer, messages, think)
+    if len(trajectory.ids) + len(environment) > room:
+        trajectory.end = "context"
+        return False
+    trajectory.ids += environment
+    trajectory.mask += [0] * len(environment)
+    trajectory.logprobs += [0.0] * len(environment)
+    return True
+
+
+def _decode_round(model, prompts: list[list[int]], cfg: SamplingConfig, stops: set[int],
+                  generator: torch.Generator | None, precision: str) -> list[tuple[list[int], list[float], bool]]:
+    """One reply per prompt, all generated together: (sampled ids, their log-probs, stopped?) per row. A row
+    that stopped ends with its stop token; one that did not was cut at cfg.max_new_tokens.
+
+    The decoding state is generate.py's (left padding, attention mask, KV cache); the sampling step is done
+    here because `generate` returns no log-probs: the same `sample_next`, and the chosen tokens' log-probs
+    from the same logits."""
+    device = next(model.parameters()).device
+    temperature = cfg.temperature or 1.0  # greedy rows report log-probs at T = 1
+    with _step_context(model, device, precision):
+        state = _DecodeState(model, prompts, cfg, True, device, precision)
+    tokens_of: list[list[int]] = [[] for _ in prompts]
+    logprobs_of: list[list[float]] = [[] for _ in prompts]
+    stopped = [False] * len(prompts)
+    for _ in range(state.n_new):
+        with _step_context(model, device, precision):
+            logits = state._next_logits()  # (B, V) float32
+            tokens = sample_next(logits, cfg, generator)  # (B,)
+            chosen = torch.log_softmax(logits / temperature, dim=-1).gather(1, tokens[:, None])[:, 0]  # (B,)
+            state.pending = tokens[:, None]
+        for i, (token, logprob) in enumerate(zip(tokens.tolist(), chosen.tolist())):
+            if not stopped[i]:  # a stopped row is still computed with the batch; its tokens are ignored
+                tokens_of[i].append(token)
+                logprobs_of[i].append(logprob)
+                stopped[i] = token in stops
+        if all(stopped):
+            break
+    return list(zip(tokens_of, logprobs_of, stopped))
