@@ -22,6 +22,8 @@ from nanoforge.tools.calculator import CALCULATOR_SCHEMA, evaluate
 
 from tool_run import ANSWER, QUESTIONS, REASONING, question
 
+pytestmark = pytest.mark.slow  # the tool run takes a minute to build (once per session)
+
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=120)
 SYSTEM = "You are a helpful assistant."  # the system text the tool run was trained with
@@ -98,7 +100,7 @@ def test_tools_and_thinking_need_a_template_in_minimind3s_format(loaded):
 def run_cli(run_dir, *args, stdin="What is 12 * 7?"):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "nanoforge.cli", "chat", str(run_dir), "--device", "cpu",
-                           "--temperature", "0", "--system", SYSTEM, *args], input=stdin, capture_output=True, text=True, env=env,
+                           "--temperature", "0", "--max-new-tokens", "100", "--system", SYSTEM, *args], input=stdin, capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=120)
 
 
