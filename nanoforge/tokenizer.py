@@ -66,7 +66,7 @@ class Tokenizer:
         self.sha256 = hashlib.sha256(_canonical_json(inner.to_str()).encode("utf-8")).hexdigest()
         self._compiled_template = None
         self._names = None
-        self._specials = None  # (ids, texts, matched on raw text?) of the added tokens marked special
+        self._specials = None  # (ids, texts) of the added tokens marked special
         self._plain_tok = None  # a copy that encodes special-token text as plain text, made on first need
 
     def _find_eos_id(self) -> int | None:
@@ -127,10 +127,6 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
-
-    def decode_batch(self, batch: Sequence[Iterable[int]], skip_special_tokens: bool = False) -> list[str]:
-        return self._tok.decode_batch([[int(i) for i in ids] for ids in batch],
-                                      skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
@@ -201,7 +197,7 @@ class Tokenizer:
 
     def _template_names(self) -> dict:
         """The special-token names HF passes to templates (bos_token, eos_token, ...); computed once."""
-        if getattr(self, "_names", None) is None:
+        if self._names is None:
             config = self.hf_config()
             self._names = {k: config[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token",
                                                   "additional_special_tokens")}
@@ -246,15 +242,13 @@ class Tokenizer:
 
     # ---- chat: keeping the text of messages plain
 
-    def _special_tokens(self) -> tuple[frozenset, tuple, bool]:
-        """Ids and texts of the added tokens marked special (<|im_start|>, <|im_end|>, <|endoftext|>, ...),
-        and whether they match the raw text (no normalizer in their way). Added tokens with special=False
-        (MiniMind's <think>, <tool_call>) are ordinary vocabulary: a message may use them, and HF encodes
-        them as the same single tokens inside any text."""
-        if getattr(self, "_specials", None) is None:
+    def _special_tokens(self) -> tuple[frozenset, tuple]:
+        """Ids and texts of the added tokens marked special (<|im_start|>, <|im_end|>, <|endoftext|>, ...).
+        Added tokens with special=False (MiniMind's <think>, <tool_call>) are ordinary vocabulary: a message
+        may use them, and HF encodes them as the same single tokens inside any text."""
+        if self._specials is None:
             added = {i: t for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
-            raw = self._tok.normalizer is None or not any(t.normalized for t in added.values())
-            self._specials = (frozenset(added), tuple(t.content for t in added.values() if t.content), raw)
+            self._specials = (frozenset(added), tuple(t.content for t in added.values() if t.content))
         return self._specials
 
     def _specials_of(self, ids, offsets) -> list[tuple[int, int, int]]:
@@ -281,7 +275,7 @@ class Tokenizer:
     def _plain_text_tokenizer(self):
         """A second `tokenizers.Tokenizer` that encodes special-token text like any other text. A separate
         object (never the shared one toggled), since the server encodes from several threads at once."""
-        if getattr(self, "_plain_tok", None) is None:
+        if self._plain_tok is None:
             from tokenizers import Tokenizer as HFTokenizer
 
             plain = HFTokenizer.from_str(self._tok.to_str())
