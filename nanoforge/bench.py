@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from nanoforge.config import TRAIN_FIELDS, build_config, config_dicts
 from nanoforge.device import resolve_device
 from nanoforge.errors import NanoforgeError
+from nanoforge.fsutil import write_text_atomic
 from nanoforge.model.gpt import GPT
 from nanoforge.tokenizer import load_tokenizer
 from nanoforge.train import metrics
@@ -270,11 +271,8 @@ def format_bench(res: dict[str, Any]) -> str:
 
 
 def write_json(res: dict[str, Any], path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(res, indent=2) + "\n")
 
 
 if __name__ == "__main__":  # a measuring child of run_bench

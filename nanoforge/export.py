@@ -26,6 +26,7 @@ import torch
 
 from nanoforge.config import ModelConfig
 from nanoforge.errors import NanoforgeError
+from nanoforge.fsutil import replace_dir
 from nanoforge.hf import HF_ARCHITECTURES
 from nanoforge.loader import load_model
 
@@ -54,7 +55,7 @@ def write_hf_dir(model, tokenizer, out_dir: str | os.PathLike, force: bool = Fal
         weights = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict_for_save().items()}
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save(tmp)
-        _move_into_place(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -311,17 +312,6 @@ def _temp_sibling(out: Path, force: bool) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     return tmp
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished temporary directory to `out`, replacing what --force allowed to replace."""
-    if out.exists():
-        old = out.parent / f".tmp-old-{out.name}-{os.getpid()}"
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -1,8 +1,9 @@
-"""Durable writes: fsync a file or a directory entry. Torch-free, so data-preparation worker processes can
-import it without paying for torch at start-up."""
+"""Durable and atomic writes: fsync a file or a directory entry, put a finished file or directory in place in one
+rename. Torch-free, so data-preparation worker processes can import it without paying for torch at start-up."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 
@@ -18,3 +19,28 @@ def fsync_dir(path: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """`text` written under a temporary name (with the pid: processes never share one) and renamed over `path`,
+    so a reader sees the old file or the new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def replace_dir(tmp: Path, out: Path) -> None:
+    """Rename the finished directory `tmp` to `out`; an `out` already there is swapped out first and then
+    removed, so there is never a moment with neither."""
+    if out.exists():
+        old = out.parent / f".tmp-old-{out.name}-{os.getpid()}"
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)

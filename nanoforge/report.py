@@ -24,6 +24,7 @@ import torch
 
 from nanoforge.config import MODEL_FIELDS, ModelConfig, load_toml
 from nanoforge.errors import NanoforgeError
+from nanoforge.fsutil import write_text_atomic
 from nanoforge.model.gpt import GPT
 from nanoforge.train import checkpoint as ckpt
 from nanoforge.train.distributed import is_main
@@ -422,9 +423,7 @@ def write_report(run_dirs: list[str | Path], out_path: str | Path, samples: list
         lines += _run_section(run, out_path, Figure, png_name)
     if samples:
         lines += ["## Sample replies", ""] + _samples_table(samples) + [""]
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    tmp.write_text("\n".join(lines), encoding="utf-8")
-    tmp.replace(out_path)  # a reader never sees half a report
+    write_text_atomic(out_path, "\n".join(lines))
     return out_path
 
 

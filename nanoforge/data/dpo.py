@@ -34,6 +34,7 @@ from nanoforge.data.batches import IGNORE
 from nanoforge.data.shards import TokenShards
 from nanoforge.device import autocast_context
 from nanoforge.errors import NanoforgeError
+from nanoforge.fsutil import write_text_atomic
 
 CACHE_VERSION = 1
 
@@ -174,9 +175,7 @@ def reference_logps(model: nn.Module, shards: TokenShards, cache_dir: str | Path
         os.fsync(f.fileno())
     meta.unlink(missing_ok=True)  # the key goes last: a crash in between leaves no key, hence a recompute
     os.replace(tmp, npy)
-    tmp_meta = meta.with_name(f".{meta.name}.tmp-{os.getpid()}")
-    tmp_meta.write_text(json.dumps(key, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp_meta, meta)
+    write_text_atomic(meta, json.dumps(key, indent=2) + "\n")
     return values
 
 

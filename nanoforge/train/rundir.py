@@ -19,8 +19,6 @@ import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
-
 from nanoforge import dirlock
 from nanoforge.config import (MODEL_FIELDS, PRESETS, ConfigError, ModelConfig, TrainConfig, build_config,
                               config_to_toml, load_toml)
@@ -29,6 +27,7 @@ from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import check_tokenizer
 from nanoforge.data.sources import data_kind, prepared_dir
 from nanoforge.errors import NanoforgeError
+from nanoforge.fsutil import write_text_atomic
 from nanoforge.loader import init_config, init_tokenizer_dir
 from nanoforge.train.microbatch import fit_micro_batch
 from nanoforge.tokenizer import load_tokenizer, train_tokenizer
@@ -165,12 +164,8 @@ def fit_vocab(mcfg: ModelConfig, tokenizer, explicit: set[str]) -> None:
 def resolve_data(kind: str, data: Sequence[str], run_dir: Path, tokenizer_path: str | None, mcfg: ModelConfig,
                  tcfg: TrainConfig, quiet: bool) -> Path:
     """A prepared directory is used as is; raw JSONL files are prepared into RUN/data (once)."""
-    with main_first(_device(tcfg)):  # under torchrun rank 0 prepares; the others then find RUN/data ready
+    with main_first(resolve_device(tcfg.device)):  # under torchrun rank 0 prepares; the others find RUN/data ready
         return _resolve_data(kind, data, run_dir, tokenizer_path, mcfg, tcfg, quiet)
-
-
-def _device(tcfg: TrainConfig) -> torch.device:
-    return resolve_device(tcfg.device)
 
 
 def _resolve_data(kind: str, data: Sequence[str], run_dir: Path, tokenizer_path: str | None, mcfg: ModelConfig,
@@ -206,9 +201,7 @@ def write_run_config(run_dir: Path, mcfg: ModelConfig, tcfg: TrainConfig, run_in
     run_dir.mkdir(parents=True, exist_ok=True)
     if not is_main():  # under torchrun only rank 0 writes the run directory
         return
-    tmp = run_dir / "config.toml.tmp"
-    tmp.write_text(config_to_toml(mcfg, tcfg, {"run": run_info}), encoding="utf-8")
-    tmp.replace(run_dir / "config.toml")
+    write_text_atomic(run_dir / "config.toml", config_to_toml(mcfg, tcfg, {"run": run_info}))
 
 
 def copy_tokenizer(src: Path, run_dir: Path) -> None:
@@ -218,8 +211,6 @@ def copy_tokenizer(src: Path, run_dir: Path) -> None:
     if dst.exists():
         shutil.rmtree(dst)
     shutil.copytree(src, dst)
-
-
 
 
 def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str | Path, config_file: str | None,
