@@ -26,7 +26,7 @@ import torch
 
 from nanoforge.config import ModelConfig
 from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import replace_dir
+from nanoforge.fsutil import replace_dir, write_json
 from nanoforge.hf import HF_ARCHITECTURES
 from nanoforge.loader import load_model
 
@@ -49,8 +49,8 @@ def write_hf_dir(model, tokenizer, out_dir: str | os.PathLike, force: bool = Fal
     out = Path(out_dir)
     tmp = _temp_sibling(out, force)
     try:
-        _write_json(tmp / "config.json", config)
-        _write_json(tmp / "generation_config.json", generation_config(tokenizer))
+        write_json(tmp / "config.json", config)
+        write_json(tmp / "generation_config.json", generation_config(tokenizer))
         # float32, contiguous, no shared storage (the tied head is left out, as HF does)
         weights = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict_for_save().items()}
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -312,12 +312,6 @@ def _temp_sibling(out: Path, force: bool) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     return tmp
-
-
-def _write_json(path: Path, data: dict) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, ensure_ascii=False)
-        f.write("\n")
 
 
 def _transformers_version() -> str | None:

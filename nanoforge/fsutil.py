@@ -2,6 +2,7 @@
 rename. Torch-free, so data-preparation worker processes can import it without paying for torch at start-up."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -21,6 +22,15 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+def write_json(path: str | Path, obj) -> None:
+    """`obj` as indented UTF-8 JSON with a final newline, flushed to disk."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, ensure_ascii=False, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_text_atomic(path: str | Path, text: str) -> None:
     """`text` written under a temporary name (with the pid: processes never share one) and renamed over `path`,
     so a reader sees the old file or the new one, never half of one."""
@@ -35,12 +45,16 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 
 
 def replace_dir(tmp: Path, out: Path) -> None:
-    """Rename the finished directory `tmp` to `out`; an `out` already there is swapped out first and then
-    removed, so there is never a moment with neither."""
-    if out.exists():
-        old = out.parent / f".tmp-old-{out.name}-{os.getpid()}"
-        out.rename(old)
+    """Rename the finished directory `tmp` to `out`. An `out` already there is moved aside first (put back if
+    the rename fails) and deleted only once the new one is in place: a crash leaves one of them, never neither."""
+    if not out.exists():
         tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
+        return
+    old = out.parent / f".tmp-old-{out.name}-{os.getpid()}"
+    out.rename(old)
+    try:
         tmp.rename(out)
+    except BaseException:
+        old.rename(out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

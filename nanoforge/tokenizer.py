@@ -30,6 +30,7 @@ from nanoforge.chat_template import (CHAT_TEMPLATE, IM_END, THINKING_TOOLS_TEMPL
                                      without_empty_think)
 from nanoforge.data.jsonl import DataError, check_input_file, detect_kind, parse_line
 from nanoforge.errors import NanoforgeError
+from nanoforge.fsutil import write_json
 from nanoforge.toolcalls import normalize_conversation
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"<|reserved_{i}|>" for i in range(13)]
@@ -141,9 +142,7 @@ class Tokenizer:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(directory / "tokenizer.json"), pretty=True)
-        with open(directory / "tokenizer_config.json", "w", encoding="utf-8") as f:
-            json.dump(self.hf_config(), f, ensure_ascii=False, indent=2)
-            f.write("\n")
+        write_json(directory / "tokenizer_config.json", self.hf_config())
         return directory
 
     def hf_config(self) -> dict:

@@ -6,7 +6,6 @@ or Ctrl-C leaves out_dir as it was and no temporary directory behind.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -24,7 +23,7 @@ from nanoforge.data.jsonl import DataError, check_input_file
 from nanoforge.data.sft_records import DROP_THINK_SEED
 from nanoforge.data.shards import FORMAT, FORMAT_VERSION, MASKED_KINDS
 from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import fsync_dir
+from nanoforge.fsutil import fsync_dir, replace_dir, write_json
 from nanoforge.tokenizer import Tokenizer, load_tokenizer
 
 SPLITS = ("train", "val")
@@ -113,7 +112,7 @@ def _prepare_locked(kind, paths, tokenizer, out_dir: Path, val_fraction, workers
         tokenizer.save(tmp / "tokenizer")
         manifest = _manifest(kind, tokenizer, dtype, val_fraction, sources, splits, workers,
                              time.perf_counter() - started, drop_empty_think)
-        _write_json(tmp / "manifest.json", manifest)
+        write_json(tmp / "manifest.json", manifest)
         _swap_into_place(tmp, out_dir, force)
     except BaseException:  # KeyboardInterrupt too: never leave a half-written directory behind
         for writer in writers.values():
@@ -258,14 +257,6 @@ def _manifest(kind, tokenizer, dtype, val_fraction, sources, splits, workers, se
     }
 
 
-def _write_json(path: Path, obj) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, ensure_ascii=False, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _fsync_tree(directory: Path) -> None:
     """Flush every file and directory under `directory` to disk before it is renamed into place."""
     for root, _, names in os.walk(directory):
@@ -276,26 +267,11 @@ def _fsync_tree(directory: Path) -> None:
 
 
 def _swap_into_place(tmp: Path, out_dir: Path, force: bool) -> None:
-    """Rename the finished temp dir onto out_dir. An existing out_dir is moved aside first and deleted only
-    once the new one is in place (two renames: a crash in between leaves the old data under .NAME.old-PID)."""
+    """Rename the finished temp dir onto out_dir (fsutil.replace_dir: an old out_dir is deleted only once the
+    new one is in place)."""
     _fsync_tree(tmp)
-    if out_dir.is_dir():
-        if any(out_dir.iterdir()):
-            if not force:  # checked at the start too; someone may have written there since
-                raise NanoforgeError(f"{out_dir}: already exists and is not empty; pass --force to replace it")
-            old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-            os.rename(out_dir, old)
-            try:
-                os.rename(tmp, out_dir)
-            except BaseException:
-                os.rename(old, out_dir)
-                raise
-            shutil.rmtree(old)
-        else:
-            out_dir.rmdir()
-            os.rename(tmp, out_dir)
-    else:
-        os.rename(tmp, out_dir)
+    _check_out_dir(out_dir, force)  # checked at the start too; someone may have written there since
+    replace_dir(tmp, out_dir)
     fsync_dir(out_dir.parent)
 
 
