@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from nanoforge.config import build_config
-from nanoforge.data.batches import SFTBatches, eval_batches
+from nanoforge.data.batches import EvalBatches, SFTBatches
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import TokenShards
 from nanoforge.demo_corpus import DEMO_MODULES, build_demo_corpus
@@ -235,7 +235,7 @@ def initial_val_loss(data_dir: Path, mcfg, tcfg, precision: str) -> float:
     "before" that pretraining's validation losses are measured against."""
     torch.manual_seed(tcfg.seed)
     model = GPT(mcfg)
-    batches = eval_batches(TokenShards(data_dir, "val"), tcfg.batch_size, tcfg.seq_len, tcfg.eval_batches)
+    batches = EvalBatches(TokenShards(data_dir, "val"), tcfg.batch_size, tcfg.seq_len, tcfg.eval_batches)
     return _mean_loss(model, batches, precision)
 
 

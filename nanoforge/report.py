@@ -110,11 +110,7 @@ def count_params(model_config: dict[str, Any], exclude_embeddings: bool = False)
 
 def fmt_number(value: Any) -> str:
     """How the tables print a logged number: 6 significant digits (tests parse it back)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return str(value)
-    if isinstance(value, int):
-        return str(value)
-    return f"{value:.6g}"
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
 def tokens_per_step(run: RunMetrics) -> int:
@@ -189,7 +185,7 @@ def summarize(run: RunMetrics) -> list[tuple[str, str]]:
     if model:
         params = count_params(model)
         if params is not None:
-            rows.append(("parameters", f"{params / 1e6:.2f}M"))
+            rows.append(("parameters", _millions(params)))
         rows.append(("shape", f"d_model {model.get('d_model')}, {model.get('n_layers')} layers, "
                               f"{model.get('n_heads')} heads ({model.get('n_kv_heads')} KV), "
                               f"vocab {model.get('vocab_size')}, context {model.get('max_seq_len')}"))

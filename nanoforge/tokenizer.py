@@ -28,7 +28,7 @@ from typing import Iterable, Iterator, Sequence
 from nanoforge.chat_template import (CHAT_TEMPLATE, IM_END, THINKING_TOOLS_TEMPLATE, TOOL_TAGS, ChatTemplateError,
                                      assistant_mask, assistant_turns, check_disguise, compile_template, disguise,
                                      without_empty_think)
-from nanoforge.data.jsonl import DataError, check_input_file, detect_kind, parse_line
+from nanoforge.data.jsonl import DataError, check_input_file, detect_kind, iter_records
 from nanoforge.errors import NanoforgeError
 from nanoforge.fsutil import write_json
 from nanoforge.toolcalls import normalize_conversation
@@ -421,26 +421,17 @@ def _training_texts(paths: list[Path]) -> Iterator[str]:
 
 def _jsonl_texts(path: Path) -> Iterator[str]:
     """Every text a model will see in this file: pretrain text, message contents of SFT and DPO records."""
-    found = False
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            record = parse_line(raw, None, path, line_no)
-            if record is None:
-                continue
-            found = True
-            kind = detect_kind(record)
-            if kind == "pretrain":
-                yield record["text"]
-            elif kind == "sft":
-                for message in record["conversations"]:
-                    yield from (message.get(k) for k in ("content", "reasoning_content")
-                                if isinstance(message.get(k), str))
-            else:  # dpo: the shared prefix once, then both final answers
-                for message in record["chosen"]:
-                    yield message["content"]
-                yield record["rejected"][-1]["content"]
-    if not found:
-        raise DataError("has no records", path)
+    for _, record in iter_records(path, None):
+        kind = detect_kind(record)
+        if kind == "pretrain":
+            yield record["text"]
+        elif kind == "sft":
+            for message in record["conversations"]:
+                yield from (message.get(k) for k in ("content", "reasoning_content") if isinstance(message.get(k), str))
+        else:  # dpo: the shared prefix once, then both final answers
+            for message in record["chosen"]:
+                yield message["content"]
+            yield record["rejected"][-1]["content"]
 
 
 def _plain_text_blocks(path: Path) -> Iterator[str]:

@@ -128,7 +128,8 @@ class PretrainBatches(EpochOrder):
 
 
 class EvalBatches:
-    """Consecutive windows from the start of a split, in fixed batches: the same every time it is iterated.
+    """At most max_batches batches of consecutive windows from the start of a split: the same every time it is
+    iterated.
 
     `bytes_per_token` (UTF-8 bytes of the split's source text per token) turns a mean loss in nats per token
     into bits per byte, a number comparable across tokenizers: bpb = loss / ln(2) / bytes_per_token.
@@ -152,12 +153,6 @@ class EvalBatches:
         for start in range(0, self.num_windows, self.batch_size):
             windows = range(start, min(start + self.batch_size, self.num_windows))  # last batch may be smaller
             yield _windows_batch(self.shards, windows, self.seq_len)
-
-
-def eval_batches(shards: TokenShards, batch_size: int, seq_len: int, max_batches: int) -> EvalBatches:
-    """At most max_batches batches of consecutive windows from the start of `shards`; re-iterable, with
-    `.bytes_per_token` for bits per byte."""
-    return EvalBatches(shards, batch_size, seq_len, max_batches)
 
 
 # ---------------------------------------------------------------------------------------------- SFT packing

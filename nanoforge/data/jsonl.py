@@ -421,14 +421,15 @@ def check_input_file(path: str | os.PathLike) -> Path:
     return path
 
 
-def iter_records(path: str | os.PathLike, kind: str, skip_invalid: bool = False,
+def iter_records(path: str | os.PathLike, kind: str | None, skip_invalid: bool = False,
                  counter: SkipCounter | None = None) -> Iterator[tuple[int, dict]]:
-    """Yield (line_no, record) for every valid record of `kind` in the JSONL file at `path`.
+    """Yield (line_no, record) for every valid record of `kind` in the JSONL file at `path` (kind=None: of
+    any kind, detected per record).
 
     Invalid records raise DataError, or with skip_invalid=True are skipped and added to `counter`.
     A file with no records at all (or none valid) raises DataError naming the path.
     """
-    if kind not in KINDS:
+    if kind is not None and kind not in KINDS:
         raise NanoforgeError(f"unknown data kind {kind!r}; expected one of {', '.join(KINDS)}")
     path = check_input_file(path)
     seen = 0
@@ -447,7 +448,7 @@ def iter_records(path: str | os.PathLike, kind: str, skip_invalid: bool = False,
             seen += 1
             yield line_no, record
     if seen == 0:
-        raise DataError(f"has no valid {kind} records", path)
+        raise DataError(f"has no valid {kind} records" if kind else "has no valid records", path)
 
 
 def detect_kind(obj: Any) -> str | None:

@@ -19,7 +19,7 @@ import numpy as np
 
 from nanoforge import __version__, dirlock
 from nanoforge.data.chunks import ChunkResult, SourceStats, chunk_tasks, run_chunks
-from nanoforge.data.jsonl import DataError, check_input_file
+from nanoforge.data.jsonl import KINDS, DataError, check_input_file
 from nanoforge.data.sft_records import DROP_THINK_SEED
 from nanoforge.data.shards import FORMAT, FORMAT_VERSION, MASKED_KINDS
 from nanoforge.errors import NanoforgeError
@@ -29,7 +29,6 @@ from nanoforge.tokenizer import Tokenizer, load_tokenizer
 SPLITS = ("train", "val")
 SHARD_TOKENS = 100_000_000  # start a new shard after this many tokens (200 MB of uint16)
 CHUNK_BYTES = 2 << 20  # raw JSONL handed to a worker at a time
-PREPARED_KINDS = ("pretrain", "sft", "dpo")
 
 
 def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 0.01, workers: int = 0,
@@ -50,7 +49,8 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
     (data/sft_records.py), whose assistant turns are rendered without their empty think blocks.
     """
     started = time.perf_counter()
-    _check_kind(kind)
+    if kind not in KINDS:
+        raise NanoforgeError(f"unknown data kind {kind!r}; expected one of {', '.join(KINDS)}")
     if not 0.0 <= val_fraction < 1.0:
         raise NanoforgeError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if workers < 0:
@@ -121,11 +121,6 @@ def _prepare_locked(kind, paths, tokenizer, out_dir: Path, val_fraction, workers
         raise
     _log_summary(manifest, out_dir, log)
     return manifest
-
-
-def _check_kind(kind: str) -> None:
-    if kind not in PREPARED_KINDS:
-        raise NanoforgeError(f"unknown data kind {kind!r}; expected one of pretrain, sft, dpo")
 
 
 def _docs_per_record(kind: str) -> int:

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import torch
 
 from nanoforge.config import PRESETS, ModelConfig, TrainConfig, build_config, config_dicts, load_toml
-from nanoforge.data.batches import PretrainBatches, SFTBatches, eval_batches
+from nanoforge.data.batches import EvalBatches, PretrainBatches, SFTBatches
 from nanoforge.data.dpo import DPOBatches, count_pairs, reference_logps
 from nanoforge.data.shards import TokenShards, check_tokenizer
 from nanoforge.data.sources import data_kind
@@ -161,7 +161,7 @@ def lm_batches(data_dir: Path, tcfg: TrainConfig, tok, quiet: bool):
     if train_shards.kind == "pretrain":
         batches = PretrainBatches(train_shards, tcfg.batch_size, tcfg.seq_len, tcfg.seed, w.rank, w.world_size)
         if val_shards.num_tokens > tcfg.seq_len + 1:
-            return (batches, lambda: eval_batches(val_shards, tcfg.batch_size, tcfg.seq_len, tcfg.eval_batches),
+            return (batches, lambda: EvalBatches(val_shards, tcfg.batch_size, tcfg.seq_len, tcfg.eval_batches),
                     val_shards.num_bytes / val_shards.num_tokens)
         if not quiet:
             print(f"note: the validation split of {data_dir} has {val_shards.num_tokens} tokens, fewer than one "
