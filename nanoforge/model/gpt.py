@@ -474,18 +474,25 @@ class GPT(nn.Module):
                 raise NanoforgeError("checkpoint does not match the model: it has its own lm_head.weight but the "
                                      "model ties it to model.embed_tokens.weight (tie_embeddings=true); load it "
                                      "with tie_embeddings=false")
-        expected = {k: tuple(v.shape) for k, v in self.state_dict_for_save().items()}
-        problems = []
-        for key, shape in expected.items():
-            if key not in sd:
-                problems.append(f"{key} is missing from the checkpoint")
-            elif tuple(sd[key].shape) != shape:
-                problems.append(f"{key} has shape {tuple(sd[key].shape)} in the checkpoint, {shape} in the model")
-        problems += [f"{key} is in the checkpoint but not in the model" for key in sd if key not in expected]
-        if problems:
-            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-            raise NanoforgeError("checkpoint does not match the model: " + "; ".join(problems[:5]) + more)
+        check_same_tensors(self.state_dict_for_save(), sd, "checkpoint", "checkpoint does not match the model")
         if tied:
             self.lm_head.weight = self.model.embed_tokens.weight  # in case to_empty() untied them
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
         self.load_state_dict(sd, strict=True)
+
+
+def check_same_tensors(expected: dict[str, torch.Tensor], given: dict[str, torch.Tensor], source: str,
+                       headline: str) -> None:
+    """A strict load's check: `given` (from `source`) has exactly the keys of `expected`, with their shapes;
+    else a NanoforgeError, `headline` then the first five offending keys. Never a silent partial load."""
+    problems = []
+    for key, tensor in expected.items():
+        if key not in given:
+            problems.append(f"{key} is missing from the {source}")
+        elif given[key].shape != tensor.shape:
+            problems.append(f"{key} has shape {tuple(given[key].shape)} in the {source}, {tuple(tensor.shape)} "
+                            "in the model")
+    problems += [f"{key} is in the {source} but not in the model" for key in given if key not in expected]
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise NanoforgeError(f"{headline}: " + "; ".join(problems[:5]) + more)
