@@ -44,8 +44,7 @@ from nanoforge.train.objectives import causal_lm_loss
 from nanoforge.train.optim import build_optimizer
 from nanoforge.train.stages import pretrain, sft
 
-# ----------------------------------------------------------------------------------------------------------
-# scoring
+# -------------------------------------------------------------------------------------------------- scoring
 
 def held_out_hit(reply: str, keywords: list[str]) -> bool:
     """Whether the reply names one of the keywords as a word of its own, in any case ("JSON" names json).
@@ -78,8 +77,7 @@ def score_line(score: dict) -> str:
             f"{score['chance']:.1f}/{score['held_out_n']}), {score['held_out_exact']}/{score['held_out_n']} exact")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# the run
+# -------------------------------------------------------------------------------------------------- the run
 
 # How big each part of a run is. "full" is what `nanoforge demo` runs; "test" is the same pipeline shrunk to
 # finish in well under a minute (the end-to-end test). Steps of None are sized from the time budget.

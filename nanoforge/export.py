@@ -31,8 +31,7 @@ from nanoforge.hf import HF_ARCHITECTURES
 from nanoforge.loader import load_model
 
 
-# ----------------------------------------------------------------------------------------------------------
-# HF transformers directory: export
+# ------------------------------------------------------------------------ HF transformers directory: export
 
 
 def export_hf(run_or_checkpoint: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False) -> Path:
@@ -131,8 +130,7 @@ def generation_config(tokenizer) -> dict[str, Any]:
     return config
 
 
-# ----------------------------------------------------------------------------------------------------------
-# GGUF (llama.cpp)
+# ----------------------------------------------------------------------------------------- GGUF (llama.cpp)
 
 
 def export_gguf(run_or_checkpoint: str | os.PathLike, out_file: str | os.PathLike, dtype: str = "f32",
@@ -298,8 +296,7 @@ def add_gguf_tokenizer(writer, tokenizer, vocab_size: int) -> None:
     writer.add_chat_template(tokenizer.chat_template)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# helpers
+# -------------------------------------------------------------------------------------------------- helpers
 
 
 def _temp_sibling(out: Path, force: bool) -> Path:

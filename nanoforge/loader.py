@@ -94,8 +94,7 @@ def load_adapter_checkpoint(path: str | Path, base: str | Path | None = None) ->
     return model.eval().merged()
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Which base an adapter belongs to
+# ------------------------------------------------------------------------- Which base an adapter belongs to
 
 
 def _base_file(base_checkpoint: str | Path) -> Path:
@@ -143,8 +142,7 @@ def check_base(meta: dict[str, Any], base_checkpoint: str | Path) -> None:
                          f"give the base it was trained on")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# A stage's --init
+# ----------------------------------------------------------------------------------------- A stage's --init
 
 
 def init_config(init: str | Path) -> tuple[Path, dict[str, Any]]:

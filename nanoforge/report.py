@@ -94,8 +94,7 @@ def read_run(run_dir: str | Path, name: str | None = None) -> RunMetrics:
     return run
 
 
-# ----------------------------------------------------------------------------------------------------------
-# numbers
+# -------------------------------------------------------------------------------------------------- numbers
 
 
 def count_params(model_config: dict[str, Any], exclude_embeddings: bool = False) -> int | None:
@@ -275,8 +274,7 @@ def latest_samples(run: RunMetrics) -> tuple[int | None, list[dict]]:
     return step, [s for s in run.samples if s["step"] == step]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# markdown
+# ------------------------------------------------------------------------------------------------- markdown
 
 
 def _cell(value: Any) -> str:

@@ -47,7 +47,6 @@ PLAIN_TEXT_SUFFIXES = (".txt", ".text", ".md")
 _TEXT_BLOCK_BYTES = 1 << 20  # plain-text files are fed to the trainer in ~1 MB blocks cut at newlines
 
 
-
 # ---------------------------------------------------------------------------------------------- class
 
 

@@ -32,8 +32,7 @@ from nanoforge.errors import NanoforgeError
 from nanoforge.model.moe import MLP, MoE
 
 
-# ----------------------------------------------------------------------------------------------------------
-# RMSNorm
+# -------------------------------------------------------------------------------------------------- RMSNorm
 
 
 class RMSNorm(nn.Module):
@@ -57,8 +56,7 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Rotary position embeddings (RoFormer, arXiv 2104.09864), with YaRN (arXiv 2309.00071)
+# -------------------- Rotary position embeddings (RoFormer, arXiv 2104.09864), with YaRN (arXiv 2309.00071)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -142,8 +140,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-# ----------------------------------------------------------------------------------------------------------
-# KV cache
+# ------------------------------------------------------------------------------------------------- KV cache
 
 
 class KVCache:
@@ -184,8 +181,7 @@ class KVCache:
         self.length += n_new
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Attention
+# ------------------------------------------------------------------------------------------------ Attention
 
 
 class Attention(nn.Module):
@@ -241,8 +237,7 @@ class Attention(nn.Module):
         return self.o_proj(y)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Block and model
+# ------------------------------------------------------------------------------------------ Block and model
 
 
 class Block(nn.Module):
@@ -316,8 +311,7 @@ class GPT(nn.Module):
         # harmlessly). Keep the RoPE tables valid on whatever device the model now lives on.
         self.model.rotary_emb.reset()
 
-    # ------------------------------------------------------------------------------------------------------
-    # forward
+    # ---------------------------------------------------------------------------------------------- forward
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None,
                 attention_mask: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -408,8 +402,7 @@ class GPT(nn.Module):
         allowed = same & (idx[None, :] <= idx[:, None])  # causal within the segment
         return cos, sin, allowed.unsqueeze(1), False  # mask (B, 1, T, T)
 
-    # ------------------------------------------------------------------------------------------------------
-    # cache, sizes, weights
+    # -------------------------------------------------------------------------------- cache, sizes, weights
 
     def new_cache(self, batch_size: int, max_len: int | None = None, device: torch.device | str | None = None,
                   dtype: torch.dtype | None = None) -> KVCache:

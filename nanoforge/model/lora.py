@@ -97,8 +97,7 @@ class LoraConfig:
             raise NanoforgeError(f"LoRA settings are incomplete: {e.args[0]} is missing") from None
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The adapted projection
+# ----------------------------------------------------------------------------------- The adapted projection
 
 
 class LoraLinear(nn.Module):
@@ -151,8 +150,7 @@ class LoraLinear(nn.Module):
                f"scaling={self.scaling:g}"
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Attaching, merging, counting
+# ----------------------------------------------------------------------------- Attaching, merging, counting
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -199,8 +197,7 @@ def num_trainable(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Adapter weights
+# ------------------------------------------------------------------------------------------ Adapter weights
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -221,8 +218,7 @@ def load_lora_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
             p.copy_(state_dict[key])
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Telling bases apart
+# -------------------------------------------------------------------------------------- Telling bases apart
 
 
 @torch.no_grad()
@@ -249,9 +245,7 @@ def weights_fingerprint(weights: dict[str, torch.Tensor] | nn.Module, samples: i
     return h.hexdigest()
 
 
-
-# ----------------------------------------------------------------------------------------------------------
-# The model the training loop sees
+# ------------------------------------------------------------------------- The model the training loop sees
 
 
 class LoraModel(nn.Module):

@@ -222,7 +222,6 @@ def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str |
 
     Returns (run_dir, mcfg, tcfg, run_info, init_path, tokenizer, data_dir). On --resume, --init, the data and
     the stage's options (run_options) come from the run's config.toml."""
-
     run_dir = Path(out)
     if resume:
         run_dir, mcfg, tcfg, saved_run, _ = open_run(out, True, None, config_file, overrides)

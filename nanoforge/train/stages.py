@@ -109,7 +109,6 @@ def pretrain(data: Sequence[str], out: str | Path, preset: str | None = None, co
              quiet: bool = False, init: str | None = None) -> dict[str, Any]:
     """`nanoforge pretrain`: packed next-token prediction on a token stream, from random weights, or with
     `init` from a trained model (continued pretraining: its shape and tokenizer, a fresh optimizer)."""
-
     saved = load_toml(Path(out) / "config.toml").get("run", {}) if resume and (Path(out) / "config.toml").is_file() \
         else {}
     init_path = None
@@ -155,7 +154,6 @@ SFT_DEFAULTS = {"lr": 5e-5, "warmup_steps": 20, "min_lr_ratio": 0.1, "weight_dec
 def lm_batches(data_dir: Path, tcfg: TrainConfig, tok, quiet: bool):
     """Training batches, a validation-batch factory and bytes per token for a pretraining or SFT directory:
     the language-model stages (pretrain, sft, lora, distill) share them."""
-
     w = world()  # under torchrun each rank reads its slice of every step's global batch
     train_shards, val_shards = TokenShards(data_dir, "train"), TokenShards(data_dir, "val")
     if train_shards.kind == "pretrain":
@@ -190,7 +188,6 @@ def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str
     """`nanoforge sft` (and `nanoforge lora`, with a LoraConfig): next-token loss on assistant replies only,
     conversations packed without padding. With LoRA only the adapters train and checkpoints hold only them,
     with a reference (path, sha256, fingerprint) to the base they belong to."""
-
     if resume and (Path(out) / "config.toml").is_file():
         saved = load_toml(Path(out) / "config.toml").get("run", {})
         if saved.get("stage") == "lora":
@@ -224,7 +221,6 @@ def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str
 def lora_merge(run: str | Path, out: str | Path) -> Path:
     """`nanoforge lora merge`: fold a LoRA run's adapters into its base and write a plain run directory
     (config, tokenizer, one checkpoint) that chat, export and further training read like any other."""
-
     src = ckpt.resolve_checkpoint(run)
     state = ckpt.load_state(src)
     out = Path(out)
@@ -254,7 +250,6 @@ def dpo(init: str | None, data: Sequence[str], out: str | Path, config_file: str
         quiet: bool = False) -> dict[str, Any]:
     """`nanoforge dpo`: direct preference optimisation on chosen/rejected pairs. The reference model is the
     --init model; its log-probabilities are computed once, before training, and cached in the run."""
-
     if resume and (Path(out) / "config.toml").is_file():
         check_resume_options(Path(out), {"beta": ("--beta", beta)})
         beta = load_toml(Path(out) / "config.toml").get("run", {}).get("beta", beta)
@@ -303,7 +298,6 @@ def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str
             temperature: float | None = None, alpha: float | None = None, quiet: bool = False) -> dict[str, Any]:
     """`nanoforge distill`: train a student (a run, or a fresh model of a preset) to match a teacher's
     softened distributions on the data's supervised positions, mixed with the data's own cross-entropy."""
-
     overrides = dict(overrides or {})
     if resume:
         saved = load_toml(Path(out) / "config.toml").get("run", {}) if (Path(out) / "config.toml").is_file() else {}
