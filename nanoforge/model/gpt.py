@@ -160,10 +160,6 @@ class KVCache:
         self.max_len = max_len
         self.length = 0
 
-    def reset(self) -> None:
-        """Forget every cached token (the buffers are reused, not freed)."""
-        self.length = 0
-
     def check_room(self, n_new: int) -> None:
         if self.length + n_new > self.max_len:
             raise NanoforgeError(f"KV cache overflow: it holds {self.length} of {self.max_len} positions and "
