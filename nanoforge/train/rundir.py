@@ -141,11 +141,16 @@ def check_same_origin(run_dir: Path, flag: str, given: str | None, saved: str | 
                              f"gives {flag} {given}; drop {flag} (the run keeps its own) or give the same one")
 
 
+def saved_run_info(run_dir: str | Path) -> dict[str, Any]:
+    """The [run] table of a run directory's config.toml ({} when it has none yet)."""
+    path = Path(run_dir) / "config.toml"
+    return load_toml(path).get("run", {}) if path.is_file() else {}
+
+
 def check_resume_options(run_dir: Path, requested: dict[str, tuple[str, Any]]) -> None:
     """--resume with the stage's own options ({[run] key: (flag, value)}; None where the flag was not given):
     the saved value is kept, an equal one is fine, a different one is an error naming both."""
-    path = Path(run_dir) / "config.toml"
-    saved = load_toml(path).get("run", {}) if path.is_file() else {}
+    saved = saved_run_info(run_dir)
     diffs = [f"{flag} saved {saved[key]!r}, requested {value!r}" for key, (flag, value) in requested.items()
              if value is not None and key in saved and saved[key] != value]
     if diffs:

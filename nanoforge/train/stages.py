@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from nanoforge.config import PRESETS, ModelConfig, TrainConfig, build_config, config_dicts, load_toml
+from nanoforge.config import PRESETS, ModelConfig, TrainConfig, build_config, config_dicts
 from nanoforge.data.batches import EvalBatches, PretrainBatches, SFTBatches
 from nanoforge.data.dpo import DPOBatches, count_pairs, reference_logps
 from nanoforge.data.shards import TokenShards, check_tokenizer
@@ -32,7 +32,7 @@ from nanoforge.train.loop import Stage, TrainingInterrupted, train
 from nanoforge.train.objectives import causal_lm_loss, dpo_loss, make_distill_loss
 from nanoforge.train.rundir import (check_resume_options, check_same_origin, copy_tokenizer, finetune_setup,
                                     fit_vocab, fresh_run_guard, open_run, resolve_data, saved_data_dir,
-                                    write_run_config)
+                                    saved_run_info, write_run_config)
 
 
 SAMPLE_MAX_TOKENS = 48
@@ -109,8 +109,7 @@ def pretrain(data: Sequence[str], out: str | Path, preset: str | None = None, co
              quiet: bool = False, init: str | None = None) -> dict[str, Any]:
     """`nanoforge pretrain`: packed next-token prediction on a token stream, from random weights, or with
     `init` from a trained model (continued pretraining: its shape and tokenizer, a fresh optimizer)."""
-    saved = load_toml(Path(out) / "config.toml").get("run", {}) if resume and (Path(out) / "config.toml").is_file() \
-        else {}
+    saved = saved_run_info(out) if resume else {}
     init_path = None
     if init or saved.get("init"):  # continued pretraining: the fine-tuning plumbing, TrainConfig's defaults
         if preset:
@@ -188,10 +187,8 @@ def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str
     """`nanoforge sft` (and `nanoforge lora`, with a LoraConfig): next-token loss on assistant replies only,
     conversations packed without padding. With LoRA only the adapters train and checkpoints hold only them,
     with a reference (path, sha256, fingerprint) to the base they belong to."""
-    if resume and (Path(out) / "config.toml").is_file():
-        saved = load_toml(Path(out) / "config.toml").get("run", {})
-        if saved.get("stage") == "lora":
-            lora = LoraConfig.from_dict(saved)
+    if resume and saved_run_info(out).get("stage") == "lora":
+        lora = LoraConfig.from_dict(saved_run_info(out))
     name = "lora" if lora else "sft"
     run_dir, mcfg, tcfg, run_info, init_path, tok, data_dir = finetune_setup(
         name, init, data, out, config_file, dict(overrides or {}), resume, quiet,
@@ -250,9 +247,9 @@ def dpo(init: str | None, data: Sequence[str], out: str | Path, config_file: str
         quiet: bool = False) -> dict[str, Any]:
     """`nanoforge dpo`: direct preference optimisation on chosen/rejected pairs. The reference model is the
     --init model; its log-probabilities are computed once, before training, and cached in the run."""
-    if resume and (Path(out) / "config.toml").is_file():
+    if resume:
         check_resume_options(Path(out), {"beta": ("--beta", beta)})
-        beta = load_toml(Path(out) / "config.toml").get("run", {}).get("beta", beta)
+        beta = saved_run_info(out).get("beta", beta)
     beta = DPO_BETA if beta is None else beta
     if beta <= 0:
         raise NanoforgeError(f"--beta {beta} must be > 0")
@@ -300,7 +297,7 @@ def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str
     softened distributions on the data's supervised positions, mixed with the data's own cross-entropy."""
     overrides = dict(overrides or {})
     if resume:
-        saved = load_toml(Path(out) / "config.toml").get("run", {}) if (Path(out) / "config.toml").is_file() else {}
+        saved = saved_run_info(out)
         check_same_origin(Path(out), "--teacher", teacher, saved.get("teacher"))
         check_resume_options(Path(out), {"temperature": ("--temperature", temperature), "alpha": ("--alpha", alpha)})
         teacher = saved.get("teacher", teacher)
