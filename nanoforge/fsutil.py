@@ -1,11 +1,13 @@
-"""Durable and atomic writes: fsync a file or a directory entry, put a finished file or directory in place in one
-rename. Torch-free, so data-preparation worker processes can import it without paying for torch at start-up."""
+"""Reading a JSON object file with an error a person can act on; durable and atomic writes: fsync a file or a
+directory entry, put a finished file or directory in place in one rename. Torch-free, so data-preparation worker processes can import it without paying for torch at start-up."""
 from __future__ import annotations
 
 import json
 import os
 import shutil
 from pathlib import Path
+
+from nanoforge.errors import NanoforgeError
 
 
 def fsync_file(path: str | Path) -> None:
@@ -20,6 +22,17 @@ def fsync_dir(path: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def read_json(path: str | Path, what: str, hint: str = "") -> dict:
+    """The JSON object in the file at `path`; else a NanoforgeError `PATH: not a valid WHAT (why)HINT`."""
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise NanoforgeError(f"{path}: not a valid {what} ({e}){hint}") from None
+    if not isinstance(value, dict):
+        raise NanoforgeError(f"{path}: not a valid {what} (not a JSON object){hint}")
+    return value
 
 
 def write_json(path: str | Path, obj) -> None:

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from nanoforge.config import ConfigError, ModelConfig
 from nanoforge.errors import NanoforgeError
+from nanoforge.fsutil import read_json
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
@@ -37,13 +38,7 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise NanoforgeError(f"{hf_dir}: no config.json; not an HF model directory")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise NanoforgeError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise NanoforgeError(f"{path}: must hold a JSON object")
-    return config
+    return read_json(path, "config.json")
 
 
 def model_config_from_hf(config: dict[str, Any], where: str | os.PathLike = "config.json") -> ModelConfig:

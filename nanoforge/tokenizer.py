@@ -30,7 +30,7 @@ from nanoforge.chat_template import (CHAT_TEMPLATE, IM_END, THINKING_TOOLS_TEMPL
                                      without_empty_think)
 from nanoforge.data.jsonl import DataError, check_input_file, detect_kind, iter_records
 from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import write_json
+from nanoforge.fsutil import read_json, write_json
 from nanoforge.toolcalls import normalize_conversation
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"<|reserved_{i}|>" for i in range(13)]
@@ -346,16 +346,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
 
 
 def _read_config(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise NanoforgeError(f"{path}: not a valid tokenizer_config.json ({e})") from None
-    if not isinstance(config, dict):
-        raise NanoforgeError(f"{path}: must hold a JSON object")
-    return config
+    return read_json(path, "tokenizer_config.json") if path.is_file() else {}
 
 
 def _read_chat_template(directory: Path, config: dict) -> str | None:

@@ -25,7 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import fsync_dir, fsync_file, replace_dir
+from nanoforge.fsutil import fsync_dir, fsync_file, read_json, replace_dir
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 FORMAT_VERSION = 1
@@ -122,10 +122,7 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
 
 
 def load_state(ckpt: Path) -> dict[str, Any]:
-    try:
-        state = json.loads((ckpt / "state.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise NanoforgeError(f"{ckpt / 'state.json'}: unreadable checkpoint state: {e}") from None
+    state = read_json(ckpt / "state.json", "checkpoint state")
     if state.get("format_version") != FORMAT_VERSION:
         raise NanoforgeError(f"{ckpt / 'state.json'}: checkpoint format {state.get('format_version')!r} "
                              f"is not the supported version {FORMAT_VERSION}")
