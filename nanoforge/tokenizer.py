@@ -146,11 +146,9 @@ class Tokenizer:
 
     def hf_config(self) -> dict:
         """tokenizer_config.json contents in the shape transformers' PreTrainedTokenizerFast expects."""
-        added = {}
-        for token_id, token in sorted(self._tok.get_added_tokens_decoder().items()):
-            added[str(token_id)] = {"content": token.content, "lstrip": token.lstrip,
-                                    "normalized": token.normalized, "rstrip": token.rstrip,
-                                    "single_word": token.single_word, "special": token.special}
+        fields = ("content", "lstrip", "normalized", "rstrip", "single_word", "special")
+        added = {str(token_id): {k: getattr(token, k) for k in fields}
+                 for token_id, token in sorted(self._tok.get_added_tokens_decoder().items())}
         eos = self.id_to_token(self.eos_id) if self.eos_id is not None else None
         chatml = [t for t in (IM_START, IM_END) if self._tok.token_to_id(t) is not None]
         return {
@@ -181,12 +179,9 @@ class Tokenizer:
         messages, tools = normalize_conversation(messages, tools)
         if self._compiled_template is None:
             self._compiled_template = compile_template(self.chat_template)
-        names = self._template_names()
-        try:
-            text = self._compiled_template.render(
-                **template_kwargs, messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                bos_token=names["bos_token"], eos_token=names["eos_token"], pad_token=names["pad_token"],
-                unk_token=names["unk_token"], additional_special_tokens=names["additional_special_tokens"])
+        try:  # with the special-token names HF passes to templates (bos_token, eos_token, ...)
+            text = self._compiled_template.render(**template_kwargs, messages=messages, tools=tools,
+                                                  add_generation_prompt=add_generation_prompt, **self._template_names())
         except NanoforgeError:
             raise
         except Exception as e:  # jinja2 errors and whatever the template's own expressions raise
