@@ -206,12 +206,12 @@ class SplitWriter:
         files[1].write(np.zeros(1, dtype=np.int64).tobytes())  # the first document starts at 0
         self._files = files
 
-    def _close_shard(self) -> None:
-        for f in self._files:
-            if f is not None:
+    def _close_shard(self, sync: bool = True) -> None:
+        for f in filter(None, self._files):
+            if sync:
                 f.flush()
                 os.fsync(f.fileno())
-                f.close()
+            f.close()
         self._files = None
 
     def close(self) -> dict:
@@ -223,10 +223,7 @@ class SplitWriter:
 
     def abort(self) -> None:
         if self._files is not None:
-            for f in self._files:
-                if f is not None:
-                    f.close()
-            self._files = None
+            self._close_shard(sync=False)
 
 
 def _manifest(kind, tokenizer, dtype, val_fraction, sources, splits, workers, seconds, drop_empty_think) -> dict:
