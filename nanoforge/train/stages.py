@@ -128,10 +128,7 @@ def pretrain(data: Sequence[str], out: str | Path, preset: str | None = None, co
         fit_vocab(mcfg, tok, explicit)
         fit_micro_batch(mcfg, tcfg)  # --micro-batch auto|N: before any batch source is sized
         run_info = {"stage": "pretrain", "data": str(data_dir.resolve()), "tokenizer": "tokenizer"}
-    batches, val_batches, val_bpt = lm_batches(data_dir, tcfg, tok, quiet)
-    if batches.shards.kind != "pretrain":
-        raise NanoforgeError(f"{data_dir}: prepared as {batches.shards.kind!r} data, "
-                             f"but pretrain needs --kind pretrain")
+    batches, val_batches, val_bpt = lm_batches(data_dir, tcfg, tok, quiet, need="pretrain")
     if init_path is None:
         copy_tokenizer(data_dir / "tokenizer", run_dir)
         write_run_config(run_dir, mcfg, tcfg, run_info)
@@ -150,11 +147,14 @@ SFT_DEFAULTS = {"lr": 5e-5, "warmup_steps": 20, "min_lr_ratio": 0.1, "weight_dec
                 "eval_every": 50, "save_every": 200}
 
 
-def lm_batches(data_dir: Path, tcfg: TrainConfig, tok, quiet: bool):
+def lm_batches(data_dir: Path, tcfg: TrainConfig, tok, quiet: bool, need: str | None = None):
     """Training batches, a validation-batch factory and bytes per token for a pretraining or SFT directory:
-    the language-model stages (pretrain, sft, lora, distill) share them."""
+    the language-model stages (pretrain, sft, lora, distill) share them. `need`: the one kind the stage takes."""
     w = world()  # under torchrun each rank reads its slice of every step's global batch
     train_shards, val_shards = TokenShards(data_dir, "train"), TokenShards(data_dir, "val")
+    if need and train_shards.kind != need:
+        raise NanoforgeError(f"{data_dir}: prepared as {train_shards.kind!r} data; this stage needs {need} data "
+                             f"(`nanoforge prepare --kind {need}`)")
     if train_shards.kind == "pretrain":
         batches = PretrainBatches(train_shards, tcfg.batch_size, tcfg.seq_len, tcfg.seed, w.rank, w.world_size)
         if val_shards.num_tokens > tcfg.seq_len + 1:
@@ -194,10 +194,7 @@ def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str
         name, init, data, out, config_file, dict(overrides or {}), resume, quiet,
         LORA_DEFAULTS if lora else SFT_DEFAULTS, lora.to_dict() if lora else None)
     prompts = sample_prompts(tcfg)
-    batches, val_batches, _ = lm_batches(data_dir, tcfg, tok, quiet)
-    if batches.shards.kind != "sft":
-        raise NanoforgeError(f"{data_dir}: prepared as {batches.shards.kind!r} data; {name} needs conversations "
-                             f"(`nanoforge prepare --kind sft`)")
+    batches, val_batches, _ = lm_batches(data_dir, tcfg, tok, quiet, need="sft")
     model = GPT(mcfg)
     if lora:
         base_weights = init_weights(init_path)  # every time: the checkpoints hold adapters only
@@ -227,7 +224,7 @@ def lora_merge(run: str | Path, out: str | Path) -> Path:
     cfg = state.get("config", {})
     mcfg, tcfg = build_config(None, None, None, base={"model": cfg.get("model", {}), "train": cfg.get("train", {})})
     run_info = {"stage": "lora-merge", "merged_from": str(src.resolve()), "tokenizer": "tokenizer"}
-    copy_tokenizer(src.parent.parent / "tokenizer", out)
+    copy_tokenizer(init_tokenizer_dir(src), out)
     write_run_config(out, mcfg, tcfg, run_info)
     ckpt.save_checkpoint(out, state["step"], model.state_dict_for_save(), {},
                          {"stage": "lora-merge", "config": config_dicts(mcfg, tcfg), "run": run_info,
