@@ -31,7 +31,7 @@ from typing import Iterator
 
 import numpy as np
 
-from nanoforge.data.jsonl import (MAX_RECORD_BYTES, UTF8_BOM, DataError, SkipCounter, parse_line,
+from nanoforge.data.jsonl import (MAX_RECORD_BYTES, UTF8_BOM, DataError, SkipCounter, parse_lines,
                                   record_too_long)
 from nanoforge.data.sft_records import drops_empty_think, render_sft_record
 from nanoforge.data.sources import is_plain_text
@@ -262,18 +262,8 @@ def encode_chunk(task: ChunkTask, tokenizer) -> ChunkResult:
     if task.plain_text:
         return _encode_text(task, tokenizer)
     skips = SkipCounter()
-    records = []
-    for offset, raw in enumerate(task.data.split(b"\n")):
-        line_no = task.first_line + offset
-        try:
-            record = parse_line(raw, task.kind, task.path, line_no)
-        except DataError as e:
-            if not task.skip_invalid:
-                raise
-            skips.add(e)
-            continue
-        if record is not None:
-            records.append((line_no, record))
+    records = list(parse_lines(task.data.split(b"\n"), task.kind, task.path, task.first_line, task.skip_invalid,
+                               skips))
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     encode = {"pretrain": _encode_pretrain, "sft": _encode_sft, "dpo": _encode_dpo}[task.kind]
     tokens, lens, nbytes, mask = encode(records, tokenizer, dtype, task, skips)

@@ -18,7 +18,7 @@ import json
 import os
 from dataclasses import dataclass, field as dataclass_field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from nanoforge.errors import NanoforgeError
 
@@ -364,7 +364,8 @@ def record_too_long(size: int, path, line_no: int) -> DataError:
 def parse_line(raw: bytes, kind: str | None, path: str | os.PathLike, line_no: int) -> dict | None:
     """Decode, parse and validate one raw line. Returns None for a blank line; raises DataError.
 
-    Shared by iter_records and the parallel workers of `prepare`, so both report errors identically.
+    Shared (through parse_lines) by iter_records and the parallel workers of `prepare`, so both report errors
+    identically.
     kind=None detects the kind of each record from its keys.
     """
     if line_no == 1 and raw.startswith(UTF8_BOM):
@@ -398,6 +399,23 @@ def parse_line(raw: bytes, kind: str | None, path: str | os.PathLike, line_no: i
     except RecordError as e:
         raise DataError(e.message, path, line_no, e.field) from None
     return obj
+
+
+def parse_lines(lines: Iterable[bytes], kind: str | None, path: str | os.PathLike, first_line: int = 1,
+                skip_invalid: bool = False, counter: SkipCounter | None = None) -> Iterator[tuple[int, dict]]:
+    """(line_no, record) of each valid record of raw `lines` numbered from `first_line` (a file, or a chunk of
+    one); an invalid one raises its DataError, or with skip_invalid is added to `counter` and passed over."""
+    for line_no, raw in enumerate(lines, start=first_line):
+        try:
+            record = parse_line(raw, kind, path, line_no)
+        except DataError as e:
+            if not skip_invalid:
+                raise
+            if counter is not None:
+                counter.add(e)
+            continue
+        if record is not None:
+            yield line_no, record
 
 
 def check_input_file(path: str | os.PathLike) -> Path:
@@ -434,17 +452,7 @@ def iter_records(path: str | os.PathLike, kind: str | None, skip_invalid: bool =
     path = check_input_file(path)
     seen = 0
     with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            try:
-                record = parse_line(raw, kind, path, line_no)
-            except DataError as e:
-                if not skip_invalid:
-                    raise
-                if counter is not None:
-                    counter.add(e)
-                continue
-            if record is None:
-                continue
+        for line_no, record in parse_lines(f, kind, path, 1, skip_invalid, counter):
             seen += 1
             yield line_no, record
     if seen == 0:
