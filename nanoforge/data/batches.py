@@ -7,7 +7,6 @@ uninterrupted run would have seen.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -145,9 +144,6 @@ class EvalBatches:
         self.shards, self.batch_size, self.seq_len = shards, batch_size, seq_len
         self.num_windows = min(available, max_batches * batch_size)
         self.bytes_per_token = shards.num_bytes / shards.num_tokens
-
-    def __len__(self) -> int:
-        return math.ceil(self.num_windows / self.batch_size)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for start in range(0, self.num_windows, self.batch_size):

@@ -150,6 +150,3 @@ class TokenShards:
         tokens = np.array(self._tokens[shard][start:end])
         mask = np.array(self._masks[shard][start:end]) if self._masks else None
         return tokens, mask
-
-    def __len__(self) -> int:
-        return self.num_tokens
