@@ -24,14 +24,11 @@ HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "q
 
 def is_hf_dir(path: str | os.PathLike) -> bool:
     """A directory with an HF config.json naming a model type (not one of our run or checkpoint directories)."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        return False
     try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        config = read_json(Path(path) / "config.json", "config.json")
+    except NanoforgeError:  # none, or not JSON: not an HF directory
         return False
-    return isinstance(config, dict) and ("model_type" in config or "architectures" in config)
+    return "model_type" in config or "architectures" in config
 
 
 def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:

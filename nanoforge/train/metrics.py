@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import write_text_atomic
+from nanoforge.fsutil import read_json, write_text_atomic
 
 # Dense bf16/fp16 tensor-core peaks in FLOP/s, from the vendors' datasheets (no sparsity). MFU divides by
 # these. RTX 3090/4090 figures are for fp32 accumulate, which is what autocast matmuls use.
@@ -112,10 +112,8 @@ def _read_peaks(path: Path) -> dict[str, float]:
     """The cache file's {key: FLOP/s}; empty when it is missing, unreadable or not what we wrote (a corrupt
     file is then measured over and replaced, never an error)."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict):
+        data = read_json(path, "CPU peak cache")
+    except NanoforgeError:
         return {}
     return {k: float(v) for k, v in data.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0}
