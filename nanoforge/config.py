@@ -63,14 +63,10 @@ class ModelConfig:
             raise ConfigError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim = d_model/n_heads = {self.head_dim} must be even for RoPE")
-        if self.ffn_hidden < 0:
-            raise ConfigError(f"ffn_hidden={self.ffn_hidden} must be >= 0 (0 derives it from d_model)")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout={self.dropout} must be in [0, 1)")
-        if self.rope_theta <= 0:
-            raise ConfigError(f"rope_theta={self.rope_theta} must be > 0")
-        if self.rope_scaling_factor < 1.0:
-            raise ConfigError(f"rope_scaling_factor={self.rope_scaling_factor} must be >= 1")
+        _require(self, "ffn_hidden", self.ffn_hidden >= 0, ">= 0 (0 derives it from d_model)")
+        _require(self, "dropout", 0.0 <= self.dropout < 1.0, "in [0, 1)")
+        _require(self, "rope_theta", self.rope_theta > 0, "> 0")
+        _require(self, "rope_scaling_factor", self.rope_scaling_factor >= 1.0, ">= 1")
         if self.norm_eps <= 0 or self.init_std <= 0:
             raise ConfigError("norm_eps and init_std must be > 0")
         if self.n_experts < 0 or self.moe_aux_weight < 0:
@@ -144,26 +140,17 @@ class TrainConfig:
         _one_of(self, "optimizer", ("adamw", "muon"))
         if self.muon_lr <= 0 or not 0.0 <= self.muon_momentum < 1.0:
             raise ConfigError(f"muon_lr={self.muon_lr} must be > 0 and muon_momentum={self.muon_momentum} in [0, 1)")
-        if self.lr <= 0:
-            raise ConfigError(f"lr={self.lr} must be > 0")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ConfigError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
-        if not 0.0 <= self.decay_fraction <= 1.0:
-            raise ConfigError(f"decay_fraction={self.decay_fraction} must be in [0, 1]")
-        if not 0.0 < self.rollback_lr_factor <= 1.0:
-            raise ConfigError(f"rollback_lr_factor={self.rollback_lr_factor} must be in (0, 1]")
-        if self.epochs < 0:
-            raise ConfigError(f"epochs={self.epochs} must be >= 0 (0 trains for max_steps)")
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise ConfigError(f"val_fraction={self.val_fraction} must be in [0, 1)")
+        _require(self, "lr", self.lr > 0, "> 0")
+        _require(self, "min_lr_ratio", 0.0 <= self.min_lr_ratio <= 1.0, "in [0, 1]")
+        _require(self, "decay_fraction", 0.0 <= self.decay_fraction <= 1.0, "in [0, 1]")
+        _require(self, "rollback_lr_factor", 0.0 < self.rollback_lr_factor <= 1.0, "in (0, 1]")
+        _require(self, "epochs", self.epochs >= 0, ">= 0 (0 trains for max_steps)")
+        _require(self, "val_fraction", 0.0 <= self.val_fraction < 1.0, "in [0, 1)")
         for name in ("warmup_steps", "eval_every", "save_every", "early_stop_patience", "workers", "sample_every",
-                     "weight_decay", "grad_clip"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
+                     "weight_decay", "grad_clip", "memory_budget_gb"):
+            _require(self, name, getattr(self, name) >= 0, ">= 0")
         if self.micro_batch not in ("", "auto") and not (self.micro_batch.isdigit() and int(self.micro_batch) > 0):
             raise ConfigError(f"micro_batch={self.micro_batch!r} must be empty, 'auto' or a positive integer")
-        if self.memory_budget_gb < 0:
-            raise ConfigError(f"memory_budget_gb={self.memory_budget_gb} must be >= 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ConfigError("beta1 and beta2 must be in [0, 1)")
 
@@ -208,8 +195,13 @@ def _finite(cfg) -> None:
 
 def _positive(cfg, *names: str) -> None:
     for name in names:
-        if getattr(cfg, name) <= 0:
-            raise ConfigError(f"{name}={getattr(cfg, name)} must be > 0")
+        _require(cfg, name, getattr(cfg, name) > 0, "> 0")
+
+
+def _require(cfg, name: str, ok: bool, what: str) -> None:
+    """`ok` or a ConfigError: `NAME=VALUE must be WHAT`."""
+    if not ok:
+        raise ConfigError(f"{name}={getattr(cfg, name)} must be {what}")
 
 
 def _one_of(cfg, name: str, choices: tuple[str, ...]) -> None:

@@ -14,7 +14,6 @@ The training steps are sized from a measured step time so the whole run fits `mi
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 from nanoforge.config import build_config
-from nanoforge.data.batches import SFTBatches, eval_batches
+from nanoforge.data.batches import EvalBatches, SFTBatches
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import TokenShards
 from nanoforge.demo_corpus import DEMO_MODULES, build_demo_corpus
@@ -36,7 +35,7 @@ from nanoforge.errors import NanoforgeError
 from nanoforge.infer.generate import SamplingConfig, complete
 from nanoforge.loader import load_model
 from nanoforge.model.gpt import GPT
-from nanoforge.report import write_report
+from nanoforge.report import read_run, write_report
 from nanoforge.tokenizer import train_tokenizer
 from nanoforge.train.loop import evaluate
 from nanoforge.train.metrics import format_duration
@@ -44,8 +43,7 @@ from nanoforge.train.objectives import causal_lm_loss
 from nanoforge.train.optim import build_optimizer
 from nanoforge.train.stages import pretrain, sft
 
-# ----------------------------------------------------------------------------------------------------------
-# scoring
+# -------------------------------------------------------------------------------------------------- scoring
 
 def held_out_hit(reply: str, keywords: list[str]) -> bool:
     """Whether the reply names one of the keywords as a word of its own, in any case ("JSON" names json).
@@ -78,8 +76,7 @@ def score_line(score: dict) -> str:
             f"{score['chance']:.1f}/{score['held_out_n']}), {score['held_out_exact']}/{score['held_out_n']} exact")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# the run
+# -------------------------------------------------------------------------------------------------- the run
 
 # How big each part of a run is. "full" is what `nanoforge demo` runs; "test" is the same pipeline shrunk to
 # finish in well under a minute (the end-to-end test). Steps of None are sized from the time budget.
@@ -235,7 +232,7 @@ def initial_val_loss(data_dir: Path, mcfg, tcfg, precision: str) -> float:
     "before" that pretraining's validation losses are measured against."""
     torch.manual_seed(tcfg.seed)
     model = GPT(mcfg)
-    batches = eval_batches(TokenShards(data_dir, "val"), tcfg.batch_size, tcfg.seq_len, tcfg.eval_batches)
+    batches = EvalBatches(TokenShards(data_dir, "val"), tcfg.batch_size, tcfg.seq_len, tcfg.eval_batches)
     return _mean_loss(model, batches, precision)
 
 
@@ -283,15 +280,10 @@ def _named(sample: dict) -> list[str]:
 def _losses(run_dir: Path, start: float) -> dict:
     """The run's validation loss before (`start`), at the end and at its lowest (with the step), and its last
     logged training loss, from metrics.jsonl."""
-    val, train = [], []
-    with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
-        for line in f:
-            record = json.loads(line)
-            if "val_loss" in record:
-                val.append((record["val_loss"], record["step"]))
-            if "loss" in record:
-                train.append(record["loss"])
-    return {"start": start, "end": val[-1][0], "best": min(val), "train": train[-1]}
+    run = read_run(run_dir)
+    best = min(run.val, key=lambda r: r["val_loss"])
+    return {"start": start, "end": run.val[-1]["val_loss"], "best": (best["val_loss"], best["step"]),
+            "train": run.train[-1]["loss"]}
 
 
 def _loss_note(losses: dict) -> str:
@@ -371,7 +363,7 @@ def _prepare_stage(clock: _Clock, work_dir: Path, s: dict, tokenizer, deadline: 
     epoch = TokenShards(work_dir / "data" / "pretrain", "train").num_tokens / (tcfg.batch_size * tcfg.seq_len)
     plan = plan_pretraining(mcfg, tcfg, budget, s["precision"], s["pretrain_steps"], MAX_PRETRAIN_EPOCHS * epoch)
     torch.set_num_threads(plan.threads)
-    facts["params"] = _parameter_count(mcfg)
+    facts["params"] = GPT(mcfg).num_params()
     clock.done(f"measured {plan.note}")
     return mcfg, tcfg, plan
 
@@ -430,10 +422,6 @@ def _sft_stage(clock: _Clock, work_dir: Path, s: dict, pre_run: Path, mcfg, tcfg
 def _sft_rows(data_dir: Path, tcfg) -> int:
     """Packed rows in one epoch of the SFT set's training split."""
     return SFTBatches(TokenShards(data_dir, "train"), tcfg.batch_size, tcfg.seq_len).sequences_per_epoch
-
-
-def _parameter_count(mcfg) -> int:
-    return sum(p.numel() for p in GPT(mcfg).parameters())
 
 
 def _write_demo_report(work_dir: Path, runs: list[Path], samples: list[dict], mcfg, plan: Plan, s: dict,

@@ -41,10 +41,7 @@ class DirLock:
         if self._fd is None:
             return
         if self._unlink:  # unlink while still holding it, so no one can lock the old file after we let go
-            try:
-                self.path.unlink()
-            except FileNotFoundError:
-                pass
+            self.path.unlink(missing_ok=True)
         else:  # an empty lock file is what a finished (or refused) command leaves: the directory is unchanged
             os.ftruncate(self._fd, 0)
         os.close(self._fd)  # closing the last descriptor releases the flock

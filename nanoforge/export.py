@@ -26,12 +26,12 @@ import torch
 
 from nanoforge.config import ModelConfig
 from nanoforge.errors import NanoforgeError
+from nanoforge.fsutil import replace_dir, write_json
 from nanoforge.hf import HF_ARCHITECTURES
 from nanoforge.loader import load_model
 
 
-# ----------------------------------------------------------------------------------------------------------
-# HF transformers directory: export
+# ------------------------------------------------------------------------ HF transformers directory: export
 
 
 def export_hf(run_or_checkpoint: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False) -> Path:
@@ -48,13 +48,13 @@ def write_hf_dir(model, tokenizer, out_dir: str | os.PathLike, force: bool = Fal
     out = Path(out_dir)
     tmp = _temp_sibling(out, force)
     try:
-        _write_json(tmp / "config.json", config)
-        _write_json(tmp / "generation_config.json", generation_config(tokenizer))
+        write_json(tmp / "config.json", config)
+        write_json(tmp / "generation_config.json", generation_config(tokenizer))
         # float32, contiguous, no shared storage (the tied head is left out, as HF does)
         weights = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict_for_save().items()}
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save(tmp)
-        _move_into_place(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -130,8 +130,7 @@ def generation_config(tokenizer) -> dict[str, Any]:
     return config
 
 
-# ----------------------------------------------------------------------------------------------------------
-# GGUF (llama.cpp)
+# ----------------------------------------------------------------------------------------- GGUF (llama.cpp)
 
 
 def export_gguf(run_or_checkpoint: str | os.PathLike, out_file: str | os.PathLike, dtype: str = "f32",
@@ -297,8 +296,7 @@ def add_gguf_tokenizer(writer, tokenizer, vocab_size: int) -> None:
     writer.add_chat_template(tokenizer.chat_template)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# helpers
+# -------------------------------------------------------------------------------------------------- helpers
 
 
 def _temp_sibling(out: Path, force: bool) -> Path:
@@ -311,23 +309,6 @@ def _temp_sibling(out: Path, force: bool) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     return tmp
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished temporary directory to `out`, replacing what --force allowed to replace."""
-    if out.exists():
-        old = out.parent / f".tmp-old-{out.name}-{os.getpid()}"
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
-
-
-def _write_json(path: Path, data: dict) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, ensure_ascii=False)
-        f.write("\n")
 
 
 def _transformers_version() -> str | None:

@@ -17,33 +17,25 @@ from safetensors.torch import load_file
 
 from nanoforge.config import ConfigError, ModelConfig
 from nanoforge.errors import NanoforgeError
+from nanoforge.fsutil import read_json
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def is_hf_dir(path: str | os.PathLike) -> bool:
     """A directory with an HF config.json naming a model type (not one of our run or checkpoint directories)."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        return False
     try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        config = read_json(Path(path) / "config.json", "config.json")
+    except NanoforgeError:  # none, or not JSON: not an HF directory
         return False
-    return isinstance(config, dict) and ("model_type" in config or "architectures" in config)
+    return "model_type" in config or "architectures" in config
 
 
 def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise NanoforgeError(f"{hf_dir}: no config.json; not an HF model directory")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise NanoforgeError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise NanoforgeError(f"{path}: must hold a JSON object")
-    return config
+    return read_json(path, "config.json")
 
 
 def model_config_from_hf(config: dict[str, Any], where: str | os.PathLike = "config.json") -> ModelConfig:

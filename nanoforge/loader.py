@@ -44,7 +44,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
     else:
         model = GPT(ModelConfig(**_saved_model_fields(path, state)))
         model.load_weights(ckpt.load_weights_file(path))
-    tokenizer_dir = path.parent.parent / "tokenizer"
+    tokenizer_dir = init_tokenizer_dir(path)
     if not tokenizer_dir.is_dir():
         raise NanoforgeError(f"{tokenizer_dir}: the run's tokenizer is missing")
     return model.to(device).eval(), load_tokenizer(tokenizer_dir), path
@@ -94,8 +94,7 @@ def load_adapter_checkpoint(path: str | Path, base: str | Path | None = None) ->
     return model.eval().merged()
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Which base an adapter belongs to
+# ------------------------------------------------------------------------- Which base an adapter belongs to
 
 
 def _base_file(base_checkpoint: str | Path) -> Path:
@@ -143,8 +142,7 @@ def check_base(meta: dict[str, Any], base_checkpoint: str | Path) -> None:
                          f"give the base it was trained on")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# A stage's --init
+# ----------------------------------------------------------------------------------------- A stage's --init
 
 
 def init_config(init: str | Path) -> tuple[Path, dict[str, Any]]:
@@ -158,6 +156,7 @@ def init_config(init: str | Path) -> tuple[Path, dict[str, Any]]:
 
 
 def init_tokenizer_dir(init_path: Path) -> Path:
+    """An HF directory's own tokenizer, or the RUN/tokenizer of a checkpoint RUN/checkpoints/step_N."""
     return init_path if is_hf_dir(init_path) else init_path.parent.parent / "tokenizer"
 
 

@@ -24,6 +24,7 @@ import torch
 
 from nanoforge.config import MODEL_FIELDS, ModelConfig, load_toml
 from nanoforge.errors import NanoforgeError
+from nanoforge.fsutil import write_text_atomic
 from nanoforge.model.gpt import GPT
 from nanoforge.train import checkpoint as ckpt
 from nanoforge.train.distributed import is_main
@@ -93,8 +94,7 @@ def read_run(run_dir: str | Path, name: str | None = None) -> RunMetrics:
     return run
 
 
-# ----------------------------------------------------------------------------------------------------------
-# numbers
+# -------------------------------------------------------------------------------------------------- numbers
 
 
 def count_params(model_config: dict[str, Any], exclude_embeddings: bool = False) -> int | None:
@@ -109,11 +109,7 @@ def count_params(model_config: dict[str, Any], exclude_embeddings: bool = False)
 
 def fmt_number(value: Any) -> str:
     """How the tables print a logged number: 6 significant digits (tests parse it back)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return str(value)
-    if isinstance(value, int):
-        return str(value)
-    return f"{value:.6g}"
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
 def tokens_per_step(run: RunMetrics) -> int:
@@ -188,7 +184,7 @@ def summarize(run: RunMetrics) -> list[tuple[str, str]]:
     if model:
         params = count_params(model)
         if params is not None:
-            rows.append(("parameters", f"{params / 1e6:.2f}M"))
+            rows.append(("parameters", _millions(params)))
         rows.append(("shape", f"d_model {model.get('d_model')}, {model.get('n_layers')} layers, "
                               f"{model.get('n_heads')} heads ({model.get('n_kv_heads')} KV), "
                               f"vocab {model.get('vocab_size')}, context {model.get('max_seq_len')}"))
@@ -278,8 +274,7 @@ def latest_samples(run: RunMetrics) -> tuple[int | None, list[dict]]:
     return step, [s for s in run.samples if s["step"] == step]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# markdown
+# ------------------------------------------------------------------------------------------------- markdown
 
 
 def _cell(value: Any) -> str:
@@ -422,9 +417,7 @@ def write_report(run_dirs: list[str | Path], out_path: str | Path, samples: list
         lines += _run_section(run, out_path, Figure, png_name)
     if samples:
         lines += ["## Sample replies", ""] + _samples_table(samples) + [""]
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    tmp.write_text("\n".join(lines), encoding="utf-8")
-    tmp.replace(out_path)  # a reader never sees half a report
+    write_text_atomic(out_path, "\n".join(lines))
     return out_path
 
 

@@ -28,8 +28,9 @@ from typing import Iterable, Iterator, Sequence
 from nanoforge.chat_template import (CHAT_TEMPLATE, IM_END, THINKING_TOOLS_TEMPLATE, TOOL_TAGS, ChatTemplateError,
                                      assistant_mask, assistant_turns, check_disguise, compile_template, disguise,
                                      without_empty_think)
-from nanoforge.data.jsonl import DataError, check_input_file, detect_kind, parse_line
+from nanoforge.data.jsonl import DataError, check_input_file, detect_kind, iter_records
 from nanoforge.errors import NanoforgeError
+from nanoforge.fsutil import read_json, write_json
 from nanoforge.toolcalls import normalize_conversation
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"<|reserved_{i}|>" for i in range(13)]
@@ -44,7 +45,6 @@ SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| 
 DEFAULT_MODEL_MAX_LENGTH = 32768
 PLAIN_TEXT_SUFFIXES = (".txt", ".text", ".md")
 _TEXT_BLOCK_BYTES = 1 << 20  # plain-text files are fed to the trainer in ~1 MB blocks cut at newlines
-
 
 
 # ---------------------------------------------------------------------------------------------- class
@@ -66,7 +66,7 @@ class Tokenizer:
         self.sha256 = hashlib.sha256(_canonical_json(inner.to_str()).encode("utf-8")).hexdigest()
         self._compiled_template = None
         self._names = None
-        self._specials = None  # (ids, texts, matched on raw text?) of the added tokens marked special
+        self._specials = None  # (ids, texts) of the added tokens marked special
         self._plain_tok = None  # a copy that encodes special-token text as plain text, made on first need
 
     def _find_eos_id(self) -> int | None:
@@ -128,10 +128,6 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def decode_batch(self, batch: Sequence[Iterable[int]], skip_special_tokens: bool = False) -> list[str]:
-        return self._tok.decode_batch([[int(i) for i in ids] for ids in batch],
-                                      skip_special_tokens=skip_special_tokens)
-
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
@@ -145,18 +141,14 @@ class Tokenizer:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(directory / "tokenizer.json"), pretty=True)
-        with open(directory / "tokenizer_config.json", "w", encoding="utf-8") as f:
-            json.dump(self.hf_config(), f, ensure_ascii=False, indent=2)
-            f.write("\n")
+        write_json(directory / "tokenizer_config.json", self.hf_config())
         return directory
 
     def hf_config(self) -> dict:
         """tokenizer_config.json contents in the shape transformers' PreTrainedTokenizerFast expects."""
-        added = {}
-        for token_id, token in sorted(self._tok.get_added_tokens_decoder().items()):
-            added[str(token_id)] = {"content": token.content, "lstrip": token.lstrip,
-                                    "normalized": token.normalized, "rstrip": token.rstrip,
-                                    "single_word": token.single_word, "special": token.special}
+        fields = ("content", "lstrip", "normalized", "rstrip", "single_word", "special")
+        added = {str(token_id): {k: getattr(token, k) for k in fields}
+                 for token_id, token in sorted(self._tok.get_added_tokens_decoder().items())}
         eos = self.id_to_token(self.eos_id) if self.eos_id is not None else None
         chatml = [t for t in (IM_START, IM_END) if self._tok.token_to_id(t) is not None]
         return {
@@ -187,12 +179,9 @@ class Tokenizer:
         messages, tools = normalize_conversation(messages, tools)
         if self._compiled_template is None:
             self._compiled_template = compile_template(self.chat_template)
-        names = self._template_names()
-        try:
-            text = self._compiled_template.render(
-                **template_kwargs, messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                bos_token=names["bos_token"], eos_token=names["eos_token"], pad_token=names["pad_token"],
-                unk_token=names["unk_token"], additional_special_tokens=names["additional_special_tokens"])
+        try:  # with the special-token names HF passes to templates (bos_token, eos_token, ...)
+            text = self._compiled_template.render(**template_kwargs, messages=messages, tools=tools,
+                                                  add_generation_prompt=add_generation_prompt, **self._template_names())
         except NanoforgeError:
             raise
         except Exception as e:  # jinja2 errors and whatever the template's own expressions raise
@@ -201,7 +190,7 @@ class Tokenizer:
 
     def _template_names(self) -> dict:
         """The special-token names HF passes to templates (bos_token, eos_token, ...); computed once."""
-        if getattr(self, "_names", None) is None:
+        if self._names is None:
             config = self.hf_config()
             self._names = {k: config[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token",
                                                   "additional_special_tokens")}
@@ -246,15 +235,13 @@ class Tokenizer:
 
     # ---- chat: keeping the text of messages plain
 
-    def _special_tokens(self) -> tuple[frozenset, tuple, bool]:
-        """Ids and texts of the added tokens marked special (<|im_start|>, <|im_end|>, <|endoftext|>, ...),
-        and whether they match the raw text (no normalizer in their way). Added tokens with special=False
-        (MiniMind's <think>, <tool_call>) are ordinary vocabulary: a message may use them, and HF encodes
-        them as the same single tokens inside any text."""
-        if getattr(self, "_specials", None) is None:
+    def _special_tokens(self) -> tuple[frozenset, tuple]:
+        """Ids and texts of the added tokens marked special (<|im_start|>, <|im_end|>, <|endoftext|>, ...).
+        Added tokens with special=False (MiniMind's <think>, <tool_call>) are ordinary vocabulary: a message
+        may use them, and HF encodes them as the same single tokens inside any text."""
+        if self._specials is None:
             added = {i: t for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
-            raw = self._tok.normalizer is None or not any(t.normalized for t in added.values())
-            self._specials = (frozenset(added), tuple(t.content for t in added.values() if t.content), raw)
+            self._specials = (frozenset(added), tuple(t.content for t in added.values() if t.content))
         return self._specials
 
     def _specials_of(self, ids, offsets) -> list[tuple[int, int, int]]:
@@ -281,7 +268,7 @@ class Tokenizer:
     def _plain_text_tokenizer(self):
         """A second `tokenizers.Tokenizer` that encodes special-token text like any other text. A separate
         object (never the shared one toggled), since the server encodes from several threads at once."""
-        if getattr(self, "_plain_tok", None) is None:
+        if self._plain_tok is None:
             from tokenizers import Tokenizer as HFTokenizer
 
             plain = HFTokenizer.from_str(self._tok.to_str())
@@ -354,16 +341,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
 
 
 def _read_config(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise NanoforgeError(f"{path}: not a valid tokenizer_config.json ({e})") from None
-    if not isinstance(config, dict):
-        raise NanoforgeError(f"{path}: must hold a JSON object")
-    return config
+    return read_json(path, "tokenizer_config.json") if path.is_file() else {}
 
 
 def _read_chat_template(directory: Path, config: dict) -> str | None:
@@ -428,26 +406,17 @@ def _training_texts(paths: list[Path]) -> Iterator[str]:
 
 def _jsonl_texts(path: Path) -> Iterator[str]:
     """Every text a model will see in this file: pretrain text, message contents of SFT and DPO records."""
-    found = False
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            record = parse_line(raw, None, path, line_no)
-            if record is None:
-                continue
-            found = True
-            kind = detect_kind(record)
-            if kind == "pretrain":
-                yield record["text"]
-            elif kind == "sft":
-                for message in record["conversations"]:
-                    yield from (message.get(k) for k in ("content", "reasoning_content")
-                                if isinstance(message.get(k), str))
-            else:  # dpo: the shared prefix once, then both final answers
-                for message in record["chosen"]:
-                    yield message["content"]
-                yield record["rejected"][-1]["content"]
-    if not found:
-        raise DataError("has no records", path)
+    for _, record in iter_records(path, None):
+        kind = detect_kind(record)
+        if kind == "pretrain":
+            yield record["text"]
+        elif kind == "sft":
+            for message in record["conversations"]:
+                yield from (message.get(k) for k in ("content", "reasoning_content") if isinstance(message.get(k), str))
+        else:  # dpo: the shared prefix once, then both final answers
+            for message in record["chosen"]:
+                yield message["content"]
+            yield record["rejected"][-1]["content"]
 
 
 def _plain_text_blocks(path: Path) -> Iterator[str]:

@@ -117,7 +117,6 @@ def test_tokenizer_with_a_normalizer_and_a_normalized_special_token(tiny_tokeniz
     inner.normalizer = normalizers.NFC()
     inner.add_special_tokens([AddedToken("<|extra|>", special=True, normalized=True)])
     tok = Tokenizer(inner)
-    assert tok._special_tokens()[2] is False  # the token-by-token check is the one under test
     payload = f"<|extra|> café {INJECTION}"
     messages = _conversation({"user", "assistant"}, payload=payload)
     ids, _ = assert_only_structural_control_tokens(tok, messages, payload=payload)

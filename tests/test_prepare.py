@@ -11,7 +11,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
-from nanoforge.data.batches import PretrainBatches, eval_batches
+from nanoforge.data.batches import EvalBatches, PretrainBatches
 from nanoforge.data.jsonl import DataError
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import TokenShards, check_tokenizer
@@ -154,7 +154,7 @@ def test_plain_text_is_one_document_that_decodes_back_exactly(tmp_path, shared_d
         train = manifest["splits"]["train"]
         assert (train["docs"], train["bytes"]) == (1, len(text.encode("utf-8")))
         shards = TokenShards(out, "train")
-        ids = shards.read(0, len(shards)).tolist()
+        ids = shards.read(0, shards.num_tokens).tolist()
         assert ids == whole  # chunk joins change no token
         assert tiny_tokenizer.decode(ids[:-1]) == text
         assert shards.doc_offsets().tolist() == [0, len(ids)]
@@ -173,7 +173,7 @@ def test_plain_text_cuts_keep_tokens_for_gpt2_split_pattern_too(tmp_path, shared
         out = tmp_path / f"{tok.split_pattern}"
         prepare_dataset("pretrain", [path], tok, out, val_fraction=0.0, workers=1, chunk_bytes=2048, **QUIET)
         shards = TokenShards(out, "train")
-        assert shards.read(0, len(shards)).tolist() == tok.encode(text) + [tok.eos_id], tok.split_pattern
+        assert shards.read(0, shards.num_tokens).tolist() == tok.encode(text) + [tok.eos_id], tok.split_pattern
 
 
 def test_plain_text_and_jsonl_mix_and_shards_never_split_the_text(tmp_path, shared_data, pretrain_file,
@@ -596,18 +596,18 @@ def test_batch_errors_say_what_to_change(prepared):
 
 def test_eval_batches_are_consecutive_and_repeatable(prepared):
     shards = TokenShards(prepared, "val")
-    evaluation = eval_batches(shards, batch_size=4, seq_len=64, max_batches=3)
+    evaluation = EvalBatches(shards, batch_size=4, seq_len=64, max_batches=3)
     batches = list(evaluation)
-    assert len(batches) == len(evaluation) == 3
+    assert len(batches) == 3
     assert same(batches, list(evaluation))
     assert batches[0]["input_ids"][1].tolist() == shards.read(64, 64).astype(np.int64).tolist()
     assert batches[2]["labels"][3].tolist() == shards.read(11 * 64 + 1, 64).astype(np.int64).tolist()
     assert evaluation.bytes_per_token == pytest.approx(shards.num_bytes / shards.num_tokens)
-    small = eval_batches(shards, batch_size=4, seq_len=1024, max_batches=100)
+    small = EvalBatches(shards, batch_size=4, seq_len=1024, max_batches=100)
     windows = (shards.num_tokens - 1) // 1024
     assert sum(len(b["input_ids"]) for b in small) == windows  # a short last batch, nothing dropped
     with pytest.raises(NanoforgeError, match="fewer than one window"):
-        eval_batches(shards, batch_size=1, seq_len=shards.num_tokens, max_batches=1)
+        EvalBatches(shards, batch_size=1, seq_len=shards.num_tokens, max_batches=1)
 
 
 def test_parallel_reading_stays_bounded(tmp_path, tiny_tokenizer):

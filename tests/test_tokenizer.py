@@ -121,12 +121,12 @@ def test_round_trip_on_every_shared_data_file(shared_data, tiny_tokenizer):
     for path in files:
         texts = _sampled_texts(path, ROUNDTRIP_BYTES_PER_FILE)
         assert texts, path
-        decoded = tiny_tokenizer.decode_batch(tiny_tokenizer.encode_batch(texts))
+        decoded = [tiny_tokenizer.decode(ids) for ids in tiny_tokenizer.encode_batch(texts)]
         bad = next((i for i, (a, b) in enumerate(zip(texts, decoded)) if a != b), None)
         assert bad is None, f"{path.name}: text {bad} does not round-trip: {texts[bad][:80]!r}"
     shakespeare = (shared_data / "text" / "tinyshakespeare.txt").read_text(encoding="utf-8")
     blocks = [shakespeare[i:i + 20000] for i in range(0, len(shakespeare), 20000)]
-    assert "".join(tiny_tokenizer.decode_batch(tiny_tokenizer.encode_batch(blocks))) == shakespeare
+    assert "".join(tiny_tokenizer.decode(ids) for ids in tiny_tokenizer.encode_batch(blocks)) == shakespeare
 
 
 # ---------------------------------------------------------------------------------------------- save / load
@@ -383,5 +383,5 @@ def test_template_that_alters_contents_masks_the_turn_it_renders(tiny_tokenizer)
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " padded "}]
     ids, mask = tok.render_chat(messages)
     assert [tok.decode(r) for r in _masked_runs(ids, mask)] == ["padded<|im_end|>"]
-    with pytest.raises(ChatTemplateError, match="string role and content"):
+    with pytest.raises(ChatTemplateError, match=r"message 0 \(user\) field 'content': must be a string, got a number"):
         tiny_tokenizer.render_chat([{"role": "user", "content": 3}])

@@ -230,12 +230,12 @@ def test_special_token_text_in_reasoning_arguments_and_tools_stays_plain(minimin
 
 @pytest.mark.parametrize("message, match", [
     ({"role": "assistant", "content": None, "tool_calls": "{not json"}, r"message 1 \(assistant\) field 'tool_calls'.*not valid JSON"),
-    ({"role": "assistant", "content": "x", "tool_calls": {"name": "f", "arguments": {}}}, r"message 1 .*'tool_calls' must be a list"),
-    ({"role": "assistant", "content": "x", "tool_calls": 3}, r"message 1 .*'tool_calls' must be a list"),
-    ({"role": "assistant", "content": "x", "tool_calls": [{"arguments": {}}]}, r"message 1 .*'tool_calls'\[0\].*'name'"),
-    ({"role": "assistant", "content": "x", "tool_calls": [{"name": "f", "arguments": 3}]}, r"'tool_calls'\[0\] field 'arguments'"),
-    ({"role": "assistant", "content": None}, r"message 1 .*field 'content'"),
-    ({"role": "tool", "content": {"temp": 12}}, r"message 1 .*field 'content' of this tool message must be a string"),
+    ({"role": "assistant", "content": "x", "tool_calls": {"name": "f", "arguments": {}}}, r"message 1 .*'tool_calls': must be a list"),
+    ({"role": "assistant", "content": "x", "tool_calls": 3}, r"message 1 .*'tool_calls': must be a list"),
+    ({"role": "assistant", "content": "x", "tool_calls": [{"arguments": {}}]}, r"message 1 .*'tool_calls\[0\]': missing \"name\""),
+    ({"role": "assistant", "content": "x", "tool_calls": [{"name": "f", "arguments": 3}]}, r"field 'tool_calls\[0\]\.arguments': must be an object"),
+    ({"role": "assistant", "content": None}, r"message 1 \(assistant\) field 'content': must be a string, got null"),
+    ({"role": "tool", "content": {"temp": 12}}, r"message 1 \(tool\) field 'content': must be a string, got an object"),
     ({"role": "assistant", "content": "x", "reasoning_content": ["a"]}, r"message 1 \(assistant\) field 'reasoning_content'"),
     ({"role": "user", "content": "x", "tool_calls": []}, r"message 1 \(user\) field 'tool_calls'"),
 ])
@@ -243,5 +243,5 @@ def test_bad_shapes_name_the_message_and_field(tiny_tokenizer, message, match):
     messages = [{"role": "user", "content": "hi"}, message]
     with pytest.raises(ChatTemplateError, match=match):
         tiny_tokenizer.render_chat(messages)
-    with pytest.raises(ChatTemplateError, match="field 'tools'"):
+    with pytest.raises(ChatTemplateError, match=r"message 0 \(system\) field 'tools\[0\]': must be a tool schema"):
         tiny_tokenizer.render_text([{"role": "system", "content": "s", "tools": "[1, 2]"}])

@@ -7,7 +7,6 @@ uninterrupted run would have seen.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -26,6 +25,58 @@ def _check_positive(**values) -> None:
             raise NanoforgeError(f"{name} must be a positive integer, got {value!r}")
 
 
+class EpochOrder:
+    """What the training batch sources share: items (windows, packed rows, pairs) in a seeded order per epoch,
+    a position (epoch, cursor) that goes into the checkpoint, and steps of the next batch_size*world_size items
+    (continuing into the next epoch's order when this one runs out), of which rank r takes [r*B, (r+1)*B)."""
+
+    def _init_order(self, batch_size: int, seq_len: int, seed: int, rank: int, world_size: int) -> None:
+        _check_positive(batch_size=batch_size, seq_len=seq_len, world_size=world_size)
+        if not 0 <= rank < world_size:
+            raise NanoforgeError(f"rank {rank} is not in [0, world_size={world_size})")
+        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, int(seed)
+        self.rank, self.world_size = rank, world_size
+        self.epoch = self.cursor = 0  # cursor: items of this epoch's order already consumed (by all ranks)
+        self._order_epoch, self._order = None, None
+
+    def _make_order(self, epoch: int):
+        raise NotImplementedError
+
+    def _order_for(self, epoch: int):
+        if self._order_epoch != epoch:
+            self._order, self._order_epoch = self._make_order(epoch), epoch
+        return self._order
+
+    def _shuffled(self, items: np.ndarray, epoch: int) -> np.ndarray:
+        return items[torch.randperm(len(items), generator=torch.Generator().manual_seed(self.seed + epoch)).numpy()]
+
+    def _step_items(self) -> list:
+        """This rank's items of the next step."""
+        items, needed = [], self.batch_size * self.world_size
+        while needed:
+            order = self._order_for(self.epoch)
+            take = min(needed, len(order) - self.cursor)
+            items.extend(order[self.cursor:self.cursor + take])
+            self.cursor += take
+            needed -= take
+            if self.cursor == len(order):
+                self.epoch, self.cursor = self.epoch + 1, 0
+        return items[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+
+    def _load_position(self, state: dict, same: dict, unit: str) -> None:
+        """Continue from `state`, whose `same` values (data size, seq_len, seed) must be this run's: else the
+        position would point at different items. Batch size and process count may change."""
+        for key, have in same.items():
+            if key in state and state[key] != have:
+                raise NanoforgeError(f"cannot resume the data position: it was saved with {key}={state[key]} but "
+                                     f"this run has {key}={have}; use the same data, --seq-len and --seed as the "
+                                     "original run")
+        epoch, cursor = int(state["epoch"]), int(state["cursor"])
+        if epoch < 0 or not 0 <= cursor < len(self._order_for(epoch)):
+            raise NanoforgeError(f"invalid data position in checkpoint: epoch {epoch}, {unit} {cursor}")
+        self.epoch, self.cursor = epoch, cursor
+
+
 def _windows_batch(shards: TokenShards, window_ids, seq_len: int) -> dict[str, torch.Tensor]:
     """input_ids/labels for windows k (tokens [k*T, k*T + T + 1)); labels are the inputs shifted by one."""
     rows = np.stack([shards.read(int(k) * seq_len, seq_len + 1) for k in window_ids])  # (B, T+1)
@@ -33,22 +84,17 @@ def _windows_batch(shards: TokenShards, window_ids, seq_len: int) -> dict[str, t
     return {"input_ids": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}  # (B, T) each
 
 
-class PretrainBatches:
-    """Packed windows of seq_len+1 tokens, in a seeded random order per epoch, sharded across ranks.
+class PretrainBatches(EpochOrder):
+    """Packed windows of seq_len+1 tokens, in a seeded random order per epoch, sharded across ranks (EpochOrder).
 
     Window k covers tokens [k*seq_len, k*seq_len + seq_len + 1), k = 0..W-1 with W = (num_tokens-1)//seq_len,
     so consecutive windows share one token and every token but the first is a label exactly once per epoch.
-    Each step consumes the next batch_size*world_size windows of the epoch's order (continuing into the next
-    epoch's order when this one runs out); rank r takes its slice [r*B, (r+1)*B).
     """
 
     def __init__(self, shards: TokenShards, batch_size: int, seq_len: int, seed: int, rank: int = 0,
                  world_size: int = 1):
-        _check_positive(batch_size=batch_size, seq_len=seq_len, world_size=world_size)
-        if not 0 <= rank < world_size:
-            raise NanoforgeError(f"rank {rank} is not in [0, world_size={world_size})")
-        self.shards, self.batch_size, self.seq_len = shards, batch_size, seq_len
-        self.seed, self.rank, self.world_size = int(seed), rank, world_size
+        self._init_order(batch_size, seq_len, seed, rank, world_size)
+        self.shards = shards
         self.num_windows = max(shards.num_tokens - 1, 0) // seq_len
         needed = batch_size * world_size
         if self.num_windows < needed:
@@ -57,36 +103,18 @@ class PretrainBatches:
                 f"windows of {seq_len}+1 tokens, but one step needs {needed} (batch_size {batch_size} x "
                 f"{world_size} processes), i.e. at least {needed * seq_len + 1:,} tokens; add data or lower "
                 "--batch-size / --seq-len")
-        self.epoch = 0
-        self.cursor = 0  # windows of this epoch's order already consumed (by all ranks together)
-        self._order_epoch, self._order = None, None
 
     @property
     def sequences_per_epoch(self) -> int:
         """Windows in one pass over the data (all ranks together)."""
         return self.num_windows
 
-    def _order_for(self, epoch: int) -> torch.Tensor:
-        if self._order_epoch != epoch:
-            generator = torch.Generator().manual_seed(self.seed + epoch)
-            self._order = torch.randperm(self.num_windows, generator=generator)  # (W,)
-            self._order_epoch = epoch
-        return self._order
+    def _make_order(self, epoch: int) -> np.ndarray:
+        return torch.randperm(self.num_windows, generator=torch.Generator().manual_seed(self.seed + epoch)).numpy()
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         """The next batch for this rank: input_ids and labels, (batch_size, seq_len) int64 each."""
-        step_windows = []
-        needed = self.batch_size * self.world_size
-        while needed:
-            order = self._order_for(self.epoch)
-            take = min(needed, self.num_windows - self.cursor)
-            step_windows.extend(order[self.cursor:self.cursor + take].tolist())
-            self.cursor += take
-            needed -= take
-            if self.cursor == self.num_windows:
-                self.epoch, self.cursor = self.epoch + 1, 0
-        mine = step_windows[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
-        return _windows_batch(self.shards, mine, self.seq_len)
+        return _windows_batch(self.shards, self._step_items(), self.seq_len)
 
     def state_dict(self) -> dict:
         """Where we are in the data, as plain JSON-able values (goes into the checkpoint's state.json)."""
@@ -94,21 +122,13 @@ class PretrainBatches:
                 "num_windows": self.num_windows}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from `state`. The data, seq_len and seed must be those of the run that saved it (else the
-        position would point at different windows); batch size and process count may change."""
-        for key in ("seed", "seq_len", "num_windows"):
-            if key in state and state[key] != getattr(self, key):
-                raise NanoforgeError(
-                    f"cannot resume the data position: it was saved with {key}={state[key]} but this run has "
-                    f"{key}={getattr(self, key)}; use the same data, --seq-len and --seed as the original run")
-        epoch, cursor = int(state["epoch"]), int(state["cursor"])
-        if epoch < 0 or not 0 <= cursor < self.num_windows:
-            raise NanoforgeError(f"invalid data position in checkpoint: epoch {epoch}, cursor {cursor}")
-        self.epoch, self.cursor = epoch, cursor
+        self._load_position(state, {"seed": self.seed, "seq_len": self.seq_len, "num_windows": self.num_windows},
+                            "window")
 
 
 class EvalBatches:
-    """Consecutive windows from the start of a split, in fixed batches: the same every time it is iterated.
+    """At most max_batches batches of consecutive windows from the start of a split: the same every time it is
+    iterated.
 
     `bytes_per_token` (UTF-8 bytes of the split's source text per token) turns a mean loss in nats per token
     into bits per byte, a number comparable across tokenizers: bpb = loss / ln(2) / bytes_per_token.
@@ -125,19 +145,10 @@ class EvalBatches:
         self.num_windows = min(available, max_batches * batch_size)
         self.bytes_per_token = shards.num_bytes / shards.num_tokens
 
-    def __len__(self) -> int:
-        return math.ceil(self.num_windows / self.batch_size)
-
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for start in range(0, self.num_windows, self.batch_size):
             windows = range(start, min(start + self.batch_size, self.num_windows))  # last batch may be smaller
             yield _windows_batch(self.shards, windows, self.seq_len)
-
-
-def eval_batches(shards: TokenShards, batch_size: int, seq_len: int, max_batches: int) -> EvalBatches:
-    """At most max_batches batches of consecutive windows from the start of `shards`; re-iterable, with
-    `.bytes_per_token` for bits per byte."""
-    return EvalBatches(shards, batch_size, seq_len, max_batches)
 
 
 # ---------------------------------------------------------------------------------------------- SFT packing
@@ -215,7 +226,7 @@ def pack_rows(lengths: np.ndarray, order: np.ndarray, capacity: int, lookahead: 
     return rows
 
 
-class SFTBatches:
+class SFTBatches(EpochOrder):
     """Conversations packed whole into rows of seq_len positions, each attending only to itself.
 
     Row layout: conversations back to back, then padding. For a conversation of n tokens the row holds its
@@ -224,19 +235,17 @@ class SFTBatches:
     so attention is block-diagonal and positions restart at 0: packing changes nothing about what each
     conversation computes, only how little padding is wasted (MiniMind pads every row to the maximum).
 
-    Order: a seeded permutation of the conversations per epoch, packed by `pack_rows`; the state is
-    (epoch, row cursor) and the rows are recomputed identically on resume. shuffle=False packs in file order
-    (for validation).
+    Order: a seeded permutation of the conversations per epoch, packed by `pack_rows` (EpochOrder's items are
+    the rows, recomputed identically on resume). shuffle=False packs in file order (for validation).
     """
 
     def __init__(self, shards: TokenShards, batch_size: int, seq_len: int, seed: int = 0, rank: int = 0,
                  world_size: int = 1, shuffle: bool = True, pad_id: int = 0):
-        _check_positive(batch_size=batch_size, seq_len=seq_len, world_size=world_size)
+        self._init_order(batch_size, seq_len, seed, rank, world_size)
         if not shards.has_mask:
             raise NanoforgeError(f"{shards.directory}: prepared as {shards.kind!r} data; SFT needs "
                                  f"`nanoforge prepare --kind sft`")
-        self.shards, self.batch_size, self.seq_len = shards, batch_size, seq_len
-        self.seed, self.rank, self.world_size, self.shuffle, self.pad_id = int(seed), rank, world_size, shuffle, pad_id
+        self.shards, self.shuffle, self.pad_id = shards, shuffle, pad_id
         self.offsets = shards.doc_offsets()  # (D+1,)
         full = np.diff(self.offsets)  # tokens per conversation
         keep = full.copy()
@@ -252,9 +261,7 @@ class SFTBatches:
         if len(self.usable) == 0:
             raise NanoforgeError(f"{shards.directory} ({shards.split}): no conversation fits a window of "
                                  f"{seq_len} tokens with an assistant reply; raise --seq-len")
-        self.epoch, self.cursor = 0, 0
-        self._rows_epoch, self._rows = None, None
-        rows = self._rows_for(0)
+        rows = self._order_for(0)
         report.rows = len(rows)
         report.positions = len(rows) * seq_len
         report.real = int((keep[self.usable] - 1).sum())
@@ -268,16 +275,9 @@ class SFTBatches:
         """Packed rows in one pass over the conversations (the first epoch's packing; others differ by a few)."""
         return self.report.rows
 
-    def _rows_for(self, epoch: int) -> list[list[int]]:
-        if self._rows_epoch != epoch:
-            if self.shuffle:
-                perm = torch.randperm(len(self.usable), generator=torch.Generator().manual_seed(self.seed + epoch))
-                order = self.usable[perm.numpy()]
-            else:
-                order = self.usable
-            self._rows = pack_rows(self.keep - 1, order, self.seq_len)
-            self._rows_epoch = epoch
-        return self._rows
+    def _make_order(self, epoch: int) -> list[list[int]]:
+        order = self._shuffled(self.usable, epoch) if self.shuffle else self.usable
+        return pack_rows(self.keep - 1, order, self.seq_len)
 
     def _row(self, docs: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         T = self.seq_len
@@ -303,33 +303,18 @@ class SFTBatches:
                 "segment_ids": torch.from_numpy(np.stack([b[2] for b in built]))}  # (B, T) each
 
     def next_batch(self) -> dict[str, torch.Tensor]:
-        step_rows = []
-        needed = self.batch_size * self.world_size
-        while needed:
-            rows = self._rows_for(self.epoch)
-            take = min(needed, len(rows) - self.cursor)
-            step_rows.extend(rows[self.cursor:self.cursor + take])
-            self.cursor += take
-            needed -= take
-            if self.cursor == len(rows):
-                self.epoch, self.cursor = self.epoch + 1, 0
-        return self._batch(step_rows[self.rank * self.batch_size:(self.rank + 1) * self.batch_size])
+        return self._batch(self._step_items())
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "seq_len": self.seq_len,
                 "conversations": int(len(self.keep))}
 
     def load_state_dict(self, state: dict) -> None:
-        for key, have in (("seed", self.seed), ("seq_len", self.seq_len), ("conversations", len(self.keep))):
-            if key in state and state[key] != have:
-                raise NanoforgeError(f"cannot resume the data position: it was saved with {key}={state[key]} but "
-                                     f"this run has {key}={have}; use the same data, --seq-len and --seed")
-        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
-        if self.cursor >= len(self._rows_for(self.epoch)):
-            raise NanoforgeError(f"invalid data position in checkpoint: epoch {self.epoch}, row {self.cursor}")
+        self._load_position(state, {"seed": self.seed, "seq_len": self.seq_len, "conversations": len(self.keep)},
+                            "row")
 
     def eval_batches(self, max_batches: int) -> Iterator[dict[str, torch.Tensor]]:
         """The first max_batches batches of rows in file order (for validation; use shuffle=False)."""
-        rows = self._rows_for(0)
+        rows = self._order_for(0)
         for start in range(0, min(len(rows), max_batches * self.batch_size), self.batch_size):
             yield self._batch(rows[start:start + self.batch_size])

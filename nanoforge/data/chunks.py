@@ -31,7 +31,7 @@ from typing import Iterator
 
 import numpy as np
 
-from nanoforge.data.jsonl import (MAX_RECORD_BYTES, UTF8_BOM, DataError, SkipCounter, parse_line,
+from nanoforge.data.jsonl import (MAX_RECORD_BYTES, UTF8_BOM, DataError, SkipCounter, parse_lines,
                                   record_too_long)
 from nanoforge.data.sft_records import drops_empty_think, render_sft_record
 from nanoforge.data.sources import is_plain_text
@@ -262,18 +262,8 @@ def encode_chunk(task: ChunkTask, tokenizer) -> ChunkResult:
     if task.plain_text:
         return _encode_text(task, tokenizer)
     skips = SkipCounter()
-    records = []
-    for offset, raw in enumerate(task.data.split(b"\n")):
-        line_no = task.first_line + offset
-        try:
-            record = parse_line(raw, task.kind, task.path, line_no)
-        except DataError as e:
-            if not task.skip_invalid:
-                raise
-            skips.add(e)
-            continue
-        if record is not None:
-            records.append((line_no, record))
+    records = list(parse_lines(task.data.split(b"\n"), task.kind, task.path, task.first_line, task.skip_invalid,
+                               skips))
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     encode = {"pretrain": _encode_pretrain, "sft": _encode_sft, "dpo": _encode_dpo}[task.kind]
     tokens, lens, nbytes, mask = encode(records, tokenizer, dtype, task, skips)
@@ -341,25 +331,11 @@ def _encode_text(task: ChunkTask, tokenizer) -> ChunkResult:
 
 def _encode_sft(records, tokenizer, dtype, task: ChunkTask, skips: SkipCounter):
     """Each conversation is rendered with the chat template (data/sft_records.py: its tools, a seeded share
-    without empty think blocks); the mask marks the assistant tokens. A conversation whose mask cannot be
-    computed, or whose tool use the template cannot render, is a DataError at its line (or skipped)."""
-    flat, flat_mask, lens, nbytes = [], [], [], []
-    for line_no, record in records:
+    without empty think blocks); the mask marks the assistant tokens."""
+    def render(line_no: int, record: dict) -> list[tuple]:
         drop = drops_empty_think(task.drop_empty_think, task.file_index, line_no)
-        try:
-            ids, mask, text = render_sft_record(tokenizer, record["conversations"], drop)
-        except ChatTemplateError as e:
-            error = DataError(str(e), task.path, line_no, '"conversations"')
-            if not task.skip_invalid:
-                raise error from None
-            skips.add(error)
-            continue
-        flat.extend(ids)
-        flat_mask.extend(mask)
-        lens.append(len(ids))
-        nbytes.append(len(text.encode("utf-8")))
-    return (np.array(flat, dtype=dtype), np.array(lens, dtype=np.int64), np.array(nbytes, dtype=np.int64),
-            np.array(flat_mask, dtype=np.uint8))
+        return [render_sft_record(tokenizer, record["conversations"], drop)]
+    return _encode_rendered(records, render, '"conversations"', dtype, task, skips)
 
 
 def final_reply_mask(mask: list[int]) -> list[int]:
@@ -377,20 +353,29 @@ def final_reply_mask(mask: list[int]) -> list[int]:
 def _encode_dpo(records, tokenizer, dtype, task: ChunkTask, skips: SkipCounter):
     """Each record becomes two documents, chosen then rejected, each rendered with the chat template and
     masked on its final assistant reply only (Rafailov et al. 2023, arXiv 2305.18290: the DPO log-ratio is
-    over the answer given the shared prompt). A record whose template fails is a DataError (or skipped)."""
+    over the answer given the shared prompt)."""
+    def render(line_no: int, record: dict) -> list[tuple]:
+        sides = [tokenizer.render_chat_with_text(record[name]) for name in ("chosen", "rejected")]
+        return [(ids, final_reply_mask(mask), text) for ids, mask, text in sides]
+    return _encode_rendered(records, render, '"chosen"/"rejected"', dtype, task, skips)
+
+
+def _encode_rendered(records, render, field: str, dtype, task: ChunkTask, skips: SkipCounter):
+    """The documents `render(line_no, record)` makes of each record, (ids, mask, text) each, concatenated. A
+    record the template cannot render, or not faithfully, is a DataError at its line naming `field` (or skipped)."""
     flat, flat_mask, lens, nbytes = [], [], [], []
     for line_no, record in records:
         try:
-            sides = [tokenizer.render_chat_with_text(record[name]) for name in ("chosen", "rejected")]
+            documents = render(line_no, record)
         except ChatTemplateError as e:
-            error = DataError(str(e), task.path, line_no, '"chosen"/"rejected"')
+            error = DataError(str(e), task.path, line_no, field)
             if not task.skip_invalid:
                 raise error from None
             skips.add(error)
             continue
-        for ids, mask, text in sides:
+        for ids, mask, text in documents:
             flat.extend(ids)
-            flat_mask.extend(final_reply_mask(mask))
+            flat_mask.extend(mask)
             lens.append(len(ids))
             nbytes.append(len(text.encode("utf-8")))
     return (np.array(flat, dtype=dtype), np.array(lens, dtype=np.int64), np.array(nbytes, dtype=np.int64),

@@ -30,10 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoforge.data.batches import IGNORE
+from nanoforge.data.batches import IGNORE, EpochOrder
 from nanoforge.data.shards import TokenShards
 from nanoforge.device import autocast_context
 from nanoforge.errors import NanoforgeError
+from nanoforge.fsutil import write_text_atomic
 
 CACHE_VERSION = 1
 
@@ -174,39 +175,28 @@ def reference_logps(model: nn.Module, shards: TokenShards, cache_dir: str | Path
         os.fsync(f.fileno())
     meta.unlink(missing_ok=True)  # the key goes last: a crash in between leaves no key, hence a recompute
     os.replace(tmp, npy)
-    tmp_meta = meta.with_name(f".{meta.name}.tmp-{os.getpid()}")
-    tmp_meta.write_text(json.dumps(key, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp_meta, meta)
+    write_text_atomic(meta, json.dumps(key, indent=2) + "\n")
     return values
 
 
 # ---------------------------------------------------------------------------------------------- batches
 
 
-class DPOBatches:
-    """Batches of `batch_size` preference pairs, in a seeded order per epoch, sharded across ranks.
-
-    Each step consumes the next batch_size*world_size pairs of the epoch's order (continuing into the next
-    epoch's order when it runs out); rank r takes its slice. The position is (epoch, cursor), so resuming
-    replays exactly the batches an uninterrupted run would have seen. Pairs whose chosen or rejected
+class DPOBatches(EpochOrder):
+    """Batches of `batch_size` preference pairs, in a seeded order per epoch, sharded across ranks (EpochOrder:
+    resuming replays exactly the batches an uninterrupted run would have seen). Pairs whose chosen or rejected
     conversation exceeds seq_len inputs are skipped (`self.skipped`); see `pair_fits`.
     """
 
     def __init__(self, shards: TokenShards, ref_logps: np.ndarray, batch_size: int, seq_len: int, seed: int = 0,
                  rank: int = 0, world_size: int = 1, pad_id: int = 0, shuffle: bool = True):
-        for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
-            if not isinstance(value, int) or value <= 0:
-                raise NanoforgeError(f"{name} must be a positive integer, got {value!r}")
-        if not 0 <= rank < world_size:
-            raise NanoforgeError(f"rank {rank} is not in [0, world_size={world_size})")
+        self._init_order(batch_size, seq_len, seed, rank, world_size)
         _check_dpo_shards(shards)
         ref_logps = np.asarray(ref_logps, dtype=np.float32)
         if ref_logps.shape != (shards.num_docs,):
             raise NanoforgeError(f"ref_logps has shape {ref_logps.shape}, but {shards.directory} "
                                  f"({shards.split}) has {shards.num_docs} conversations")
-        self.shards, self.ref_logps, self.batch_size, self.seq_len = shards, ref_logps, batch_size, seq_len
-        self.seed, self.rank, self.world_size, self.pad_id = int(seed), rank, world_size, pad_id
-        self.shuffle = shuffle
+        self.shards, self.ref_logps, self.pad_id, self.shuffle = shards, ref_logps, pad_id, shuffle
         self.offsets = shards.doc_offsets()  # (D+1,)
         self.num_pairs = shards.num_docs // 2
         self.usable = np.flatnonzero(pair_fits(np.diff(self.offsets), seq_len))  # (P',) pair indices
@@ -219,8 +209,6 @@ class DPOBatches:
                 f"{shards.directory} ({shards.split}): {len(self.usable)} of {self.num_pairs} pairs fit "
                 f"--seq-len {seq_len} ({self.skipped} too long), fewer than one step needs ({batch_size} x "
                 f"{world_size}); add data, raise --seq-len or lower --batch-size")
-        self.epoch, self.cursor = 0, 0
-        self._order_epoch, self._order = None, None
 
     @property
     def sequences_per_epoch(self) -> int:
@@ -231,15 +219,8 @@ class DPOBatches:
         return (f"{len(self.usable):,} of {self.num_pairs:,} pairs fit --seq-len {self.seq_len}; "
                 f"{self.skipped:,} skipped as too long")
 
-    def _order_for(self, epoch: int) -> np.ndarray:
-        if self._order_epoch != epoch:
-            if self.shuffle:
-                perm = torch.randperm(len(self.usable), generator=torch.Generator().manual_seed(self.seed + epoch))
-                self._order = self.usable[perm.numpy()]
-            else:
-                self._order = self.usable
-            self._order_epoch = epoch
-        return self._order
+    def _make_order(self, epoch: int) -> np.ndarray:
+        return self._shuffled(self.usable, epoch) if self.shuffle else self.usable
 
     def batch(self, pairs: list[int]) -> dict[str, torch.Tensor]:
         """The batch of the given pair indices: chosen rows, then rejected rows."""
@@ -249,31 +230,14 @@ class DPOBatches:
         return out
 
     def next_batch(self) -> dict[str, torch.Tensor]:
-        step_pairs: list[int] = []
-        needed = self.batch_size * self.world_size
-        while needed:
-            order = self._order_for(self.epoch)
-            take = min(needed, len(order) - self.cursor)
-            step_pairs.extend(order[self.cursor:self.cursor + take].tolist())
-            self.cursor += take
-            needed -= take
-            if self.cursor == len(order):
-                self.epoch, self.cursor = self.epoch + 1, 0
-        return self.batch(step_pairs[self.rank * self.batch_size:(self.rank + 1) * self.batch_size])
+        return self.batch([int(p) for p in self._step_items()])
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "seq_len": self.seq_len,
                 "pairs": int(self.num_pairs)}
 
     def load_state_dict(self, state: dict) -> None:
-        for key, have in (("seed", self.seed), ("seq_len", self.seq_len), ("pairs", self.num_pairs)):
-            if key in state and state[key] != have:
-                raise NanoforgeError(f"cannot resume the data position: it was saved with {key}={state[key]} but "
-                                     f"this run has {key}={have}; use the same data, --seq-len and --seed")
-        epoch, cursor = int(state["epoch"]), int(state["cursor"])
-        if epoch < 0 or not 0 <= cursor < len(self.usable):
-            raise NanoforgeError(f"invalid data position in checkpoint: epoch {epoch}, pair {cursor}")
-        self.epoch, self.cursor = epoch, cursor
+        self._load_position(state, {"seed": self.seed, "seq_len": self.seq_len, "pairs": self.num_pairs}, "pair")
 
     def eval_batches(self, max_batches: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """The usable pairs in file order, batch_size at a time, at most max_batches batches (validation)."""

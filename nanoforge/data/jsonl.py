@@ -18,7 +18,7 @@ import json
 import os
 from dataclasses import dataclass, field as dataclass_field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from nanoforge.errors import NanoforgeError
 
@@ -116,8 +116,7 @@ def _check_messages(messages: Any, name: str, tools: bool = False) -> None:
         where = f'"{name}"[{i}]'
         _check_role_and_content(message, where, tools)
         role = message["role"]
-        if tools:
-            _check_tool_fields(message, where, i, declared)
+        parsed = check_tool_fields(message, f"{where}.", declared) if tools else None
         expected = _expected_role(messages, i, calls, answered)
         if role not in expected:
             previous = f'after "{messages[i - 1]["role"]}"' if i else "as the first message"
@@ -125,7 +124,7 @@ def _check_messages(messages: Any, name: str, tools: bool = False) -> None:
             raise RecordError(f'expected {wanted} {previous}, got "{role}" ({_order_rule(messages, i, calls)})',
                               f"{where}.role")
         if role == "assistant":
-            calls, answered = len(_parsed_json(message.get("tool_calls")) or []) if tools else 0, 0
+            calls, answered = len(parsed or []), 0
         elif role == "tool":
             answered += 1
     last = messages[-1]["role"]
@@ -141,19 +140,11 @@ def _check_role_and_content(message: Any, where: str, tools: bool) -> None:
             raise RecordError(f'missing "{key}"', where)
     if not isinstance(message["role"], str):
         raise RecordError(f"must be a string, got {_type_name(message['role'])}", f"{where}.role")
-    role, content = message["role"], message.get("content")
-    if not isinstance(content, str):
-        if content is None and tools and role == "assistant" and has_tool_calls(message):
-            pass  # a turn that only calls tools
-        elif content is None and tools:
-            raise RecordError("must be a string, got null (null is allowed only in an assistant message with "
-                              "tool_calls)", f"{where}.content")
-        else:
-            raise RecordError(f"must be a string, got {_type_name(content)}", f"{where}.content")
+    check_content(message, f"{where}.", tools)
     roles = ROLES + (("tool",) if tools else ())
-    if role not in roles:
+    if message["role"] not in roles:
         extra = " (or tool, answering an assistant's tool_calls)" if tools else ""
-        raise RecordError(f'"{role}" is not one of {", ".join(ROLES)}{extra}', f"{where}.role")
+        raise RecordError(f'"{message["role"]}" is not one of {", ".join(ROLES)}{extra}', f"{where}.role")
 
 
 def _expected_role(messages: list, i: int, calls: int = 0, answered: int = 0) -> tuple[str, ...]:
@@ -182,8 +173,13 @@ def _order_rule(messages: list, i: int, calls: int) -> str:
     return "at most one leading system message, then user and assistant alternating"
 
 
+# ---------------------------------------------------------------------------------------------- tool use
+# The shapes of MiniMind-3's tool use, checked here for `prepare` and by toolcalls.py before rendering (one
+# definition of each). `prefix` starts every RecordError field: '"conversations"[2].' here, "" for toolcalls.
+
+
 def _parsed_json(value: Any) -> Any:
-    """A JSON-string field parsed (an empty string is no calls, as the renderer reads it); else as it is."""
+    """A JSON-string field parsed (an empty string is an empty list, as the renderer reads it); else as it is."""
     if not isinstance(value, str):
         return value
     return json.loads(value) if value.strip() else []
@@ -204,57 +200,75 @@ def has_tool_calls(message: dict) -> bool:
         return True
 
 
+def check_content(message: dict, prefix: str = "", tools: bool = True) -> None:
+    """`content` is a string, or (tools=True) null in an assistant message that calls tools."""
+    content = message.get("content")
+    if isinstance(content, str) or (tools and content is None and message["role"] == "assistant"
+                                    and has_tool_calls(message)):
+        return
+    why = " (null is allowed only in an assistant message with tool_calls)" if tools and content is None else ""
+    raise RecordError(f"must be a string, got {_type_name(content)}{why}", f"{prefix}content")
+
+
+def parsed_tools(tools: Any, field: str) -> list:
+    """`tools`: a list of tool schema objects, or a JSON string of one, parsed."""
+    tools = _json_field(tools, field)
+    if not isinstance(tools, list):
+        raise RecordError(f"must be a list of tool schemas (or a JSON string of one), got {_type_name(tools)}",
+                          field)
+    for j, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise RecordError(f"must be a tool schema object, got {_type_name(tool)}", f"{field}[{j}]")
+    return tools
+
+
 def _declared_tools(messages: list, name: str) -> set[str] | None:
     """The tool names the opening system message declares in `tools` (None when it declares none)."""
     for i, message in enumerate(messages):
         if isinstance(message, dict) and message.get("tools") is not None and not (
                 i == 0 and message.get("role") == "system"):
             raise RecordError("only the opening system message declares tools", f'"{name}"[{i}].tools')
-    first = messages[0]
-    if not isinstance(first, dict) or first.get("tools") is None:
+    if not isinstance(messages[0], dict) or messages[0].get("tools") is None:
         return None
     where = f'"{name}"[0].tools'
-    tools = _json_field(first["tools"], where)
-    if not isinstance(tools, list):
-        raise RecordError(f"must be a list of tool schemas (or a JSON string of one), got {_type_name(tools)}",
-                          where)
     names = set()
-    for j, tool in enumerate(tools):
-        inner = tool.get("function") if isinstance(tool, dict) and isinstance(tool.get("function"), dict) else tool
-        if not (isinstance(inner, dict) and isinstance(inner.get("name"), str) and inner["name"]):
+    for j, tool in enumerate(parsed_tools(messages[0]["tools"], where)):
+        inner = tool["function"] if isinstance(tool.get("function"), dict) else tool
+        if not (isinstance(inner.get("name"), str) and inner["name"]):
             raise RecordError('must be a tool schema with a string "name" (or OpenAI\'s {"type": "function", '
-                              f'"function": {{"name": ..., "parameters": ...}}}}), got {_type_name(tool)}',
-                              f"{where}[{j}]")
+                              '"function": {"name": ..., "parameters": ...}})', f"{where}[{j}]")
         names.add(inner["name"])
     return names
 
 
-def _check_tool_fields(message: dict, where: str, i: int, declared: set[str] | None) -> None:
-    """reasoning_content and tool_calls of one message (SFT); JSON strings must parse."""
-    role = message["role"]
+def check_tool_fields(message: dict, prefix: str = "", declared: set[str] | None = None,
+                      json_arguments: bool = True) -> list | None:
+    """`reasoning_content` and `tool_calls` of one message; returns the calls, parsed (None when it has none).
+    `declared`: the names a call may use (None: any). json_arguments=False passes a string `arguments` as
+    written (the renderer does, like HF's apply_chat_template); True (data) requires a JSON object in it."""
     reasoning = message.get("reasoning_content")
     if reasoning is not None and not isinstance(reasoning, str):
-        raise RecordError(f"must be a string, got {_type_name(reasoning)}", f"{where}.reasoning_content")
-    calls = message.get("tool_calls")
+        raise RecordError(f"must be a string, got {_type_name(reasoning)}", f"{prefix}reasoning_content")
+    calls, where = message.get("tool_calls"), f"{prefix}tool_calls"
     if calls is None:
-        return
-    if role != "assistant":
-        raise RecordError(f"only assistant messages call tools (this is a {role} message)", f"{where}.tool_calls")
-    calls = _json_field(calls, f"{where}.tool_calls")
+        return None
+    if message["role"] != "assistant":
+        raise RecordError(f"only assistant messages call tools (this is a {message['role']} message)", where)
+    calls = _json_field(calls, where)
     if isinstance(calls, dict):
-        raise RecordError("must be a list of calls, got one object (wrap it in a list)", f"{where}.tool_calls")
+        raise RecordError("must be a list of calls, got one object (wrap it in a list)", where)
     if not isinstance(calls, list):
-        raise RecordError(f"must be a list of calls (or a JSON string of one), got {_type_name(calls)}",
-                          f"{where}.tool_calls")
+        raise RecordError(f"must be a list of calls (or a JSON string of one), got {_type_name(calls)}", where)
     for k, call in enumerate(calls):
-        _check_call(call, f"{where}.tool_calls[{k}]", declared)
+        _check_call(call, f"{where}[{k}]", declared, json_arguments)
+    return calls
 
 
-def _check_call(call: Any, where: str, declared: set[str] | None) -> None:
+def _check_call(call: Any, where: str, declared: set[str] | None, json_arguments: bool) -> None:
     if not isinstance(call, dict):
         raise RecordError('must be an object: {"name": ..., "arguments": ...} or OpenAI\'s {"type": "function", '
                           f'"function": {{"name": ..., "arguments": ...}}}}, got {_type_name(call)}', where)
-    if "function" in call:
+    if call.get("function"):  # as the template reads a call: its "function" when it has one
         where, call = f"{where}.function", call["function"]
         if not isinstance(call, dict):
             raise RecordError(f'must be an object with "name" and "arguments", got {_type_name(call)}', where)
@@ -269,8 +283,10 @@ def _check_call(call: Any, where: str, declared: set[str] | None) -> None:
                           f"{where}.name")
     if "arguments" not in call:
         raise RecordError('missing "arguments" (an object, or a JSON string of one)', where)
-    arguments = _json_field(call["arguments"], f"{where}.arguments", json.loads)
-    if not isinstance(arguments, dict):
+    arguments = call["arguments"]
+    if json_arguments:
+        arguments = _json_field(arguments, f"{where}.arguments", json.loads)
+    if not isinstance(arguments, dict if json_arguments else (dict, str)):
         raise RecordError(f"must be an object of arguments (or a JSON string of one), got {_type_name(arguments)}",
                           f"{where}.arguments")
 
@@ -348,7 +364,8 @@ def record_too_long(size: int, path, line_no: int) -> DataError:
 def parse_line(raw: bytes, kind: str | None, path: str | os.PathLike, line_no: int) -> dict | None:
     """Decode, parse and validate one raw line. Returns None for a blank line; raises DataError.
 
-    Shared by iter_records and the parallel workers of `prepare`, so both report errors identically.
+    Shared (through parse_lines) by iter_records and the parallel workers of `prepare`, so both report errors
+    identically.
     kind=None detects the kind of each record from its keys.
     """
     if line_no == 1 and raw.startswith(UTF8_BOM):
@@ -384,6 +401,23 @@ def parse_line(raw: bytes, kind: str | None, path: str | os.PathLike, line_no: i
     return obj
 
 
+def parse_lines(lines: Iterable[bytes], kind: str | None, path: str | os.PathLike, first_line: int = 1,
+                skip_invalid: bool = False, counter: SkipCounter | None = None) -> Iterator[tuple[int, dict]]:
+    """(line_no, record) of each valid record of raw `lines` numbered from `first_line` (a file, or a chunk of
+    one); an invalid one raises its DataError, or with skip_invalid is added to `counter` and passed over."""
+    for line_no, raw in enumerate(lines, start=first_line):
+        try:
+            record = parse_line(raw, kind, path, line_no)
+        except DataError as e:
+            if not skip_invalid:
+                raise
+            if counter is not None:
+                counter.add(e)
+            continue
+        if record is not None:
+            yield line_no, record
+
+
 def check_input_file(path: str | os.PathLike) -> Path:
     """Fail early, naming the path, if it is missing, a directory, empty or binary."""
     path = Path(path)
@@ -405,33 +439,24 @@ def check_input_file(path: str | os.PathLike) -> Path:
     return path
 
 
-def iter_records(path: str | os.PathLike, kind: str, skip_invalid: bool = False,
+def iter_records(path: str | os.PathLike, kind: str | None, skip_invalid: bool = False,
                  counter: SkipCounter | None = None) -> Iterator[tuple[int, dict]]:
-    """Yield (line_no, record) for every valid record of `kind` in the JSONL file at `path`.
+    """Yield (line_no, record) for every valid record of `kind` in the JSONL file at `path` (kind=None: of
+    any kind, detected per record).
 
     Invalid records raise DataError, or with skip_invalid=True are skipped and added to `counter`.
     A file with no records at all (or none valid) raises DataError naming the path.
     """
-    if kind not in KINDS:
+    if kind is not None and kind not in KINDS:
         raise NanoforgeError(f"unknown data kind {kind!r}; expected one of {', '.join(KINDS)}")
     path = check_input_file(path)
     seen = 0
     with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            try:
-                record = parse_line(raw, kind, path, line_no)
-            except DataError as e:
-                if not skip_invalid:
-                    raise
-                if counter is not None:
-                    counter.add(e)
-                continue
-            if record is None:
-                continue
+        for line_no, record in parse_lines(f, kind, path, 1, skip_invalid, counter):
             seen += 1
             yield line_no, record
     if seen == 0:
-        raise DataError(f"has no valid {kind} records", path)
+        raise DataError(f"has no valid {kind} records" if kind else "has no valid records", path)
 
 
 def detect_kind(obj: Any) -> str | None:

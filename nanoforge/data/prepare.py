@@ -6,7 +6,6 @@ or Ctrl-C leaves out_dir as it was and no temporary directory behind.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -20,17 +19,16 @@ import numpy as np
 
 from nanoforge import __version__, dirlock
 from nanoforge.data.chunks import ChunkResult, SourceStats, chunk_tasks, run_chunks
-from nanoforge.data.jsonl import DataError, check_input_file
+from nanoforge.data.jsonl import KINDS, DataError, check_input_file
 from nanoforge.data.sft_records import DROP_THINK_SEED
 from nanoforge.data.shards import FORMAT, FORMAT_VERSION, MASKED_KINDS
 from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import fsync_dir
+from nanoforge.fsutil import fsync_dir, replace_dir, write_json
 from nanoforge.tokenizer import Tokenizer, load_tokenizer
 
 SPLITS = ("train", "val")
 SHARD_TOKENS = 100_000_000  # start a new shard after this many tokens (200 MB of uint16)
 CHUNK_BYTES = 2 << 20  # raw JSONL handed to a worker at a time
-PREPARED_KINDS = ("pretrain", "sft", "dpo")
 
 
 def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 0.01, workers: int = 0,
@@ -51,7 +49,8 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
     (data/sft_records.py), whose assistant turns are rendered without their empty think blocks.
     """
     started = time.perf_counter()
-    _check_kind(kind)
+    if kind not in KINDS:
+        raise NanoforgeError(f"unknown data kind {kind!r}; expected one of {', '.join(KINDS)}")
     if not 0.0 <= val_fraction < 1.0:
         raise NanoforgeError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if workers < 0:
@@ -113,7 +112,7 @@ def _prepare_locked(kind, paths, tokenizer, out_dir: Path, val_fraction, workers
         tokenizer.save(tmp / "tokenizer")
         manifest = _manifest(kind, tokenizer, dtype, val_fraction, sources, splits, workers,
                              time.perf_counter() - started, drop_empty_think)
-        _write_json(tmp / "manifest.json", manifest)
+        write_json(tmp / "manifest.json", manifest)
         _swap_into_place(tmp, out_dir, force)
     except BaseException:  # KeyboardInterrupt too: never leave a half-written directory behind
         for writer in writers.values():
@@ -122,11 +121,6 @@ def _prepare_locked(kind, paths, tokenizer, out_dir: Path, val_fraction, workers
         raise
     _log_summary(manifest, out_dir, log)
     return manifest
-
-
-def _check_kind(kind: str) -> None:
-    if kind not in PREPARED_KINDS:
-        raise NanoforgeError(f"unknown data kind {kind!r}; expected one of pretrain, sft, dpo")
 
 
 def _docs_per_record(kind: str) -> int:
@@ -212,12 +206,12 @@ class SplitWriter:
         files[1].write(np.zeros(1, dtype=np.int64).tobytes())  # the first document starts at 0
         self._files = files
 
-    def _close_shard(self) -> None:
-        for f in self._files:
-            if f is not None:
+    def _close_shard(self, sync: bool = True) -> None:
+        for f in filter(None, self._files):
+            if sync:
                 f.flush()
                 os.fsync(f.fileno())
-                f.close()
+            f.close()
         self._files = None
 
     def close(self) -> dict:
@@ -229,10 +223,7 @@ class SplitWriter:
 
     def abort(self) -> None:
         if self._files is not None:
-            for f in self._files:
-                if f is not None:
-                    f.close()
-            self._files = None
+            self._close_shard(sync=False)
 
 
 def _manifest(kind, tokenizer, dtype, val_fraction, sources, splits, workers, seconds, drop_empty_think) -> dict:
@@ -258,14 +249,6 @@ def _manifest(kind, tokenizer, dtype, val_fraction, sources, splits, workers, se
     }
 
 
-def _write_json(path: Path, obj) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, ensure_ascii=False, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _fsync_tree(directory: Path) -> None:
     """Flush every file and directory under `directory` to disk before it is renamed into place."""
     for root, _, names in os.walk(directory):
@@ -276,26 +259,11 @@ def _fsync_tree(directory: Path) -> None:
 
 
 def _swap_into_place(tmp: Path, out_dir: Path, force: bool) -> None:
-    """Rename the finished temp dir onto out_dir. An existing out_dir is moved aside first and deleted only
-    once the new one is in place (two renames: a crash in between leaves the old data under .NAME.old-PID)."""
+    """Rename the finished temp dir onto out_dir (fsutil.replace_dir: an old out_dir is deleted only once the
+    new one is in place)."""
     _fsync_tree(tmp)
-    if out_dir.is_dir():
-        if any(out_dir.iterdir()):
-            if not force:  # checked at the start too; someone may have written there since
-                raise NanoforgeError(f"{out_dir}: already exists and is not empty; pass --force to replace it")
-            old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-            os.rename(out_dir, old)
-            try:
-                os.rename(tmp, out_dir)
-            except BaseException:
-                os.rename(old, out_dir)
-                raise
-            shutil.rmtree(old)
-        else:
-            out_dir.rmdir()
-            os.rename(tmp, out_dir)
-    else:
-        os.rename(tmp, out_dir)
+    _check_out_dir(out_dir, force)  # checked at the start too; someone may have written there since
+    replace_dir(tmp, out_dir)
     fsync_dir(out_dir.parent)
 
 

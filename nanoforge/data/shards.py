@@ -19,12 +19,12 @@ memory stays flat however large the corpus, and any window is one slice away.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from nanoforge.errors import NanoforgeError
+from nanoforge.fsutil import read_json
 
 FORMAT = "nanoforge-token-shards"
 FORMAT_VERSION = 1
@@ -37,12 +37,8 @@ def read_manifest(directory) -> dict:
     if not path.is_file():
         raise NanoforgeError(f"{directory}: not a prepared dataset (no manifest.json); "
                              "create it with `nanoforge prepare`")
-    try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise NanoforgeError(f"{path}: unreadable manifest ({e}); re-run `nanoforge prepare`") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    manifest = read_json(path, "manifest", "; re-run `nanoforge prepare`")
+    if manifest.get("format") != FORMAT:
         raise NanoforgeError(f"{path}: not a nanoforge token-shard manifest; re-run `nanoforge prepare`")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise NanoforgeError(f"{path}: format version {manifest.get('format_version')} but this nanoforge "
@@ -154,6 +150,3 @@ class TokenShards:
         tokens = np.array(self._tokens[shard][start:end])
         mask = np.array(self._masks[shard][start:end]) if self._masks else None
         return tokens, mask
-
-    def __len__(self) -> int:
-        return self.num_tokens

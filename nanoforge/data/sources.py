@@ -2,11 +2,10 @@
 on the fly; and the kind of data they hold. Training (train/rundir.py) and `nanoforge eval` both ask here."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Sequence
 
-from nanoforge.data.jsonl import check_input_file, detect_kind
+from nanoforge.data.jsonl import check_input_file, detect_kind, iter_records
 from nanoforge.data.shards import read_manifest
 from nanoforge.errors import NanoforgeError
 from nanoforge.tokenizer import PLAIN_TEXT_SUFFIXES
@@ -37,19 +36,8 @@ def data_kind(data: Sequence[str]) -> str:
     prepared = prepared_dir(data)
     if prepared is not None:
         return read_manifest(prepared)["kind"]
-    first = Path(data[0])
-    check_input_file(first)
+    first = check_input_file(data[0])
     if is_plain_text(first):  # a .txt/.md file is one pretraining document
         return "pretrain"
-    with open(first, encoding="utf-8-sig", errors="replace") as f:
-        for line_no, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    kind = detect_kind(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise NanoforgeError(f"{first}:{line_no}: invalid JSON: {e.msg}") from None
-                if kind is None:
-                    raise NanoforgeError(f"{first}:{line_no}: cannot tell the kind of record (no \"text\", "
-                                         f"\"conversations\" or \"chosen\"/\"rejected\" key)")
-                return kind
-    raise NanoforgeError(f"{first}: no records")
+    _, record = next(iter_records(first, None))  # checked like every record (file:line: field: errors)
+    return detect_kind(record)

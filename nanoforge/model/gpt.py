@@ -32,8 +32,7 @@ from nanoforge.errors import NanoforgeError
 from nanoforge.model.moe import MLP, MoE
 
 
-# ----------------------------------------------------------------------------------------------------------
-# RMSNorm
+# -------------------------------------------------------------------------------------------------- RMSNorm
 
 
 class RMSNorm(nn.Module):
@@ -57,8 +56,7 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Rotary position embeddings (RoFormer, arXiv 2104.09864), with YaRN (arXiv 2309.00071)
+# -------------------- Rotary position embeddings (RoFormer, arXiv 2104.09864), with YaRN (arXiv 2309.00071)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -142,8 +140,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-# ----------------------------------------------------------------------------------------------------------
-# KV cache
+# ------------------------------------------------------------------------------------------------- KV cache
 
 
 class KVCache:
@@ -163,10 +160,6 @@ class KVCache:
         self.max_len = max_len
         self.length = 0
 
-    def reset(self) -> None:
-        """Forget every cached token (the buffers are reused, not freed)."""
-        self.length = 0
-
     def check_room(self, n_new: int) -> None:
         if self.length + n_new > self.max_len:
             raise NanoforgeError(f"KV cache overflow: it holds {self.length} of {self.max_len} positions and "
@@ -184,8 +177,7 @@ class KVCache:
         self.length += n_new
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Attention
+# ------------------------------------------------------------------------------------------------ Attention
 
 
 class Attention(nn.Module):
@@ -241,8 +233,7 @@ class Attention(nn.Module):
         return self.o_proj(y)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Block and model
+# ------------------------------------------------------------------------------------------ Block and model
 
 
 class Block(nn.Module):
@@ -316,8 +307,7 @@ class GPT(nn.Module):
         # harmlessly). Keep the RoPE tables valid on whatever device the model now lives on.
         self.model.rotary_emb.reset()
 
-    # ------------------------------------------------------------------------------------------------------
-    # forward
+    # ---------------------------------------------------------------------------------------------- forward
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None,
                 attention_mask: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -408,8 +398,7 @@ class GPT(nn.Module):
         allowed = same & (idx[None, :] <= idx[:, None])  # causal within the segment
         return cos, sin, allowed.unsqueeze(1), False  # mask (B, 1, T, T)
 
-    # ------------------------------------------------------------------------------------------------------
-    # cache, sizes, weights
+    # -------------------------------------------------------------------------------- cache, sizes, weights
 
     def new_cache(self, batch_size: int, max_len: int | None = None, device: torch.device | str | None = None,
                   dtype: torch.dtype | None = None) -> KVCache:
@@ -474,18 +463,25 @@ class GPT(nn.Module):
                 raise NanoforgeError("checkpoint does not match the model: it has its own lm_head.weight but the "
                                      "model ties it to model.embed_tokens.weight (tie_embeddings=true); load it "
                                      "with tie_embeddings=false")
-        expected = {k: tuple(v.shape) for k, v in self.state_dict_for_save().items()}
-        problems = []
-        for key, shape in expected.items():
-            if key not in sd:
-                problems.append(f"{key} is missing from the checkpoint")
-            elif tuple(sd[key].shape) != shape:
-                problems.append(f"{key} has shape {tuple(sd[key].shape)} in the checkpoint, {shape} in the model")
-        problems += [f"{key} is in the checkpoint but not in the model" for key in sd if key not in expected]
-        if problems:
-            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-            raise NanoforgeError("checkpoint does not match the model: " + "; ".join(problems[:5]) + more)
+        check_same_tensors(self.state_dict_for_save(), sd, "checkpoint", "checkpoint does not match the model")
         if tied:
             self.lm_head.weight = self.model.embed_tokens.weight  # in case to_empty() untied them
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
         self.load_state_dict(sd, strict=True)
+
+
+def check_same_tensors(expected: dict[str, torch.Tensor], given: dict[str, torch.Tensor], source: str,
+                       headline: str) -> None:
+    """A strict load's check: `given` (from `source`) has exactly the keys of `expected`, with their shapes;
+    else a NanoforgeError, `headline` then the first five offending keys. Never a silent partial load."""
+    problems = []
+    for key, tensor in expected.items():
+        if key not in given:
+            problems.append(f"{key} is missing from the {source}")
+        elif given[key].shape != tensor.shape:
+            problems.append(f"{key} has shape {tuple(given[key].shape)} in the {source}, {tuple(tensor.shape)} "
+                            "in the model")
+    problems += [f"{key} is in the {source} but not in the model" for key in given if key not in expected]
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise NanoforgeError(f"{headline}: " + "; ".join(problems[:5]) + more)

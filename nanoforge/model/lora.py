@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanoforge.errors import NanoforgeError
+from nanoforge.model.gpt import check_same_tensors
 
 # short target name -> (submodule of a Block, Linear inside it)
 TARGETS: dict[str, tuple[str, str]] = {
@@ -96,8 +97,7 @@ class LoraConfig:
             raise NanoforgeError(f"LoRA settings are incomplete: {e.args[0]} is missing") from None
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The adapted projection
+# ----------------------------------------------------------------------------------- The adapted projection
 
 
 class LoraLinear(nn.Module):
@@ -150,8 +150,7 @@ class LoraLinear(nn.Module):
                f"scaling={self.scaling:g}"
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Attaching, merging, counting
+# ----------------------------------------------------------------------------- Attaching, merging, counting
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -198,8 +197,7 @@ def num_trainable(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Adapter weights
+# ------------------------------------------------------------------------------------------ Adapter weights
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -214,24 +212,13 @@ def load_lora_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
     params = {k: p for k, p in gpt.named_parameters() if any(s in k for s in ADAPTER_KEYS)}
     if not params:
         raise NanoforgeError("the model has no LoRA adapters to load into; attach_lora() it first")
-    problems = []
-    for key, p in params.items():
-        if key not in state_dict:
-            problems.append(f"{key} is missing from the adapter weights")
-        elif tuple(state_dict[key].shape) != tuple(p.shape):
-            problems.append(f"{key} has shape {tuple(state_dict[key].shape)} in the adapter weights, "
-                            f"{tuple(p.shape)} in the model")
-    problems += [f"{key} is in the adapter weights but not in the model" for key in state_dict if key not in params]
-    if problems:
-        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-        raise NanoforgeError("LoRA adapter weights do not match the model: " + "; ".join(problems[:5]) + more)
+    check_same_tensors(params, state_dict, "adapter weights", "LoRA adapter weights do not match the model")
     with torch.no_grad():
         for key, p in params.items():
             p.copy_(state_dict[key])
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Telling bases apart
+# -------------------------------------------------------------------------------------- Telling bases apart
 
 
 @torch.no_grad()
@@ -258,9 +245,7 @@ def weights_fingerprint(weights: dict[str, torch.Tensor] | nn.Module, samples: i
     return h.hexdigest()
 
 
-
-# ----------------------------------------------------------------------------------------------------------
-# The model the training loop sees
+# ------------------------------------------------------------------------- The model the training loop sees
 
 
 class LoraModel(nn.Module):

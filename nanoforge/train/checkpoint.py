@@ -25,7 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import fsync_dir, fsync_file
+from nanoforge.fsutil import fsync_dir, fsync_file, read_json, replace_dir
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 FORMAT_VERSION = 1
@@ -104,13 +104,7 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
         for name in ("model.safetensors", "trainer.pt", "state.json"):
             fsync_file(tmp / name)
         fsync_dir(tmp)
-        if final.exists():  # re-saving a step (e.g. after a rollback): swap, never leave a gap
-            old = root / f".tmp-old-{step_dir_name(step)}-{os.getpid()}"
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
+        replace_dir(tmp, final)  # re-saving a step (e.g. after a rollback) swaps, never leaves a gap
         fsync_dir(root)
     except (OSError, SafetensorError, RuntimeError) as e:  # safetensors and torch.save wrap ENOSPC their own way
         shutil.rmtree(tmp, ignore_errors=True)
@@ -128,10 +122,7 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
 
 
 def load_state(ckpt: Path) -> dict[str, Any]:
-    try:
-        state = json.loads((ckpt / "state.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise NanoforgeError(f"{ckpt / 'state.json'}: unreadable checkpoint state: {e}") from None
+    state = read_json(ckpt / "state.json", "checkpoint state")
     if state.get("format_version") != FORMAT_VERSION:
         raise NanoforgeError(f"{ckpt / 'state.json'}: checkpoint format {state.get('format_version')!r} "
                              f"is not the supported version {FORMAT_VERSION}")

@@ -6,7 +6,6 @@ uninterrupted one.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 
 from nanoforge.errors import NanoforgeError
+from nanoforge.fsutil import read_json, write_text_atomic
 
 # Dense bf16/fp16 tensor-core peaks in FLOP/s, from the vendors' datasheets (no sparsity). MFU divides by
 # these. RTX 3090/4090 figures are for fp32 accumulate, which is what autocast matmuls use.
@@ -112,10 +112,8 @@ def _read_peaks(path: Path) -> dict[str, float]:
     """The cache file's {key: FLOP/s}; empty when it is missing, unreadable or not what we wrote (a corrupt
     file is then measured over and replaced, never an error)."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict):
+        data = read_json(path, "CPU peak cache")
+    except NanoforgeError:
         return {}
     return {k: float(v) for k, v in data.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0}
@@ -123,18 +121,15 @@ def _read_peaks(path: Path) -> dict[str, float]:
 
 def _write_peak(key: str, flops: float) -> float:
     """Merge `flops` into the cache file, keeping the highest figure seen for the key, written atomically
-    (temp file + os.replace). Returns that highest figure. A cache that cannot be written is skipped."""
+    (fsutil.write_text_atomic). Returns that highest figure. A cache that cannot be written is skipped."""
     path = cpu_peak_cache_dir() / CPU_PEAK_FILE
     peaks = _read_peaks(path)
     peaks[key] = max(peaks.get(key, 0.0), flops)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(peaks, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        write_text_atomic(path, json.dumps(peaks, indent=1, sort_keys=True) + "\n")
     except OSError:  # a read-only home, a full disk: the run goes on with the figure it has
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+        pass
     return peaks[key]
 
 
@@ -258,9 +253,7 @@ def truncate_metrics(path: Path, keep_through_step: int) -> None:
                     kept.append(line if line.endswith("\n") else line + "\n")
             except (json.JSONDecodeError, KeyError, TypeError):
                 continue  # a line cut short by a kill is dropped
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(kept))
 
 
 def progress_line(step: int, max_steps: int, values: dict[str, Any], eta_s: float | None) -> str:

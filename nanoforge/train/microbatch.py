@@ -75,8 +75,7 @@ def _probe_step(model, optimizer, tcfg: TrainConfig, device: torch.device, batch
 
 def _probe_model(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device):
     model = GPT(mcfg).to(device).train()
-    if hasattr(model, "activation_checkpointing"):  # as the loop sets it
-        model.activation_checkpointing = tcfg.activation_checkpointing
+    model.activation_checkpointing = tcfg.activation_checkpointing  # as the loop sets it
     return model, build_optimizer(model, tcfg, device)
 
 

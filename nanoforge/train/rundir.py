@@ -19,8 +19,6 @@ import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
-
 from nanoforge import dirlock
 from nanoforge.config import (MODEL_FIELDS, PRESETS, ConfigError, ModelConfig, TrainConfig, build_config,
                               config_to_toml, load_toml)
@@ -29,6 +27,7 @@ from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import check_tokenizer
 from nanoforge.data.sources import data_kind, prepared_dir
 from nanoforge.errors import NanoforgeError
+from nanoforge.fsutil import write_text_atomic
 from nanoforge.loader import init_config, init_tokenizer_dir
 from nanoforge.train.microbatch import fit_micro_batch
 from nanoforge.tokenizer import load_tokenizer, train_tokenizer
@@ -142,11 +141,16 @@ def check_same_origin(run_dir: Path, flag: str, given: str | None, saved: str | 
                              f"gives {flag} {given}; drop {flag} (the run keeps its own) or give the same one")
 
 
+def saved_run_info(run_dir: str | Path) -> dict[str, Any]:
+    """The [run] table of a run directory's config.toml ({} when it has none yet)."""
+    path = Path(run_dir) / "config.toml"
+    return load_toml(path).get("run", {}) if path.is_file() else {}
+
+
 def check_resume_options(run_dir: Path, requested: dict[str, tuple[str, Any]]) -> None:
     """--resume with the stage's own options ({[run] key: (flag, value)}; None where the flag was not given):
     the saved value is kept, an equal one is fine, a different one is an error naming both."""
-    path = Path(run_dir) / "config.toml"
-    saved = load_toml(path).get("run", {}) if path.is_file() else {}
+    saved = saved_run_info(run_dir)
     diffs = [f"{flag} saved {saved[key]!r}, requested {value!r}" for key, (flag, value) in requested.items()
              if value is not None and key in saved and saved[key] != value]
     if diffs:
@@ -165,12 +169,8 @@ def fit_vocab(mcfg: ModelConfig, tokenizer, explicit: set[str]) -> None:
 def resolve_data(kind: str, data: Sequence[str], run_dir: Path, tokenizer_path: str | None, mcfg: ModelConfig,
                  tcfg: TrainConfig, quiet: bool) -> Path:
     """A prepared directory is used as is; raw JSONL files are prepared into RUN/data (once)."""
-    with main_first(_device(tcfg)):  # under torchrun rank 0 prepares; the others then find RUN/data ready
+    with main_first(resolve_device(tcfg.device)):  # under torchrun rank 0 prepares; the others find RUN/data ready
         return _resolve_data(kind, data, run_dir, tokenizer_path, mcfg, tcfg, quiet)
-
-
-def _device(tcfg: TrainConfig) -> torch.device:
-    return resolve_device(tcfg.device)
 
 
 def _resolve_data(kind: str, data: Sequence[str], run_dir: Path, tokenizer_path: str | None, mcfg: ModelConfig,
@@ -206,9 +206,7 @@ def write_run_config(run_dir: Path, mcfg: ModelConfig, tcfg: TrainConfig, run_in
     run_dir.mkdir(parents=True, exist_ok=True)
     if not is_main():  # under torchrun only rank 0 writes the run directory
         return
-    tmp = run_dir / "config.toml.tmp"
-    tmp.write_text(config_to_toml(mcfg, tcfg, {"run": run_info}), encoding="utf-8")
-    tmp.replace(run_dir / "config.toml")
+    write_text_atomic(run_dir / "config.toml", config_to_toml(mcfg, tcfg, {"run": run_info}))
 
 
 def copy_tokenizer(src: Path, run_dir: Path) -> None:
@@ -220,8 +218,6 @@ def copy_tokenizer(src: Path, run_dir: Path) -> None:
     shutil.copytree(src, dst)
 
 
-
-
 def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str | Path, config_file: str | None,
                    overrides: dict[str, Any], resume: bool, quiet: bool, train_defaults: dict[str, Any],
                    run_options: dict[str, Any] | None = None, probe_loss=None):
@@ -231,7 +227,6 @@ def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str |
 
     Returns (run_dir, mcfg, tcfg, run_info, init_path, tokenizer, data_dir). On --resume, --init, the data and
     the stage's options (run_options) come from the run's config.toml."""
-
     run_dir = Path(out)
     if resume:
         run_dir, mcfg, tcfg, saved_run, _ = open_run(out, True, None, config_file, overrides)

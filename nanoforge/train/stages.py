@@ -10,8 +10,8 @@ from typing import Any, Sequence
 
 import torch
 
-from nanoforge.config import PRESETS, ModelConfig, TrainConfig, build_config, config_dicts, load_toml
-from nanoforge.data.batches import PretrainBatches, SFTBatches, eval_batches
+from nanoforge.config import PRESETS, ModelConfig, TrainConfig, build_config, config_dicts
+from nanoforge.data.batches import EvalBatches, PretrainBatches, SFTBatches
 from nanoforge.data.dpo import DPOBatches, count_pairs, reference_logps
 from nanoforge.data.shards import TokenShards, check_tokenizer
 from nanoforge.data.sources import data_kind
@@ -32,7 +32,7 @@ from nanoforge.train.loop import Stage, TrainingInterrupted, train
 from nanoforge.train.objectives import causal_lm_loss, dpo_loss, make_distill_loss
 from nanoforge.train.rundir import (check_resume_options, check_same_origin, copy_tokenizer, finetune_setup,
                                     fit_vocab, fresh_run_guard, open_run, resolve_data, saved_data_dir,
-                                    write_run_config)
+                                    saved_run_info, write_run_config)
 
 
 SAMPLE_MAX_TOKENS = 48
@@ -109,9 +109,7 @@ def pretrain(data: Sequence[str], out: str | Path, preset: str | None = None, co
              quiet: bool = False, init: str | None = None) -> dict[str, Any]:
     """`nanoforge pretrain`: packed next-token prediction on a token stream, from random weights, or with
     `init` from a trained model (continued pretraining: its shape and tokenizer, a fresh optimizer)."""
-
-    saved = load_toml(Path(out) / "config.toml").get("run", {}) if resume and (Path(out) / "config.toml").is_file() \
-        else {}
+    saved = saved_run_info(out) if resume else {}
     init_path = None
     if init or saved.get("init"):  # continued pretraining: the fine-tuning plumbing, TrainConfig's defaults
         if preset:
@@ -130,10 +128,7 @@ def pretrain(data: Sequence[str], out: str | Path, preset: str | None = None, co
         fit_vocab(mcfg, tok, explicit)
         fit_micro_batch(mcfg, tcfg)  # --micro-batch auto|N: before any batch source is sized
         run_info = {"stage": "pretrain", "data": str(data_dir.resolve()), "tokenizer": "tokenizer"}
-    batches, val_batches, val_bpt = lm_batches(data_dir, tcfg, tok, quiet)
-    if batches.shards.kind != "pretrain":
-        raise NanoforgeError(f"{data_dir}: prepared as {batches.shards.kind!r} data, "
-                             f"but pretrain needs --kind pretrain")
+    batches, val_batches, val_bpt = lm_batches(data_dir, tcfg, tok, quiet, need="pretrain")
     if init_path is None:
         copy_tokenizer(data_dir / "tokenizer", run_dir)
         write_run_config(run_dir, mcfg, tcfg, run_info)
@@ -152,16 +147,18 @@ SFT_DEFAULTS = {"lr": 5e-5, "warmup_steps": 20, "min_lr_ratio": 0.1, "weight_dec
                 "eval_every": 50, "save_every": 200}
 
 
-def lm_batches(data_dir: Path, tcfg: TrainConfig, tok, quiet: bool):
+def lm_batches(data_dir: Path, tcfg: TrainConfig, tok, quiet: bool, need: str | None = None):
     """Training batches, a validation-batch factory and bytes per token for a pretraining or SFT directory:
-    the language-model stages (pretrain, sft, lora, distill) share them."""
-
+    the language-model stages (pretrain, sft, lora, distill) share them. `need`: the one kind the stage takes."""
     w = world()  # under torchrun each rank reads its slice of every step's global batch
     train_shards, val_shards = TokenShards(data_dir, "train"), TokenShards(data_dir, "val")
+    if need and train_shards.kind != need:
+        raise NanoforgeError(f"{data_dir}: prepared as {train_shards.kind!r} data; this stage needs {need} data "
+                             f"(`nanoforge prepare --kind {need}`)")
     if train_shards.kind == "pretrain":
         batches = PretrainBatches(train_shards, tcfg.batch_size, tcfg.seq_len, tcfg.seed, w.rank, w.world_size)
         if val_shards.num_tokens > tcfg.seq_len + 1:
-            return (batches, lambda: eval_batches(val_shards, tcfg.batch_size, tcfg.seq_len, tcfg.eval_batches),
+            return (batches, lambda: EvalBatches(val_shards, tcfg.batch_size, tcfg.seq_len, tcfg.eval_batches),
                     val_shards.num_bytes / val_shards.num_tokens)
         if not quiet:
             print(f"note: the validation split of {data_dir} has {val_shards.num_tokens} tokens, fewer than one "
@@ -190,20 +187,14 @@ def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str
     """`nanoforge sft` (and `nanoforge lora`, with a LoraConfig): next-token loss on assistant replies only,
     conversations packed without padding. With LoRA only the adapters train and checkpoints hold only them,
     with a reference (path, sha256, fingerprint) to the base they belong to."""
-
-    if resume and (Path(out) / "config.toml").is_file():
-        saved = load_toml(Path(out) / "config.toml").get("run", {})
-        if saved.get("stage") == "lora":
-            lora = LoraConfig.from_dict(saved)
+    if resume and saved_run_info(out).get("stage") == "lora":
+        lora = LoraConfig.from_dict(saved_run_info(out))
     name = "lora" if lora else "sft"
     run_dir, mcfg, tcfg, run_info, init_path, tok, data_dir = finetune_setup(
         name, init, data, out, config_file, dict(overrides or {}), resume, quiet,
         LORA_DEFAULTS if lora else SFT_DEFAULTS, lora.to_dict() if lora else None)
     prompts = sample_prompts(tcfg)
-    batches, val_batches, _ = lm_batches(data_dir, tcfg, tok, quiet)
-    if batches.shards.kind != "sft":
-        raise NanoforgeError(f"{data_dir}: prepared as {batches.shards.kind!r} data; {name} needs conversations "
-                             f"(`nanoforge prepare --kind sft`)")
+    batches, val_batches, _ = lm_batches(data_dir, tcfg, tok, quiet, need="sft")
     model = GPT(mcfg)
     if lora:
         base_weights = init_weights(init_path)  # every time: the checkpoints hold adapters only
@@ -224,7 +215,6 @@ def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str
 def lora_merge(run: str | Path, out: str | Path) -> Path:
     """`nanoforge lora merge`: fold a LoRA run's adapters into its base and write a plain run directory
     (config, tokenizer, one checkpoint) that chat, export and further training read like any other."""
-
     src = ckpt.resolve_checkpoint(run)
     state = ckpt.load_state(src)
     out = Path(out)
@@ -234,7 +224,7 @@ def lora_merge(run: str | Path, out: str | Path) -> Path:
     cfg = state.get("config", {})
     mcfg, tcfg = build_config(None, None, None, base={"model": cfg.get("model", {}), "train": cfg.get("train", {})})
     run_info = {"stage": "lora-merge", "merged_from": str(src.resolve()), "tokenizer": "tokenizer"}
-    copy_tokenizer(src.parent.parent / "tokenizer", out)
+    copy_tokenizer(init_tokenizer_dir(src), out)
     write_run_config(out, mcfg, tcfg, run_info)
     ckpt.save_checkpoint(out, state["step"], model.state_dict_for_save(), {},
                          {"stage": "lora-merge", "config": config_dicts(mcfg, tcfg), "run": run_info,
@@ -254,10 +244,9 @@ def dpo(init: str | None, data: Sequence[str], out: str | Path, config_file: str
         quiet: bool = False) -> dict[str, Any]:
     """`nanoforge dpo`: direct preference optimisation on chosen/rejected pairs. The reference model is the
     --init model; its log-probabilities are computed once, before training, and cached in the run."""
-
-    if resume and (Path(out) / "config.toml").is_file():
+    if resume:
         check_resume_options(Path(out), {"beta": ("--beta", beta)})
-        beta = load_toml(Path(out) / "config.toml").get("run", {}).get("beta", beta)
+        beta = saved_run_info(out).get("beta", beta)
     beta = DPO_BETA if beta is None else beta
     if beta <= 0:
         raise NanoforgeError(f"--beta {beta} must be > 0")
@@ -303,10 +292,9 @@ def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str
             temperature: float | None = None, alpha: float | None = None, quiet: bool = False) -> dict[str, Any]:
     """`nanoforge distill`: train a student (a run, or a fresh model of a preset) to match a teacher's
     softened distributions on the data's supervised positions, mixed with the data's own cross-entropy."""
-
     overrides = dict(overrides or {})
     if resume:
-        saved = load_toml(Path(out) / "config.toml").get("run", {}) if (Path(out) / "config.toml").is_file() else {}
+        saved = saved_run_info(out)
         check_same_origin(Path(out), "--teacher", teacher, saved.get("teacher"))
         check_resume_options(Path(out), {"temperature": ("--temperature", temperature), "alpha": ("--alpha", alpha)})
         teacher = saved.get("teacher", teacher)
