@@ -62,19 +62,20 @@ def write_data(work: Path, add_max: int, mul_max: int, seed: int = 0, held_out: 
     return work / "sft.jsonl", work / "prompts.jsonl", held
 
 
-def sft_model(work: Path, sft_file: Path, steps: int = 300, d_model: int = 128) -> Path:
+def sft_model(work: Path, sft_file: Path, steps: int = 300, d_model: int = 128, layers: int = 4,
+              lr: float = 3e-3) -> Path:
     """A tokenizer on the data, a random tiny model, then SFT on sft_file: the run directory."""
     tok = train_tokenizer([sft_file], vocab_size=320, out_dir=work / "tokenizer")
     prepare_dataset("sft", [sft_file], tok, work / "sft", val_fraction=0.0, workers=1, **QUIET)
-    _random_base(work / "base", tok, d_model)
+    _random_base(work / "base", tok, d_model, layers)
     sft(str(work / "base"), [str(work / "sft")], work / "run", quiet=True,
-        overrides={"max_steps": steps, "lr": 3e-3, "warmup_steps": 10, "seq_len": 128, "batch_size": 16,
+        overrides={"max_steps": steps, "lr": lr, "warmup_steps": 10, "seq_len": 128, "batch_size": 16,
                    "eval_every": 0, "save_every": 0, "tensorboard": False, "precision": "fp32", "sample_every": 0,
                    "min_lr_ratio": 0.1})
     return work / "run"
 
 
-def _random_base(out: Path, tok, d_model: int) -> None:
+def _random_base(out: Path, tok, d_model: int, layers: int) -> None:
     """A randomly initialised run (config, tokenizer, one checkpoint) for sft --init."""
     import dataclasses
 
@@ -84,7 +85,8 @@ def _random_base(out: Path, tok, d_model: int) -> None:
     from nanoforge.model.gpt import GPT
     from nanoforge.train import checkpoint as ckpt
 
-    mcfg, _ = build_config("tiny", None, {"vocab_size": tok.vocab_size, "d_model": d_model, "max_seq_len": 128})
+    mcfg, _ = build_config("tiny", None, {"vocab_size": tok.vocab_size, "d_model": d_model, "max_seq_len": 128,
+                                         "n_layers": layers})
     torch.manual_seed(0)
     tok.save(out / "tokenizer")
     ckpt.save_checkpoint(out, 0, GPT(mcfg).state_dict_for_save(), {},
