@@ -4,7 +4,7 @@ trained with `nanoforge grpo --reward math` until its greedy answers are right.
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/grpo_arithmetic.py [--loss grpo|cispo|reinforce] [--steps 40]
 
 1. Data: every `a+b=` (a, b < --add-max) and `a*b=` (a, b < --mul-max) prompt. The SFT set holds each prompt twice,
-   once with the right answer and once off by one (a + b + 1, a * b + 1: one systematic mistake), so the SFT
+   once with the right answer and once with a systematic slip (a zero too many: "19" -> "190"), so the SFT
    model's greedy answer is right for about half of the prompts.
 2. SFT: a tokenizer trained on the data, the tiny shape (128 wide, 2 layers), `sft` until it has learned both.
 3. RL: `grpo` on 80% of the prompts (chat-shaped, "answer" the right result), the other 20% held out of RL;
@@ -34,6 +34,14 @@ from nanoforge.train.stages import sft  # noqa: E402
 QUIET = dict(log=lambda *a: None)
 
 
+def wrong_reply(answer: int) -> str:
+    """The wrong half of the SFT replies: the right digits with a slip, a zero too many ("12+7=" -> "190"). One
+    systematic habit, as real models have: GRPO finds that such replies score 0 and unlearns the habit for
+    every prompt, the held-out ones too (a wrong answer that differed per prompt could only be fixed prompt by
+    prompt, on the prompts RL sees)."""
+    return f"{answer}0" if answer else "1"
+
+
 def problems(add_max: int, mul_max: int) -> list[tuple[str, int]]:
     """Every (prompt, right answer) of the two tables."""
     out = [(f"{a}+{b}=", a + b) for a in range(add_max) for b in range(add_max)]
@@ -46,7 +54,7 @@ def chat(prompt: str, reply: str | None = None) -> dict:
 
 
 def write_data(work: Path, add_max: int, mul_max: int, seed: int = 0, held_out: float = 0.2):
-    """SFT JSONL (each prompt right and off by one), RL prompts JSONL and the held-out (prompt, answer) list."""
+    """SFT JSONL (each prompt right and with the slip), RL prompts JSONL and the held-out (prompt, answer) list."""
     work.mkdir(parents=True, exist_ok=True)
     items = problems(add_max, mul_max)
     random.Random(seed).shuffle(items)
@@ -54,8 +62,8 @@ def write_data(work: Path, add_max: int, mul_max: int, seed: int = 0, held_out: 
     held, train = items[:n_held], items[n_held:]
     with open(work / "sft.jsonl", "w") as f:
         for prompt, answer in items:
-            for reply in (answer, answer + 1):
-                f.write(json.dumps(chat(prompt, str(reply))) + "\n")
+            for reply in (str(answer), wrong_reply(answer)):
+                f.write(json.dumps(chat(prompt, reply)) + "\n")
     with open(work / "prompts.jsonl", "w") as f:
         for prompt, answer in train:
             f.write(json.dumps({**chat(prompt), "answer": str(answer)}) + "\n")
