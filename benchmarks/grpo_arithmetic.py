@@ -1,12 +1,12 @@
 """RL's learning demonstration: a tiny model SFT'd to answer `a+b=` / `a*b=` wrongly about half the time is
 trained with `nanoforge grpo --reward math` until its greedy answers are right.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/grpo_arithmetic.py [--loss grpo|cispo|reinforce] [--steps 40]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/grpo_arithmetic.py [--loss grpo|cispo|reinforce] [--steps 100]
 
 1. Data: every `a+b=` (a, b < --add-max) and `a*b=` (a, b < --mul-max) prompt. The SFT set holds each prompt twice,
    once with the right answer and once with a systematic slip (a zero too many: "19" -> "190"), so the SFT
    model's greedy answer is right for about half of the prompts.
-2. SFT: a tokenizer trained on the data, the tiny shape (128 wide, 2 layers), `sft` until it has learned both.
+2. SFT: a tokenizer trained on the data, the tiny shape (128 wide, 4 layers), `sft` until it has learned both.
 3. RL: `grpo` on 80% of the prompts (chat-shaped, "answer" the right result), the other 20% held out of RL;
    greedy accuracy on the held-out prompts before and after, and the mean reward of each step.
 
@@ -118,10 +118,10 @@ def run_rl(sft_run: Path, prompts: Path, out: Path, loss: str, steps: int, **kw)
     """`grpo --reward math` from the SFT run; its wall time in seconds."""
     options = RLOptions(loss=loss, num_generations=kw.get("generations", 8), prompts_per_step=kw.get("prompts", 8),
                         beta=kw.get("beta", 0.0), temperature=1.0, max_new_tokens=6, reward="math",
-                        ppo_epochs=kw.get("ppo_epochs", 2))
+                        ppo_epochs=kw.get("ppo_epochs", 1))
     start = time.perf_counter()
     grpo(str(sft_run), str(prompts), out, options, quiet=True,
-         overrides={"max_steps": steps, "lr": kw.get("lr", 2e-3), "save_every": 0, "tensorboard": False,
+         overrides={"max_steps": steps, "lr": kw.get("lr", 3e-5), "save_every": 0, "tensorboard": False,
                     "precision": "fp32", "seed": kw.get("seed", 0)})
     return time.perf_counter() - start
 
@@ -129,11 +129,12 @@ def run_rl(sft_run: Path, prompts: Path, out: Path, loss: str, steps: int, **kw)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loss", default="grpo", choices=["grpo", "cispo", "reinforce"])
-    ap.add_argument("--steps", type=int, default=40, help="RL steps")
-    ap.add_argument("--sft-steps", type=int, default=300)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--add-max", type=int, default=15)
-    ap.add_argument("--mul-max", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=100, help="RL steps")
+    ap.add_argument("--sft-steps", type=int, default=400)
+    ap.add_argument("--lr", type=float, default=3e-5, help="RL learning rate (AdamW, constant)")
+    ap.add_argument("--ppo-epochs", type=int, default=1)
+    ap.add_argument("--add-max", type=int, default=12)
+    ap.add_argument("--mul-max", type=int, default=8)
     ap.add_argument("--work", default="runs/grpo_arithmetic", help="work directory (replaced)")
     args = ap.parse_args()
     import shutil
@@ -145,11 +146,15 @@ def main() -> None:
     print(f"sft: {time.perf_counter() - start:.0f} s; {len(held)} held-out prompts", flush=True)
     before = greedy_accuracy(run, held)
     print(f"greedy accuracy on held-out prompts before RL: {before:.1%}", flush=True)
-    seconds = run_rl(run, prompts, work / f"rl-{args.loss}", args.loss, args.steps, lr=args.lr)
+    seconds = run_rl(run, prompts, work / f"rl-{args.loss}", args.loss, args.steps, lr=args.lr,
+                     ppo_epochs=args.ppo_epochs)
     after = greedy_accuracy(work / f"rl-{args.loss}", held)
     curve = reward_curve(work / f"rl-{args.loss}")
     print(f"grpo --loss {args.loss}: {args.steps} steps in {seconds:.0f} s")
     print("mean reward per step: " + " ".join(f"{r:.2f}" for r in curve))
+    tenth = max(1, len(curve) // 10)
+    print("mean reward per tenth of the run: " + " ".join(
+        f"{sum(curve[i:i + tenth]) / len(curve[i:i + tenth]):.2f}" for i in range(0, len(curve), tenth)))
     print(f"greedy accuracy on held-out prompts: {before:.1%} -> {after:.1%}")
 
 
