@@ -116,7 +116,10 @@ def test_beta_zero_skips_the_reference_and_beta_logs_kl(base_run, prompts_file, 
     grpo(str(base_run), str(prompts_file), tmp_path / "nokl", _options(prompts_file, beta=0.0), overrides={**FAST, "max_steps": 2,
                                                                                             "lr": 1e-3}, quiet=True)
     grpo(str(base_run), str(prompts_file), tmp_path / "kl", _options(prompts_file, beta=0.1, ppo_epochs=2),
-         overrides={**FAST, "max_steps": 2, "lr": 1e-3}, quiet=True)
+         overrides={**FAST, "max_steps": 2, "lr": 1e-3, "sample_every": 2}, quiet=True)
+    # samples through the chat template and the report, as every stage writes them
+    assert [json.loads(line)["step"] for line in (tmp_path / "kl" / "samples.jsonl").read_text().splitlines()][0] == 2
+    assert "grpo" in (tmp_path / "kl" / "report.md").read_text()
     nokl, kl = _metrics(tmp_path / "nokl"), _metrics(tmp_path / "kl")
     assert all("kl" not in r for r in nokl) and all("reward_mean" in r and "truncated" in r for r in nokl)
     assert kl[0]["kl"] == 0.0 and kl[0]["ratio"] == 1.0  # first step: policy == reference == sampler
@@ -154,7 +157,20 @@ def test_bad_inputs_are_clear_errors(base_run, prompts_file, tmp_path):
         grpo(str(base_run), str(prompts_file), tmp_path / "d", _options(prompts_file, num_generations=1), overrides=FAST)
     with pytest.raises(NanoforgeError, match="13 prompts|12 prompts, but one step takes 13"):
         grpo(str(base_run), str(prompts_file), tmp_path / "e", _options(prompts_file, prompts_per_step=13), overrides=FAST)
-    assert not any((tmp_path / n).exists() for n in "abcde")  # nothing half-written
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"question": "why " * 400, "answer": "1"}) + "\n" +
+                    json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
+    with pytest.raises(NanoforgeError, match=r"long.jsonl:1: renders to \d+ tokens, but the model sees at most"):
+        grpo(str(base_run), str(long), tmp_path / "g", _options(long.parent / "x.jsonl", prompts_per_step=2,
+                                                                 reward="math"), overrides=FAST)
+    assert not any((tmp_path / n).exists() for n in "abcdeg")  # nothing half-written
+
+
+def test_the_command_line_reports_a_bad_input_in_one_line(prompts_file, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "nanoforge", "grpo", "--data", str(prompts_file), "--out",
+                           str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip().startswith("error: --init is required"), proc.stderr
 
 
 def test_gsm8k_run_starts_and_logs_rewards(base_run, shared_data, tmp_path):

@@ -19,7 +19,7 @@ from nanoforge.rl.losses import ADVANTAGES, LOSSES, NORMS
 from nanoforge.rl.prompts import PromptIterator, read_prompts
 from nanoforge.rl.reward_model import load_reward_model
 from nanoforge.rl.rewards import combine, parse_rewards, parse_weights
-from nanoforge.rl.rollout import RolloutConfig
+from nanoforge.rl.rollout import RolloutConfig, check_prompts
 from nanoforge.rl.stage import RolloutBatches, policy_count, policy_objective
 from nanoforge.tokenizer import load_tokenizer
 from nanoforge.train import checkpoint as ckpt
@@ -139,6 +139,9 @@ def rl_setup(stage: str, init: str | None, data: str | None, out: Path, config_f
     records = read_prompts(data)
     run_info["data"] = str(Path(data).resolve())
     tok = load_tokenizer(tokenizer_dir)
+    if options.get("think") and not tok.supports_tools:
+        raise NanoforgeError("--think needs a chat template with think blocks (MiniMind-3's format); this "
+                             "tokenizer's template has none")
     copy_tokenizer(tokenizer_dir, run_dir)
     write_run_config(run_dir, mcfg, tcfg, run_info)
     return run_dir, mcfg, tcfg, run_info, init_path, tok, records
@@ -179,6 +182,7 @@ def grpo(init: str | None, data: str | None, out: str | Path, options: RLOptions
     model = GPT(mcfg)
     if not resume:
         model.load_weights(init_weights(init_path))
+    check_prompts(tok, records, cfg.think, model.model.rotary_emb.n_positions)
     batches = RolloutBatches(model, tok, iterator, cfg, reward_function(o, device), tcfg.seed, o["ppo_epochs"],
                              tcfg.grad_accum, reference)
     tcfg.batch_size = batches.micro_rows  # for the header: replies per micro-batch

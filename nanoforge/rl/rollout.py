@@ -70,6 +70,20 @@ def render_prompt(tokenizer, record: PromptRecord, think: bool) -> tuple[list[in
     return ids, text.endswith(THINK_OPEN + "\n")
 
 
+def check_prompts(tokenizer, records: Sequence[PromptRecord], think: bool, context: int) -> None:
+    """Render every prompt once before training: a record the template refuses or one too long for the model's
+    context stops the run before its first step, naming the record's file:line."""
+    for record in records:
+        check_fits(render_prompt(tokenizer, record, think)[0], record, context)
+
+
+def check_fits(prompt: list[int], record: PromptRecord, context: int) -> None:
+    """A prompt must leave room for at least one reply token in the model's context."""
+    if len(prompt) >= context:
+        raise NanoforgeError(f"{record.source or 'a prompt'}: renders to {len(prompt)} tokens, but the model sees "
+                             f"at most {context}, which leaves no room for a reply; shorten or drop this prompt")
+
+
 def sample_replies(model, tokenizer, prompts: Sequence[list[int]], cfg: RolloutConfig,
                    seed: int) -> list[Completion]:
     """One reply per prompt id list, all rows in one batch, stopping at <|im_end|>; drawn from softmax(logits / T)
@@ -134,6 +148,8 @@ def rollout(model, tokenizer, records: Sequence[PromptRecord], cfg: RolloutConfi
     """A step's rollout batch (see the module docstring) for `records`, each sampled num_generations times."""
     G = cfg.num_generations
     rendered = [render_prompt(tokenizer, r, cfg.think) for r in records]
+    for (ids, _), record in zip(rendered, records):
+        check_fits(ids, record, model.model.rotary_emb.n_positions)
     prompts = [ids for ids, _ in rendered for _ in range(G)]
     start = time.perf_counter()
     replies = sample_replies(model, tokenizer, prompts, cfg, seed)
