@@ -146,6 +146,15 @@ def test_resume_is_bit_exact_also_in_the_middle_of_a_rollouts_epochs(base_run, p
     assert whole == half
 
 
+def test_epochs_count_every_prompt_once_per_epoch(base_run, prompts_file, tmp_path):
+    """--epochs 1 with 12 prompts, 2 per step, 2 updates per rollout: 6 rollouts, 12 steps."""
+    summary = grpo(str(base_run), str(prompts_file), tmp_path / "run", _options(prompts_file, ppo_epochs=2),
+                   overrides={**FAST, "epochs": 1.0, "lr": 1e-4}, quiet=True)
+    assert summary["step"] == 12
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_000012" / "state.json").read_text())
+    assert state["data"]["prompts"] == {**state["data"]["prompts"], "epoch": 1, "cursor": 0}
+
+
 def test_bad_inputs_are_clear_errors(base_run, prompts_file, tmp_path):
     with pytest.raises(NanoforgeError, match="--init is required"):
         grpo(None, str(prompts_file), tmp_path / "a", _options(prompts_file, ))

@@ -51,6 +51,12 @@ class RolloutBatches:
         self.every_rank: list[Batch] | None = None  # all ranks' current rollouts, for the checkpoint (rank 0)
 
     @property
+    def sequences_per_epoch(self) -> int:
+        """For --epochs (train/stages.py steps_from_epochs, which divides by the replies of a step): every prompt
+        once, G replies each, trained on ppo_epochs times."""
+        return len(self.prompts.records) * self.cfg.num_generations * self.ppo_epochs
+
+    @property
     def cycle(self) -> int:
         return self.ppo_epochs * self.grad_accum
 
