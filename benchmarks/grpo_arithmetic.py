@@ -15,20 +15,27 @@ Prints the before/after accuracies, the reward curve and the RL stage's wall tim
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from nanoforge.config import build_config  # noqa: E402
 from nanoforge.data.prepare import prepare_dataset  # noqa: E402
 from nanoforge.infer.generate import SamplingConfig, complete  # noqa: E402
 from nanoforge.loader import load_model  # noqa: E402
+from nanoforge.model.gpt import GPT  # noqa: E402
 from nanoforge.rl.grpo import RLOptions, grpo  # noqa: E402
 from nanoforge.rl.rewards import answer_number  # noqa: E402
 from nanoforge.tokenizer import train_tokenizer  # noqa: E402
+from nanoforge.train import checkpoint as ckpt  # noqa: E402
 from nanoforge.train.stages import sft  # noqa: E402
 
 QUIET = dict(log=lambda *a: None)
@@ -70,7 +77,7 @@ def write_data(work: Path, add_max: int, mul_max: int, seed: int = 0, held_out: 
     return work / "sft.jsonl", work / "prompts.jsonl", held
 
 
-def sft_model(work: Path, sft_file: Path, steps: int = 300, d_model: int = 128, layers: int = 4,
+def sft_model(work: Path, sft_file: Path, steps: int = 400, d_model: int = 128, layers: int = 4,
               lr: float = 3e-3) -> Path:
     """A tokenizer on the data, a random tiny model, then SFT on sft_file: the run directory."""
     tok = train_tokenizer([sft_file], vocab_size=320, out_dir=work / "tokenizer")
@@ -85,14 +92,6 @@ def sft_model(work: Path, sft_file: Path, steps: int = 300, d_model: int = 128, 
 
 def _random_base(out: Path, tok, d_model: int, layers: int) -> None:
     """A randomly initialised run (config, tokenizer, one checkpoint) for sft --init."""
-    import dataclasses
-
-    import torch
-
-    from nanoforge.config import build_config
-    from nanoforge.model.gpt import GPT
-    from nanoforge.train import checkpoint as ckpt
-
     mcfg, _ = build_config("tiny", None, {"vocab_size": tok.vocab_size, "d_model": d_model, "max_seq_len": 128,
                                          "n_layers": layers})
     torch.manual_seed(0)
@@ -137,7 +136,6 @@ def main() -> None:
     ap.add_argument("--mul-max", type=int, default=8)
     ap.add_argument("--work", default="runs/grpo_arithmetic", help="work directory (replaced)")
     args = ap.parse_args()
-    import shutil
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     sft_file, prompts, held = write_data(work, args.add_max, args.mul_max)

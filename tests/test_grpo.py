@@ -3,7 +3,6 @@ the reference skipped at beta 0, torchrun), bad inputs, GSM8K, and that it learn
 import dataclasses
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
