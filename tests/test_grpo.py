@@ -123,6 +123,11 @@ def test_beta_zero_skips_the_reference_and_beta_logs_kl(base_run, prompts_file, 
     assert all("kl" not in r for r in nokl) and all("reward_mean" in r and "truncated" in r for r in nokl)
     assert kl[0]["kl"] == 0.0 and kl[0]["ratio"] == 1.0  # first step: policy == reference == sampler
     assert kl[1]["kl"] > 0.0 and kl[1]["ratio"] != 1.0  # second epoch on the same rollout: the policy moved
+    # with micro-batches too: old log-probs are computed in the loss's chunks, so the first ratio is exactly 1
+    grpo(str(base_run), str(prompts_file), tmp_path / "accum", _options(prompts_file, beta=0.1),
+         overrides={**FAST, "max_steps": 1, "lr": 1e-3, "grad_accum": 2}, quiet=True)
+    first = _metrics(tmp_path / "accum")[0]
+    assert first["ratio"] == 1.0 and first["kl"] == 0.0 and first["clip_fraction"] == 0.0
 
 
 def test_resume_is_bit_exact_also_in_the_middle_of_a_rollouts_epochs(base_run, prompts_file, tmp_path):

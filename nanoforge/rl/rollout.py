@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -103,14 +103,18 @@ def token_logps(model, input_ids: torch.Tensor, temperature: float) -> torch.Ten
 
 
 @torch.no_grad()
-def frozen_logps(model, input_ids: torch.Tensor, temperature: float, precision: str) -> torch.Tensor:
-    """token_logps in eval mode, no grad, under the run's autocast: the old policy's and the reference's."""
+def frozen_logps(model, input_ids: torch.Tensor, temperature: float, precision: str,
+                 chunk: int | None = None) -> torch.Tensor:
+    """token_logps in eval mode, no grad, under the run's autocast: the old policy's and the reference's.
+    Computed `chunk` rows at a time, the micro-batches the loss will see: the same shapes give the same numbers
+    (in fp32 the first update's ratio is exactly 1), and the logits of a whole rollout need not fit at once."""
     was_training = model.training
     model.eval()
     try:
         device = next(model.parameters()).device
         with autocast_context(device, precision):
-            return token_logps(model, input_ids.to(device), temperature).cpu()
+            return torch.cat([token_logps(model, part.to(device), temperature).cpu()
+                              for part in input_ids.split(chunk or len(input_ids))])
     finally:
         model.train(was_training)
 
@@ -144,8 +148,9 @@ def score(replies: Sequence[Completion], records: Sequence[dict], reward_fn: Rew
 
 
 def rollout(model, tokenizer, records: Sequence[PromptRecord], cfg: RolloutConfig, reward_fn: RewardFn, seed: int,
-            reference=None) -> Batch:
-    """A step's rollout batch (see the module docstring) for `records`, each sampled num_generations times."""
+            reference=None, micro_rows: int | None = None) -> Batch:
+    """A step's rollout batch (see the module docstring) for `records`, each sampled num_generations times;
+    micro_rows: the rows of the micro-batches the loss will take (all by default)."""
     G = cfg.num_generations
     rendered = [render_prompt(tokenizer, r, cfg.think) for r in records]
     for (ids, _), record in zip(rendered, records):
@@ -160,10 +165,10 @@ def rollout(model, tokenizer, records: Sequence[PromptRecord], cfg: RolloutConfi
     grouped = rewards.view(len(records), G)  # (P, G)
     input_ids, loss_mask = pack(prompts, replies, tokenizer.pad_id if tokenizer.pad_id is not None else 0)
     batch = {"input_ids": input_ids, "loss_mask": loss_mask,
-             "old_logp": frozen_logps(model, input_ids, cfg.temperature, cfg.precision),
+             "old_logp": frozen_logps(model, input_ids, cfg.temperature, cfg.precision, micro_rows),
              "advantages": group_advantages(grouped, cfg.advantage).view(-1), "rewards": rewards}
     if reference is not None:
-        batch["ref_logp"] = frozen_logps(reference, input_ids, cfg.temperature, cfg.precision)
+        batch["ref_logp"] = frozen_logps(reference, input_ids, cfg.temperature, cfg.precision, micro_rows)
     new_tokens = sum(len(r.token_ids) + (r.stop_id is not None) for r in replies)
     stats = {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
              "zero_var_groups": (grouped.amax(1) == grouped.amin(1)).float().mean().item(),
@@ -177,11 +182,5 @@ def rollout(model, tokenizer, records: Sequence[PromptRecord], cfg: RolloutConfi
 
 def rows(batch: Batch, start: int, stop: int) -> Batch:
     """Rows [start, stop) of a rollout batch (a micro-batch); the stat_* scalars are kept. The columns stay as
-    they are: the loss's forward then has the shape of the one that computed old_logp, so in fp32 the first
-    epoch's ratio is exactly 1."""
+    they are: the loss's forward then has the shape of the one that computed old_logp (frozen_logps's chunks)."""
     return {k: (v[start:stop] if v.dim() else v) for k, v in batch.items()}
-
-
-def describe(batch: Batch) -> dict[str, Any]:
-    """The rollout's stat_* figures as plain floats (for a progress line or a test)."""
-    return {k[5:]: float(v) for k, v in batch.items() if k.startswith("stat_")}

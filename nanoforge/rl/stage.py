@@ -71,7 +71,8 @@ class RolloutBatches:
     def _sample(self) -> None:
         records = self.prompts.next_prompts()
         seed = rollout_seed(self.seed, self.rollouts, self.prompts.rank)
-        self.current = rollout(self.model, self.tokenizer, records, self.cfg, self.reward_fn, seed, self.reference)
+        self.current = rollout(self.model, self.tokenizer, records, self.cfg, self.reward_fn, seed, self.reference,
+                               self.micro_rows)
         self.rollouts += 1
         self.every_rank = [self.current]
         if self.prompts.world_size > 1 and self.cycle > 1:  # a checkpoint mid-rollout needs every rank's
