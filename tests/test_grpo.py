@@ -186,15 +186,22 @@ def test_the_command_line_reports_a_bad_input_in_one_line(prompts_file, tmp_path
     assert proc.returncode == 1 and proc.stderr.strip().startswith("error: --init is required"), proc.stderr
 
 
-def test_gsm8k_run_starts_and_logs_rewards(base_run, shared_data, tmp_path):
+def test_gsm8k_run_starts_logs_rewards_and_resumes_bit_exactly(base_run, shared_data, tmp_path):
     data = shared_data / "gsm8k" / "test.jsonl"
     if not data.is_file():
         pytest.skip(f"{data} is absent")
-    grpo(str(base_run), str(data), tmp_path / "gsm", RLOptions(num_generations=3, prompts_per_step=2, max_new_tokens=6, reward="math,format"),
-         overrides={**FAST, "max_steps": 2, "lr": 1e-5}, quiet=True)
-    recs = _metrics(tmp_path / "gsm")
-    assert [r["step"] for r in recs if "reward_mean" in r] == [1, 2]
+    options = RLOptions(num_generations=3, prompts_per_step=2, max_new_tokens=6, reward="math,format,repetition",
+                        ppo_epochs=2)
+    common = {**FAST, "lr": 1e-4, "save_every": 3, "keep_last": 5}
+    grpo(str(base_run), str(data), tmp_path / "whole", options, overrides={**common, "max_steps": 6}, quiet=True)
+    recs = _metrics(tmp_path / "whole")
+    assert [r["step"] for r in recs if "reward_mean" in r] == [1, 2, 3, 4, 5, 6]
     assert all("reward_math" in r and "reward_format" in r and "rollout_tokens_per_s" in r for r in recs)
+    grpo(str(base_run), str(data), tmp_path / "half", options, overrides={**common, "max_steps": 3}, quiet=True)
+    grpo(None, None, tmp_path / "half", overrides={"max_steps": 6}, resume=True, quiet=True)
+    a = ckpt.load_weights_file(ckpt.latest_checkpoint(tmp_path / "whole"))
+    b = ckpt.load_weights_file(ckpt.latest_checkpoint(tmp_path / "half"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.slow
