@@ -171,7 +171,7 @@ def test_bad_inputs_are_clear_errors(base_run, prompts_file, tmp_path):
     with pytest.raises(NanoforgeError, match="13 prompts|12 prompts, but one step takes 13"):
         grpo(str(base_run), str(prompts_file), tmp_path / "e", _options(prompts_file, prompts_per_step=13), overrides=FAST)
     long = tmp_path / "long.jsonl"
-    long.write_text(json.dumps({"question": "why " * 400, "answer": "1"}) + "\n" +
+    long.write_text(json.dumps({"question": " ".join(map(str, range(1500))), "answer": "1"}) + "\n" +
                     json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
     with pytest.raises(NanoforgeError, match=r"long.jsonl:1: renders to \d+ tokens, but the model sees at most"):
         grpo(str(base_run), str(long), tmp_path / "g", _options(long.parent / "x.jsonl", prompts_per_step=2,
