@@ -159,6 +159,23 @@ def test_epochs_count_every_prompt_once_per_epoch(base_run, prompts_file, tmp_pa
     assert state["data"]["prompts"] == {**state["data"]["prompts"], "epoch": 1, "cursor": 0}
 
 
+def test_a_local_reward_model_scores_the_replies(base_run, prompts_file, tiny_tokenizer, tmp_path):
+    """--reward-model alone: a tiny local HF sequence-classification model's score is the reward."""
+    transformers = pytest.importorskip("transformers")
+    directory = tmp_path / "rm"
+    tiny_tokenizer.save(directory)
+    config = transformers.LlamaConfig(vocab_size=tiny_tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, num_labels=1)
+    torch.manual_seed(0)
+    transformers.LlamaForSequenceClassification(config).save_pretrained(directory)
+    options = RLOptions(num_generations=3, prompts_per_step=2, max_new_tokens=6, reward_model=str(directory))
+    grpo(str(base_run), str(prompts_file), tmp_path / "run", options, overrides={**FAST, "max_steps": 2, "lr": 1e-4},
+         quiet=True)
+    recs = _metrics(tmp_path / "run")
+    assert all(r["reward_model"] == pytest.approx(r["reward_mean"], abs=1e-6) and r["reward_std"] > 0 for r in recs)
+    assert "reward_math" not in recs[0]
+
+
 def test_bad_inputs_are_clear_errors(base_run, prompts_file, tmp_path):
     with pytest.raises(NanoforgeError, match="--init is required"):
         grpo(None, str(prompts_file), tmp_path / "a", _options(prompts_file, ))
