@@ -13,7 +13,7 @@ Then: a tokenizer trained on the rendered training conversations (so the tools s
 1-step pretrain as the init (random weights), `nanoforge sft` for --sft-steps, and the evaluations
 (`--eval-only` runs just those, on WORK/run); docs/tools.md has the figures.
 
-    python benchmarks/toolcall_sft.py --work /tmp/toolcall [--sft-steps 400] [--gsm8k-limit 1000]
+    python benchmarks/toolcall_sft.py --work /tmp/toolcall [--sft-steps 600] [--gsm8k-limit 300]
 """
 from __future__ import annotations
 
@@ -139,13 +139,15 @@ def nanoforge(*args: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", default="/tmp/toolcall")
-    parser.add_argument("--gsm8k-limit", type=int, default=1000)
-    parser.add_argument("--synthetic", type=int, default=3000)
+    parser.add_argument("--gsm8k-limit", type=int, default=300)
+    parser.add_argument("--synthetic", type=int, default=4000)
     parser.add_argument("--no-tool-share", type=float, default=0.3)
     parser.add_argument("--held-out", type=int, default=200)
     parser.add_argument("--vocab-size", type=int, default=2048)
-    parser.add_argument("--sft-steps", type=int, default=400)
+    parser.add_argument("--sft-steps", type=int, default=600)
     parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--d-model", default="128")
+    parser.add_argument("--seq-len", default="512")
     parser.add_argument("--eval-only", action="store_true")
     args = parser.parse_args()
     work = Path(args.work)
@@ -165,9 +167,10 @@ def train(work: Path, args) -> None:
     nanoforge("prepare", "--kind", "pretrain", "--data", str(data / "rendered.jsonl"), "--tokenizer",
               str(work / "tok"), "--out", str(work / "pre"))
     nanoforge("pretrain", "--preset", args.preset, "--data", str(work / "pre"), "--out", str(work / "init"),
-              "--max-steps", "1", "--seq-len", "768", "--max-seq-len", "768", "--eval-every", "0")
+              "--max-steps", "1", "--seq-len", args.seq_len, "--max-seq-len", args.seq_len, "--d-model", args.d_model,
+              "--eval-every", "0")
     nanoforge("sft", "--init", str(work / "init"), "--data", str(work / "sft"), "--out", str(work / "run"),
-              "--max-steps", str(args.sft_steps), "--lr", "3e-3", "--warmup-steps", "50", "--seq-len", "768",
+              "--max-steps", str(args.sft_steps), "--lr", "3e-3", "--warmup-steps", "50", "--seq-len", args.seq_len,
               "--batch-size", "8", "--eval-every", "0", "--save-every", "0", "--sample-every", "0")
 
 

@@ -93,10 +93,12 @@ def _is_int(value) -> bool:
 @dataclass
 class Completion:
     """One prompt's reply: the text (cut before a stop string), the new token ids, and why it ended:
-    "stop" (a stop id or stop string) or "length" (max_new_tokens or the end of the model's context)."""
+    "stop" (a stop id or stop string) or "length" (max_new_tokens or the end of the model's context).
+    stop_id: the stop token that ended it (not in token_ids), None when none did; RL trains on it too."""
     text: str
     token_ids: list[int]
     finish_reason: str
+    stop_id: int | None = None
 
 
 def generate(model, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, stop_ids: Sequence[int] | None = None,
@@ -108,14 +110,15 @@ def generate(model, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, stop_
     string; that token is returned, since a stop string can end inside a token; `complete` gives the cut text.
     `use_cache=False` recomputes the whole sequence every step: slow, for checking the cache against.
     """
-    return [ids for ids, _ in _generate_rows(model, prompts, cfg, stop_ids, use_cache, tokenizer, precision)]
+    return [ids for ids, _, _ in _generate_rows(model, prompts, cfg, stop_ids, use_cache, tokenizer, precision)]
 
 
 def complete(model, tokenizer, prompts: Sequence[Sequence[int]], cfg: SamplingConfig,
              stop_ids: Sequence[int] | None = None, precision: str = "fp32") -> list[Completion]:
     """`generate`, plus each reply's text cut before the first stop string and why it ended."""
     rows = _generate_rows(model, prompts, cfg, stop_ids, True, tokenizer, precision)
-    return [Completion(cut_at_stop(tokenizer.decode(ids), cfg.stop_strings), ids, reason) for ids, reason in rows]
+    return [Completion(cut_at_stop(tokenizer.decode(ids), cfg.stop_strings), ids, reason, stop)
+            for ids, reason, stop in rows]
 
 
 def stream(model, tokenizer, prompt_ids: Sequence[int], cfg: SamplingConfig,
@@ -199,8 +202,10 @@ def _safe_prefix_length(text: str, stop_strings: Sequence[str]) -> int:
     return end - hold
 
 
-def _generate_rows(model, prompts, cfg, stop_ids, use_cache, tokenizer, precision) -> list[tuple[list[int], str]]:
-    """Run the decoding loop for a batch until every row has stopped; (new ids, finish reason) per row."""
+def _generate_rows(model, prompts, cfg, stop_ids, use_cache, tokenizer,
+                   precision) -> list[tuple[list[int], str, int | None]]:
+    """Run the decoding loop for a batch until every row has stopped; (new ids, finish reason, the stop id
+    that ended it or None) per row."""
     if cfg.stop_strings and tokenizer is None:
         raise NanoforgeError("stop_strings need the tokenizer to read the generated text: pass tokenizer=")
     if len(prompts) == 0:
@@ -208,19 +213,20 @@ def _generate_rows(model, prompts, cfg, stop_ids, use_cache, tokenizer, precisio
     stop_set = set(stop_ids or ())
     rows: list[list[int]] = [[] for _ in prompts]
     reasons: list[str | None] = [None] * len(prompts)
+    stopped_by: list[int | None] = [None] * len(prompts)
     for tokens in _token_steps(model, prompts, cfg, use_cache, precision):
         for i, token in enumerate(tokens):
             if reasons[i] is not None:
                 continue  # a finished row keeps being computed with the batch; its tokens are ignored
             if token in stop_set:
-                reasons[i] = "stop"
+                reasons[i], stopped_by[i] = "stop", token
                 continue
             rows[i].append(token)
             if cfg.stop_strings and _stop_index(tokenizer.decode(rows[i]), cfg.stop_strings) is not None:
                 reasons[i] = "stop"
         if all(r is not None for r in reasons):
             break
-    return [(ids, reason or "length") for ids, reason in zip(rows, reasons)]
+    return [(ids, reason or "length", stop) for ids, reason, stop in zip(rows, reasons, stopped_by)]
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,0 +1,160 @@
+"""RL's learning demonstration: a tiny model SFT'd to answer `a+b=` / `a*b=` wrongly about half the time is
+trained with `nanoforge grpo --reward math` until its greedy answers are right.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/grpo_arithmetic.py [--loss grpo|cispo|reinforce] [--steps 100]
+
+1. Data: every `a+b=` (a, b < --add-max) and `a*b=` (a, b < --mul-max) prompt. The SFT set holds each prompt twice,
+   once with the right answer and once with a systematic slip (a zero too many: "19" -> "190"), so the SFT
+   model's greedy answer is right for about half of the prompts.
+2. SFT: a tokenizer trained on the data, the tiny shape (128 wide, 4 layers), `sft` until it has learned both.
+3. RL: `grpo` on 80% of the prompts (chat-shaped, "answer" the right result), the other 20% held out of RL;
+   greedy accuracy on the held-out prompts before and after, and the mean reward of each step.
+
+Prints the before/after accuracies, the reward curve and the RL stage's wall time (docs/rl.md has a run).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nanoforge.config import build_config  # noqa: E402
+from nanoforge.data.prepare import prepare_dataset  # noqa: E402
+from nanoforge.infer.generate import SamplingConfig, complete  # noqa: E402
+from nanoforge.loader import load_model  # noqa: E402
+from nanoforge.model.gpt import GPT  # noqa: E402
+from nanoforge.rl.grpo import RLOptions, grpo  # noqa: E402
+from nanoforge.rl.rewards import answer_number  # noqa: E402
+from nanoforge.tokenizer import train_tokenizer  # noqa: E402
+from nanoforge.train import checkpoint as ckpt  # noqa: E402
+from nanoforge.train.stages import sft  # noqa: E402
+
+QUIET = dict(log=lambda *a: None)
+
+
+def wrong_reply(answer: int) -> str:
+    """The wrong half of the SFT replies: the right digits with a slip, a zero too many ("12+7=" -> "190"). One
+    systematic habit, as real models have: GRPO finds that such replies score 0 and unlearns the habit for
+    every prompt, the held-out ones too (a wrong answer that differed per prompt could only be fixed prompt by
+    prompt, on the prompts RL sees)."""
+    return f"{answer}0" if answer else "1"
+
+
+def problems(add_max: int, mul_max: int) -> list[tuple[str, int]]:
+    """Every (prompt, right answer) of the two tables."""
+    out = [(f"{a}+{b}=", a + b) for a in range(add_max) for b in range(add_max)]
+    return out + [(f"{a}*{b}=", a * b) for a in range(mul_max) for b in range(mul_max)]
+
+
+def chat(prompt: str, reply: str | None = None) -> dict:
+    turns = [{"role": "user", "content": prompt}]
+    return {"conversations": turns + ([{"role": "assistant", "content": reply}] if reply is not None else [])}
+
+
+def write_data(work: Path, add_max: int, mul_max: int, seed: int = 0, held_out: float = 0.2):
+    """SFT JSONL (each prompt right and with the slip), RL prompts JSONL and the held-out (prompt, answer) list."""
+    work.mkdir(parents=True, exist_ok=True)
+    items = problems(add_max, mul_max)
+    random.Random(seed).shuffle(items)
+    n_held = max(1, int(len(items) * held_out))
+    held, train = items[:n_held], items[n_held:]
+    with open(work / "sft.jsonl", "w") as f:
+        for prompt, answer in items:
+            for reply in (str(answer), wrong_reply(answer)):
+                f.write(json.dumps(chat(prompt, reply)) + "\n")
+    with open(work / "prompts.jsonl", "w") as f:
+        for prompt, answer in train:
+            f.write(json.dumps({**chat(prompt), "answer": str(answer)}) + "\n")
+    return work / "sft.jsonl", work / "prompts.jsonl", held
+
+
+def sft_model(work: Path, sft_file: Path, steps: int = 400, d_model: int = 128, layers: int = 4,
+              lr: float = 3e-3) -> Path:
+    """A tokenizer on the data, a random tiny model, then SFT on sft_file: the run directory."""
+    tok = train_tokenizer([sft_file], vocab_size=320, out_dir=work / "tokenizer")
+    prepare_dataset("sft", [sft_file], tok, work / "sft", val_fraction=0.0, workers=1, **QUIET)
+    _random_base(work / "base", tok, d_model, layers)
+    sft(str(work / "base"), [str(work / "sft")], work / "run", quiet=True,
+        overrides={"max_steps": steps, "lr": lr, "warmup_steps": 10, "seq_len": 128, "batch_size": 16,
+                   "eval_every": 0, "save_every": 0, "tensorboard": False, "precision": "fp32", "sample_every": 0,
+                   "min_lr_ratio": 0.1})
+    return work / "run"
+
+
+def _random_base(out: Path, tok, d_model: int, layers: int) -> None:
+    """A randomly initialised run (config, tokenizer, one checkpoint) for sft --init."""
+    mcfg, _ = build_config("tiny", None, {"vocab_size": tok.vocab_size, "d_model": d_model, "max_seq_len": 128,
+                                         "n_layers": layers})
+    torch.manual_seed(0)
+    tok.save(out / "tokenizer")
+    ckpt.save_checkpoint(out, 0, GPT(mcfg).state_dict_for_save(), {},
+                         {"config": {"model": dataclasses.asdict(mcfg), "train": {"seq_len": 128}}})
+
+
+def greedy_accuracy(run: Path, items: list[tuple[str, int]]) -> float:
+    """Share of prompts whose greedy reply's number is the right answer."""
+    model, tok, _ = load_model(run)
+    ids = [tok.render_chat(chat(p)["conversations"], add_generation_prompt=True)[0] for p, _ in items]
+    got = complete(model, tok, ids, SamplingConfig(temperature=0, max_new_tokens=8), stop_ids=[tok.im_end_id])
+    return sum(answer_number(c.text) == a for c, (_, a) in zip(got, items)) / len(items)
+
+
+def reward_curve(run: Path) -> list[float]:
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["reward_mean"] for r in recs if "reward_mean" in r]
+
+
+def run_rl(sft_run: Path, prompts: Path, out: Path, loss: str, steps: int, **kw) -> float:
+    """`grpo --reward math` from the SFT run; its wall time in seconds."""
+    options = RLOptions(loss=loss, num_generations=kw.get("generations", 8), prompts_per_step=kw.get("prompts", 8),
+                        beta=kw.get("beta", 0.0), temperature=1.0, max_new_tokens=6, reward="math",
+                        ppo_epochs=kw.get("ppo_epochs", 1))
+    start = time.perf_counter()
+    grpo(str(sft_run), str(prompts), out, options, quiet=True,
+         overrides={"max_steps": steps, "lr": kw.get("lr", 3e-5), "save_every": 0, "tensorboard": False,
+                    "precision": "fp32", "seed": kw.get("seed", 0)})
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--loss", default="grpo", choices=["grpo", "cispo", "reinforce"])
+    ap.add_argument("--steps", type=int, default=100, help="RL steps")
+    ap.add_argument("--sft-steps", type=int, default=400)
+    ap.add_argument("--lr", type=float, default=3e-5, help="RL learning rate (AdamW, constant)")
+    ap.add_argument("--ppo-epochs", type=int, default=1)
+    ap.add_argument("--add-max", type=int, default=12)
+    ap.add_argument("--mul-max", type=int, default=8)
+    ap.add_argument("--work", default="runs/grpo_arithmetic", help="work directory (replaced)")
+    args = ap.parse_args()
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    sft_file, prompts, held = write_data(work, args.add_max, args.mul_max)
+    start = time.perf_counter()
+    run = sft_model(work, sft_file, args.sft_steps)
+    print(f"sft: {time.perf_counter() - start:.0f} s; {len(held)} held-out prompts", flush=True)
+    before = greedy_accuracy(run, held)
+    print(f"greedy accuracy on held-out prompts before RL: {before:.1%}", flush=True)
+    seconds = run_rl(run, prompts, work / f"rl-{args.loss}", args.loss, args.steps, lr=args.lr,
+                     ppo_epochs=args.ppo_epochs)
+    after = greedy_accuracy(work / f"rl-{args.loss}", held)
+    curve = reward_curve(work / f"rl-{args.loss}")
+    print(f"grpo --loss {args.loss}: {args.steps} steps in {seconds:.0f} s")
+    print("mean reward per step: " + " ".join(f"{r:.2f}" for r in curve))
+    tenth = max(1, len(curve) // 10)
+    print("mean reward per tenth of the run: " + " ".join(
+        f"{sum(curve[i:i + tenth]) / len(curve[i:i + tenth]):.2f}" for i in range(0, len(curve), tenth)))
+    print(f"greedy accuracy on held-out prompts: {before:.1%} -> {after:.1%}")
+
+
+if __name__ == "__main__":
+    main()

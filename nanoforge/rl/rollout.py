@@ -1,0 +1,186 @@
+"""Rollouts: P prompts x G replies sampled at once through the KV-cache generator, scored, and laid out as the
+batch the policy loss trains on. The RL stages (GRPO/CISPO/REINFORCE now; PPO and multi-turn tool rollouts
+next) share this module: `render_prompt`, `sample_replies`, `token_logps` and `pack` are the pieces.
+
+A rollout batch (CPU tensors, B = P x G rows, groups of G consecutive rows share a prompt; L = longest prompt +
+reply, right-padded with the tokenizer's pad id):
+
+    input_ids    (B, L)     prompt + reply (+ the stop token <|im_end|> when the reply stopped; none when it was
+                            cut at max_new_tokens)
+    loss_mask    (B, L-1)   1 where the target input_ids[:, t+1] is a reply token (stop token included), else 0
+    old_logp     (B, L-1)   log-prob of each target under the policy that sampled it, at the sampling
+                            temperature (log_softmax(logits / T)), computed right after sampling without grad
+    ref_logp     (B, L-1)   the same under the frozen reference (absent when beta is 0: no reference is run)
+    advantages   (B,)       group advantages of the rewards (rl/losses.py group_advantages)
+    rewards      (B,)       the combined reward of each reply
+    stat_*       ()         the rollout's figures, logged by the stage's loss as extras
+
+Sampling draws from exactly the distribution whose log-probs are trained: softmax(logits / T), no top-k, no
+top-p, no repetition penalty (a truncated or penalised distribution would give the sampled tokens other
+log-probs than the ones trained, and a ratio that no longer starts at 1).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from nanoforge.device import autocast_context
+from nanoforge.errors import NanoforgeError
+from nanoforge.infer.generate import Completion, SamplingConfig, complete
+from nanoforge.infer.toolparse import THINK_OPEN
+from nanoforge.rl.losses import group_advantages
+from nanoforge.rl.prompts import PromptRecord
+
+Batch = dict[str, torch.Tensor]
+# fn(completion text, reward record) -> (total reward, {reward name: value}); rl/rewards.py combine()
+RewardFn = Callable[[str, dict], tuple[float, dict[str, float]]]
+
+
+@dataclass
+class RolloutConfig:
+    """How a step's rollouts are sampled and scored."""
+    num_generations: int = 6  # G replies per prompt (MiniMind: 6)
+    temperature: float = 0.8  # sampling temperature; the trained log-probs are at this temperature too
+    max_new_tokens: int = 256
+    think: bool = False  # open the think block in the generation prompt (MiniMind-3's template)
+    advantage: str = "zscore"
+    precision: str = "fp32"
+
+    def validate(self) -> None:
+        if self.num_generations < 2:
+            raise NanoforgeError(f"--num-generations {self.num_generations}: a group needs at least 2 replies "
+                                 "(its advantages are relative to the group's mean)")
+        if not self.temperature > 0:
+            raise NanoforgeError(f"--temperature {self.temperature} must be > 0: RL samples from the policy "
+                                 "(greedy replies have no log-probability to train)")
+        if self.max_new_tokens < 1:
+            raise NanoforgeError(f"--max-new-tokens {self.max_new_tokens} must be >= 1")
+
+
+def render_prompt(tokenizer, record: PromptRecord, think: bool) -> tuple[list[int], bool]:
+    """(prompt ids with the generation prompt, whether the prompt opened the think block) of one record, its
+    tools (if any) passed to the template."""
+    kwargs = {"open_thinking": True} if think else {}
+    ids, _, text = tokenizer.render_chat_with_text(record.messages, add_generation_prompt=True,
+                                                   tools=record.tools, **kwargs)
+    return ids, text.endswith(THINK_OPEN + "\n")
+
+
+def check_prompts(tokenizer, records: Sequence[PromptRecord], think: bool, context: int) -> None:
+    """Render every prompt once before training: a record the template refuses or one too long for the model's
+    context stops the run before its first step, naming the record's file:line."""
+    for record in records:
+        check_fits(render_prompt(tokenizer, record, think)[0], record, context)
+
+
+def check_fits(prompt: list[int], record: PromptRecord, context: int) -> None:
+    """A prompt must leave room for at least one reply token in the model's context."""
+    if len(prompt) >= context:
+        raise NanoforgeError(f"{record.source or 'a prompt'}: renders to {len(prompt)} tokens, but the model sees "
+                             f"at most {context}, which leaves no room for a reply; shorten or drop this prompt")
+
+
+def sample_replies(model, tokenizer, prompts: Sequence[list[int]], cfg: RolloutConfig,
+                   seed: int) -> list[Completion]:
+    """One reply per prompt id list, all rows in one batch, stopping at <|im_end|>; drawn from softmax(logits / T)
+    with a private generator seeded with `seed` (so a rollout is reproducible from its seed alone)."""
+    if tokenizer.im_end_id is None:
+        raise NanoforgeError("RL needs a chat tokenizer with <|im_end|>, the token that ends a reply")
+    sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=seed)
+    return complete(model, tokenizer, prompts, sampling, stop_ids=[tokenizer.im_end_id], precision=cfg.precision)
+
+
+def token_logps(model, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(B, L) ids -> (B, L-1) log-prob of each next token, log_softmax(logits / temperature), float32.
+    Right padding needs no attention mask: a causal model's real positions never see the pads after them."""
+    logits = model(input_ids)[:, :-1].float() / temperature  # (B, L-1, V)
+    targets = input_ids[:, 1:]  # (B, L-1)
+    return -F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+
+
+@torch.no_grad()
+def frozen_logps(model, input_ids: torch.Tensor, temperature: float, precision: str,
+                 chunk: int | None = None) -> torch.Tensor:
+    """token_logps in eval mode, no grad, under the run's autocast: the old policy's and the reference's.
+    Computed `chunk` rows at a time, the micro-batches the loss will see: the same shapes give the same numbers
+    (in fp32 the first update's ratio is exactly 1), and the logits of a whole rollout need not fit at once."""
+    was_training = model.training
+    model.eval()
+    try:
+        device = next(model.parameters()).device
+        with autocast_context(device, precision):
+            return torch.cat([token_logps(model, part.to(device), temperature).cpu()
+                              for part in input_ids.split(chunk or len(input_ids))])
+    finally:
+        model.train(was_training)
+
+
+def pack(prompts: Sequence[list[int]], replies: Sequence[Completion], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids (B, L), loss_mask (B, L-1)): each row prompt + reply (+ its stop token), right-padded; the
+    mask is 1 on the reply's tokens as targets, the stop token included."""
+    rows = [list(p) + list(r.token_ids) + ([r.stop_id] if r.stop_id is not None else [])
+            for p, r in zip(prompts, replies)]
+    length = max(len(r) for r in rows)
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), length - 1), dtype=torch.float32)
+    for i, (row, prompt) in enumerate(zip(rows, prompts)):
+        ids[i, :len(row)] = torch.tensor(row)
+        mask[i, len(prompt) - 1:len(row) - 1] = 1.0  # target t+1 is a reply token
+    return ids, mask
+
+
+def score(replies: Sequence[Completion], records: Sequence[dict], reward_fn: RewardFn,
+          max_new_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """(rewards (B,), mean of each reward's part) of the replies; records[i] is reply i's reward record."""
+    totals, parts_sum = [], {}
+    for reply, record in zip(replies, records):
+        record = {**record, "reply_tokens": len(reply.token_ids), "max_new_tokens": max_new_tokens,
+                  "truncated": reply.finish_reason == "length"}
+        total, parts = reward_fn(reply.text, record)
+        totals.append(total)
+        for name, value in parts.items():
+            parts_sum[name] = parts_sum.get(name, 0.0) + value
+    return torch.tensor(totals, dtype=torch.float32), {k: v / len(replies) for k, v in parts_sum.items()}
+
+
+def rollout(model, tokenizer, records: Sequence[PromptRecord], cfg: RolloutConfig, reward_fn: RewardFn, seed: int,
+            reference=None, micro_rows: int | None = None) -> Batch:
+    """A step's rollout batch (see the module docstring) for `records`, each sampled num_generations times;
+    micro_rows: the rows of the micro-batches the loss will take (all by default)."""
+    G = cfg.num_generations
+    rendered = [render_prompt(tokenizer, r, cfg.think) for r in records]
+    for (ids, _), record in zip(rendered, records):
+        check_fits(ids, record, model.model.rotary_emb.n_positions)
+    prompts = [ids for ids, _ in rendered for _ in range(G)]
+    start = time.perf_counter()
+    replies = sample_replies(model, tokenizer, prompts, cfg, seed)
+    seconds = time.perf_counter() - start
+    reward_records = [{**r.reward_record(), "thinking_open": open_} for r, (_, open_) in zip(records, rendered)
+                      for _ in range(G)]
+    rewards, parts = score(replies, reward_records, reward_fn, cfg.max_new_tokens)
+    grouped = rewards.view(len(records), G)  # (P, G)
+    input_ids, loss_mask = pack(prompts, replies, tokenizer.pad_id if tokenizer.pad_id is not None else 0)
+    batch = {"input_ids": input_ids, "loss_mask": loss_mask,
+             "old_logp": frozen_logps(model, input_ids, cfg.temperature, cfg.precision, micro_rows),
+             "advantages": group_advantages(grouped, cfg.advantage).view(-1), "rewards": rewards}
+    if reference is not None:
+        batch["ref_logp"] = frozen_logps(reference, input_ids, cfg.temperature, cfg.precision, micro_rows)
+    new_tokens = sum(len(r.token_ids) + (r.stop_id is not None) for r in replies)
+    stats = {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
+             "zero_var_groups": (grouped.amax(1) == grouped.amin(1)).float().mean().item(),
+             "reply_len": new_tokens / len(replies),
+             "truncated": sum(r.finish_reason == "length" for r in replies) / len(replies),
+             "rollout_tokens_per_s": new_tokens / max(seconds, 1e-9),
+             **{f"reward_{k}": v for k, v in parts.items()}}
+    batch.update({f"stat_{k}": torch.tensor(v, dtype=torch.float32) for k, v in stats.items()})
+    return batch
+
+
+def rows(batch: Batch, start: int, stop: int) -> Batch:
+    """Rows [start, stop) of a rollout batch (a micro-batch); the stat_* scalars are kept. The columns stay as
+    they are: the loss's forward then has the shape of the one that computed old_logp (frozen_logps's chunks)."""
+    return {k: (v[start:stop] if v.dim() else v) for k, v in batch.items()}
