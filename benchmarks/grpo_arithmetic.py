@@ -2,13 +2,14 @@
 trained with `nanoforge grpo --reward math` until its greedy answers are right.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/grpo_arithmetic.py [--loss grpo|cispo|reinforce] [--steps 100]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/grpo_arithmetic.py --algo ppo [--steps 100]
 
 1. Data: every `a+b=` (a, b < --add-max) and `a*b=` (a, b < --mul-max) prompt. The SFT set holds each prompt twice,
    once with the right answer and once with a systematic slip (a zero too many: "19" -> "190"), so the SFT
    model's greedy answer is right for about half of the prompts.
 2. SFT: a tokenizer trained on the data, the tiny shape (128 wide, 4 layers), `sft` until it has learned both.
-3. RL: `grpo` on 80% of the prompts (chat-shaped, "answer" the right result), the other 20% held out of RL;
-   greedy accuracy on the held-out prompts before and after, and the mean reward of each step.
+3. RL: `grpo` (`ppo` with --algo ppo) on 80% of the prompts (chat-shaped, "answer" the right result), the
+   other 20% held out of RL; greedy accuracy on the held-out prompts before and after, and the mean reward of each step.
 
 Prints the before/after accuracies, the reward curve and the RL stage's wall time (docs/rl.md has a run).
 """
@@ -33,6 +34,7 @@ from nanoforge.infer.generate import SamplingConfig, complete  # noqa: E402
 from nanoforge.loader import load_model  # noqa: E402
 from nanoforge.model.gpt import GPT  # noqa: E402
 from nanoforge.rl.grpo import RLOptions, grpo  # noqa: E402
+from nanoforge.rl.ppo_recipe import PPOOptions, ppo  # noqa: E402
 from nanoforge.rl.rewards import answer_number  # noqa: E402
 from nanoforge.tokenizer import train_tokenizer  # noqa: E402
 from nanoforge.train import checkpoint as ckpt  # noqa: E402
@@ -125,13 +127,27 @@ def run_rl(sft_run: Path, prompts: Path, out: Path, loss: str, steps: int, **kw)
     return time.perf_counter() - start
 
 
+def run_ppo(sft_run: Path, prompts: Path, out: Path, steps: int, **kw) -> float:
+    """`ppo --reward math` from the SFT run; its wall time in seconds."""
+    options = PPOOptions(num_generations=kw.get("generations", 1), prompts_per_step=kw.get("prompts", 16),
+                         beta=kw.get("beta", 0.0), temperature=1.0, max_new_tokens=6, reward="math",
+                         ppo_epochs=kw.get("ppo_epochs", 2), target_kl=kw.get("target_kl"))
+    start = time.perf_counter()
+    ppo(str(sft_run), str(prompts), out, options, quiet=True,
+        overrides={"max_steps": steps, "lr": kw.get("lr", 1e-4), "save_every": 0, "tensorboard": False,
+                   "precision": "fp32", "seed": kw.get("seed", 0)})
+    return time.perf_counter() - start
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--loss", default="grpo", choices=["grpo", "cispo", "reinforce"])
+    ap.add_argument("--algo", default="grpo", choices=["grpo", "ppo"], help="the RL stage")
+    ap.add_argument("--loss", default="grpo", choices=["grpo", "cispo", "reinforce"], help="grpo's loss")
     ap.add_argument("--steps", type=int, default=100, help="RL steps")
     ap.add_argument("--sft-steps", type=int, default=400)
-    ap.add_argument("--lr", type=float, default=3e-5, help="RL learning rate (AdamW, constant)")
-    ap.add_argument("--ppo-epochs", type=int, default=1)
+    ap.add_argument("--lr", type=float, help="RL learning rate (AdamW, constant; default 3e-5 grpo, 1e-4 ppo)")
+    ap.add_argument("--ppo-epochs", type=int, help="updates per rollout (default 1 grpo, 2 ppo)")
+    ap.add_argument("--beta", type=float, default=0.0, help="KL weight (grpo: k3 loss term; ppo: reward penalty)")
     ap.add_argument("--add-max", type=int, default=12)
     ap.add_argument("--mul-max", type=int, default=8)
     ap.add_argument("--work", default="runs/grpo_arithmetic", help="work directory (replaced)")
@@ -144,11 +160,16 @@ def main() -> None:
     print(f"sft: {time.perf_counter() - start:.0f} s; {len(held)} held-out prompts", flush=True)
     before = greedy_accuracy(run, held)
     print(f"greedy accuracy on held-out prompts before RL: {before:.1%}", flush=True)
-    seconds = run_rl(run, prompts, work / f"rl-{args.loss}", args.loss, args.steps, lr=args.lr,
-                     ppo_epochs=args.ppo_epochs)
-    after = greedy_accuracy(work / f"rl-{args.loss}", held)
-    curve = reward_curve(work / f"rl-{args.loss}")
-    print(f"grpo --loss {args.loss}: {args.steps} steps in {seconds:.0f} s")
+    name = "ppo" if args.algo == "ppo" else args.loss
+    if args.algo == "ppo":
+        seconds = run_ppo(run, prompts, work / f"rl-{name}", args.steps, lr=args.lr or 1e-4,
+                          ppo_epochs=args.ppo_epochs or 2, beta=args.beta)
+    else:
+        seconds = run_rl(run, prompts, work / f"rl-{name}", args.loss, args.steps, lr=args.lr or 3e-5,
+                         ppo_epochs=args.ppo_epochs or 1, beta=args.beta)
+    after = greedy_accuracy(work / f"rl-{name}", held)
+    curve = reward_curve(work / f"rl-{name}")
+    print(f"{'ppo' if args.algo == 'ppo' else 'grpo --loss ' + args.loss}: {args.steps} steps in {seconds:.0f} s")
     print("mean reward per step: " + " ".join(f"{r:.2f}" for r in curve))
     tenth = max(1, len(curve) // 10)
     print("mean reward per tenth of the run: " + " ".join(

@@ -174,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(rl, presets=False)
 
+    add_ppo_parser(sub, fmt)
+
     dist = sub.add_parser("distill", help="distill a teacher run into a student (a run or a preset)",
                           formatter_class=fmt)
     dist.add_argument("--teacher", metavar="RUN", help="the run or checkpoint to learn from")
@@ -316,3 +318,44 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def add_ppo_parser(sub, fmt) -> None:
+    """`nanoforge ppo`: defaults None, so a --resume can tell a given option from an omitted one (the defaults
+    are in nanoforge/rl/ppo_recipe.py)."""
+    p = sub.add_parser("ppo", help="reinforcement learning with PPO: a critic from the policy's weights, GAE, "
+                       "clipped policy and value losses, KL penalty, early stop on approximate KL",
+                       formatter_class=fmt)
+    p.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the SFT run, checkpoint or HF model directory to "
+                   "train (its weights also start the critic); also the frozen reference of the KL penalty")
+    p.add_argument("--data", metavar="FILE.jsonl", help="prompts: chats ending in a user turn (or an empty "
+                   'assistant placeholder), GSM8K\'s {"question", "answer"}; "answer"/"gt" for the rewards')
+    p.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
+    p.add_argument("--num-generations", type=int, metavar="G", help="replies sampled per prompt (default: 1)")
+    p.add_argument("--prompts-per-step", type=int, metavar="P", help="prompts per rollout, per process (default: 8)")
+    p.add_argument("--temperature", type=float, help="sampling temperature; log-probs are taken at it too "
+                   "(default: 1.0)")
+    p.add_argument("--max-new-tokens", type=int, help="reply length cap (default: 256)")
+    p.add_argument("--ppo-epochs", type=int, metavar="K", help="optimizer steps on each rollout (default: 2)")
+    p.add_argument("--epsilon", type=float, help="ratio clip: [1 - epsilon, 1 + epsilon] (default: 0.2)")
+    p.add_argument("--beta", type=float, help="per-token KL penalty to the --init model in the rewards; 0 skips "
+                   "the reference (default: 0.05)")
+    p.add_argument("--vf-coef", type=float, help="weight of the value loss (default: 0.5)")
+    p.add_argument("--value-clip", type=float, help="how far a value may move from its rollout value before its "
+                   "loss is clipped (default: 0.2)")
+    p.add_argument("--gamma", type=float, help="GAE discount (default: 1.0)")
+    p.add_argument("--lam", type=float, help="GAE lambda (default: 0.95)")
+    p.add_argument("--target-kl", type=float, help="skip a rollout's remaining epochs once the approximate KL to "
+                   "the sampling policy exceeds this (default: never)")
+    p.add_argument("--reward", metavar="NAME[,NAME]", help="math, format, length, repetition, module:function "
+                   "or path/file.py:function, summed (default: math)")
+    p.add_argument("--reward-weights", metavar="W[,W]", help="one weight per reward (and the reward model last)")
+    p.add_argument("--reward-model", metavar="LOCAL_DIR", help="a local HF sequence-classification model whose "
+                   "score is added as a reward (never downloaded)")
+    p.add_argument("--trust-remote-code", action="store_true", default=None,
+                   help="let --reward-model run its own Python code")
+    p.add_argument("--think", action="store_true", default=None, help="open the think block of every reply "
+                   "(a template in MiniMind-3's format)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_config_flags(p, presets=False)

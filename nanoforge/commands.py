@@ -20,6 +20,7 @@ from nanoforge.infer.chat import run_chat, run_generate
 from nanoforge.model.lora import LoraConfig
 from nanoforge.plan import format_plan, make_plan
 from nanoforge.rl.grpo import RLOptions, grpo
+from nanoforge.rl.ppo_recipe import PPOOptions, ppo
 from nanoforge.report import write_report
 from nanoforge.tokenizer import train_tokenizer
 from nanoforge.train.distributed import is_main
@@ -116,6 +117,13 @@ def cmd_grpo(args) -> None:
     print(f"grpo finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
 
 
+def cmd_ppo(args) -> None:
+    options = PPOOptions(**{k: getattr(args, k) for k in PPOOptions.__dataclass_fields__})
+    summary = ppo(args.init, args.data, args.out, options, config_file=args.config,
+                  overrides=config_overrides(args), resume=args.resume, quiet=args.quiet)
+    print(f"ppo finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
+
+
 def cmd_distill(args) -> None:
     summary = distill(args.teacher, args.init, args.data, args.out, config_file=args.config,
                       overrides=config_overrides(args), resume=args.resume, temperature=args.temperature,
@@ -178,6 +186,6 @@ def cmd_chat(args) -> None:
 
 COMMANDS = {"demo": cmd_demo, "report": cmd_report, "tokenizer": cmd_tokenizer, "prepare": cmd_prepare,
             "pretrain": cmd_pretrain, "sft": cmd_sft, "lora": cmd_lora, "dpo": cmd_dpo, "grpo": cmd_grpo,
-            "distill": cmd_distill,
+            "ppo": cmd_ppo, "distill": cmd_distill,
             "plan": cmd_plan, "bench": cmd_bench, "eval": cmd_eval, "export": cmd_export, "serve": cmd_serve,
             "generate": cmd_generate, "chat": cmd_chat}

@@ -28,6 +28,8 @@ from nanoforge.model.lora import LoraConfig, LoraModel, weights_fingerprint
 from nanoforge.tokenizer import load_tokenizer
 from nanoforge.train import checkpoint as ckpt
 
+CRITIC_PREFIX = "critic."  # a PPO checkpoint's critic keys (rl/critic.py, which must not be imported here)
+
 
 def load_model(path: str | Path, device: str | torch.device = "cpu"):
     """A run directory, checkpoint, LoRA run or HF directory -> (model in eval mode, its tokenizer, the path).
@@ -43,7 +45,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
         model = load_adapter_checkpoint(path)
     else:
         model = GPT(ModelConfig(**_saved_model_fields(path, state)))
-        model.load_weights(ckpt.load_weights_file(path))
+        model.load_weights(policy_only(ckpt.load_weights_file(path)))
     tokenizer_dir = init_tokenizer_dir(path)
     if not tokenizer_dir.is_dir():
         raise NanoforgeError(f"{tokenizer_dir}: the run's tokenizer is missing")
@@ -162,4 +164,10 @@ def init_tokenizer_dir(init_path: Path) -> Path:
 
 def init_weights(init_path: Path):
     """Weights of --init: a checkpoint's model.safetensors or an HF directory's (strictly mapped later)."""
-    return read_hf_weights(init_path) if is_hf_dir(init_path) else ckpt.load_weights_file(init_path)
+    return read_hf_weights(init_path) if is_hf_dir(init_path) else policy_only(ckpt.load_weights_file(init_path))
+
+
+def policy_only(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's weights without a PPO run's critic (rl/critic.py saves it under CRITIC_PREFIX beside the
+    policy's unchanged keys): what chat, eval, export and a later stage's --init read is the policy."""
+    return {k: v for k, v in weights.items() if not k.startswith(CRITIC_PREFIX)}

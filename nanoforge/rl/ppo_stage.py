@@ -1,0 +1,212 @@
+"""PPO's two halves for the one loop (train/stage.py's contract): `PPOBatches`, the batch source that samples a
+rollout every --ppo-epochs steps and turns it into rl/ppo.py's batch (old log-probs and values, shaped rewards,
+GAE), and `ppo_objective`, the loss over it. rl/stage.py's RolloutBatches is GRPO's; this is its PPO sibling,
+built from the same pieces (rl/rollout.py's render, sample, score and pack; rl/stage.py's rollout seeds and
+exact batch encoding).
+
+The model is a PolicyWithValue (rl/critic.py): replies are sampled with `model.policy` (a plain GPT), the old
+log-probs and values come from the combined forward (rl/ppo.py forward_ppo), in the micro-batches the loss will
+see, so in fp32 the first epoch's ratio is exactly 1.
+
+Early stopping (--target-kl): before each further epoch over a rollout, the current policy's approximate KL to
+the one that sampled it (rl/losses.py approx_kl, over this rollout's reply tokens, averaged over the ranks) is
+measured with one no-grad forward of the policy; above target_kl the remaining epochs are skipped and the next
+step samples a new rollout (Spinning Up's and MiniMind's rule: the check comes before the update it would
+stop). The KL logged by the loss cannot serve: it is measured before the step's update, so after the first
+epoch it is always 0. The decision is a function of the weights and the saved rollout, so a resumed run takes
+the same one.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from nanoforge.device import autocast_context
+from nanoforge.errors import NanoforgeError
+from nanoforge.rl.losses import approx_kl
+from nanoforge.rl.ppo import PPOConfig, forward_ppo, ppo_batch, ppo_count, ppo_loss, token_logprobs
+from nanoforge.rl.prompts import PromptIterator
+from nanoforge.rl.rollout import (Batch, RewardFn, RolloutConfig, check_fits, pack, render_prompt,
+                                  rows, sample_replies, score)
+from nanoforge.rl.stage import decode_batch, encode_batch, rollout_seed
+from nanoforge.train import distributed
+
+
+class PPOBatches:
+    """BatchSource of `nanoforge ppo`: next_batch() returns micro-batch (call % grad_accum) of the current
+    rollout, sampling a new one every ppo_epochs x grad_accum calls, or earlier when --target-kl stops it."""
+
+    def __init__(self, model, tokenizer, prompts: PromptIterator, cfg: RolloutConfig, ppo: PPOConfig,
+                 reward_fn: RewardFn, seed: int, ppo_epochs: int = 2, grad_accum: int = 1, reference=None):
+        rows_per_rollout = prompts.prompts_per_step * cfg.num_generations
+        if rows_per_rollout % grad_accum:
+            raise NanoforgeError(f"--grad-accum {grad_accum} must divide the {rows_per_rollout} replies of a rollout "
+                                 f"(--prompts-per-step {prompts.prompts_per_step} x --num-generations "
+                                 f"{cfg.num_generations})")
+        self.model, self.tokenizer, self.prompts, self.cfg, self.ppo = model, tokenizer, prompts, cfg, ppo
+        self.reward_fn, self.seed, self.reference = reward_fn, int(seed), reference
+        self.ppo_epochs, self.grad_accum = ppo_epochs, grad_accum
+        self.micro_rows = rows_per_rollout // grad_accum
+        self.calls = 0  # next_batch calls so far (a skipped epoch counts its calls as made)
+        self.rollouts = 0
+        self.early_stops = 0  # rollouts whose epochs --target-kl cut short
+        self.current: Batch | None = None
+        self.every_rank: list[Batch] | None = None
+
+    @property
+    def sequences_per_epoch(self) -> int:
+        """For --epochs: every prompt once, G replies each, trained on ppo_epochs times."""
+        return len(self.prompts.records) * self.cfg.num_generations * self.ppo_epochs
+
+    @property
+    def cycle(self) -> int:
+        return self.ppo_epochs * self.grad_accum
+
+    def next_batch(self) -> Batch:
+        position = self.calls % self.cycle
+        if position and position % self.grad_accum == 0 and self._too_far():
+            self.calls += self.cycle - position  # the rest of this rollout's epochs are skipped
+            self.early_stops += 1
+            position = 0
+        if position == 0:
+            self._sample()
+        micro = position % self.grad_accum
+        self.calls += 1
+        batch = rows(self.current, micro * self.micro_rows, (micro + 1) * self.micro_rows)
+        batch["stat_ppo_epoch"] = torch.tensor(float(position // self.grad_accum))
+        batch["stat_early_stops"] = torch.tensor(float(self.early_stops))
+        return batch
+
+    def _too_far(self) -> bool:
+        """--target-kl: whether the policy has moved further than target_kl from the one that sampled the
+        current rollout (approx KL over this rank's reply tokens, averaged over the ranks)."""
+        if self.ppo.target_kl is None:
+            return False
+        batch = self.current
+        logp = gpt_logprobs(self.model.policy, batch["input_ids"], self.cfg.temperature, self.cfg.precision,
+                            self.micro_rows)
+        kl = approx_kl(logp, batch["old_logp"], batch["mask"]).reshape(1).float()
+        if self.prompts.world_size > 1:
+            kl = distributed.all_reduce_sum(kl.to(next(self.model.parameters()).device)).cpu() / self.prompts.world_size
+        return kl.item() > self.ppo.target_kl
+
+    def _sample(self) -> None:
+        records = self.prompts.next_prompts()
+        seed = rollout_seed(self.seed, self.rollouts, self.prompts.rank)
+        self.current = ppo_rollout(self.model, self.tokenizer, records, self.cfg, self.ppo, self.reward_fn, seed,
+                                   self.reference, self.micro_rows)
+        self.rollouts += 1
+        self.every_rank = [self.current]
+        if self.prompts.world_size > 1 and self.cycle > 1:  # a checkpoint mid-rollout needs every rank's
+            gathered: list[Any] = [None] * self.prompts.world_size
+            dist.all_gather_object(gathered, encode_batch(self.current))
+            self.every_rank = [decode_batch(b) for b in gathered]
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"prompts": self.prompts.state_dict(), "calls": self.calls, "rollouts": self.rollouts,
+                 "early_stops": self.early_stops, "seed": self.seed, "cycle": self.cycle}
+        if self.calls % self.cycle:
+            state["current"] = [encode_batch(b) for b in self.every_rank]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("seed", self.seed) != self.seed:
+            raise NanoforgeError(f"cannot resume the rollouts: they were sampled with --seed {state['seed']}, this "
+                                 f"run has --seed {self.seed}")
+        self.prompts.load_state_dict(state["prompts"])
+        self.rollouts, self.early_stops = int(state["rollouts"]), int(state.get("early_stops", 0))
+        self.current = self.every_rank = None
+        if "current" in state:
+            saved = state["current"]
+            if len(saved) != self.prompts.world_size or state.get("cycle") != self.cycle:
+                raise NanoforgeError(f"the checkpoint was taken in the middle of a rollout's --ppo-epochs steps by "
+                                     f"{len(saved)} processes; resume it with as many processes and the same "
+                                     "--ppo-epochs and --grad-accum, or from a checkpoint at a rollout boundary")
+            self.every_rank = [decode_batch(b) for b in saved]
+            self.current = self.every_rank[self.prompts.rank]
+        self.calls = int(state["calls"])
+
+
+@torch.no_grad()
+def gpt_logprobs(gpt, input_ids: torch.Tensor, temperature: float, precision: str, chunk: int) -> torch.Tensor:
+    """A plain GPT's per-token log-probs (rl/ppo.py token_logprobs, the very computation of the old ones) in eval
+    mode without grad, `chunk` rows at a time: (B, L) on the CPU. The reference's, and the current policy's
+    for --target-kl (equal weights give exactly the old log-probs)."""
+    was_training = gpt.training
+    gpt.eval()
+    try:
+        device = next(gpt.parameters()).device
+        with autocast_context(device, precision):
+            return torch.cat([token_logprobs(gpt(part.to(device)), part.to(device), temperature).cpu()
+                              for part in input_ids.split(chunk)])
+    finally:
+        gpt.train(was_training)
+
+
+@torch.no_grad()
+def old_outputs(model, input_ids: torch.Tensor, temperature: float, precision: str,
+                chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """forward_ppo in eval mode without grad, `chunk` rows at a time (the loss's micro-batches, so the same
+    shapes give the same numbers): (old_logp, old_values), (B, L) each on the CPU."""
+    was_training = model.training
+    model.eval()
+    try:
+        device = next(model.parameters()).device
+        logps, values = [], []
+        with autocast_context(device, precision):
+            for part in input_ids.split(chunk):
+                logp, value = forward_ppo(model, part.to(device), temperature)
+                logps.append(logp.cpu())
+                values.append(value.float().cpu())
+        return torch.cat(logps), torch.cat(values)
+    finally:
+        model.train(was_training)
+
+
+def ppo_rollout(model, tokenizer, records, cfg: RolloutConfig, ppo: PPOConfig, reward_fn: RewardFn, seed: int,
+                reference=None, micro_rows: int | None = None) -> Batch:
+    """A rollout as rl/ppo.py's batch: P prompts x G replies sampled by model.policy, scored by reward_fn, the
+    old log-probs and values of the combined model, the reference's log-probs when beta > 0, then ppo_batch
+    (shaped rewards, GAE, whitening); its figures as stat_* scalars for the log."""
+    G = cfg.num_generations
+    rendered = [render_prompt(tokenizer, r, cfg.think) for r in records]
+    for (ids, _), record in zip(rendered, records):
+        check_fits(ids, record, model.policy.model.rotary_emb.n_positions)
+    prompts = [ids for ids, _ in rendered for _ in range(G)]
+    replies = sample_replies(model.policy, tokenizer, prompts, cfg, seed)
+    reward_records = [{**r.reward_record(), "thinking_open": open_} for r, (_, open_) in zip(records, rendered)
+                      for _ in range(G)]
+    scores, parts = score(replies, reward_records, reward_fn, cfg.max_new_tokens)
+    input_ids, loss_mask = pack(prompts, replies, tokenizer.pad_id if tokenizer.pad_id is not None else 0)
+    mask = F.pad(loss_mask, (1, 0)).bool()  # per token (rl/ppo.py's alignment): 1 on the reply's tokens
+    chunk = micro_rows or len(input_ids)
+    old_logp, old_values = old_outputs(model, input_ids, cfg.temperature, cfg.precision, chunk)
+    ref_logp = None
+    if reference is not None and ppo.beta > 0:
+        ref_logp = gpt_logprobs(reference, input_ids, cfg.temperature, cfg.precision, chunk)
+    batch, stats = ppo_batch(input_ids, mask, old_logp, old_values, scores, ppo, ref_logp)
+    new_tokens = sum(len(r.token_ids) + (r.stop_id is not None) for r in replies)
+    stats.update({"reward_mean": scores.mean().item(),
+                  "reward_std": scores.std().item() if len(scores) > 1 else 0.0,
+                  "reply_len": new_tokens / len(replies),
+                  "truncated": sum(r.finish_reason == "length" for r in replies) / len(replies),
+                  **{f"reward_{k}": v for k, v in parts.items()}})
+    batch.update({f"stat_{k}": torch.tensor(v, dtype=torch.float32) for k, v in stats.items()})
+    return batch
+
+
+def ppo_objective(cfg: PPOConfig):
+    """Stage.loss_fn: rl/ppo.py ppo_loss on a micro-batch; the rollout's stat_* figures ride along as extras."""
+    def loss_fn(model, batch: Batch):
+        total, count, extras = ppo_loss(model, batch, cfg)
+        extras.update({k[5:]: v for k, v in batch.items() if k.startswith("stat_")})
+        return total, count, extras
+    return loss_fn
+
+
+def ppo_objective_count(cfg: PPOConfig):
+    """Stage.count_fn: what the step divides by (rl/ppo.py ppo_count)."""
+    return lambda batch: ppo_count(batch, cfg.norm)
