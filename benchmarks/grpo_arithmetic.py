@@ -127,13 +127,13 @@ def run_rl(sft_run: Path, prompts: Path, out: Path, loss: str, steps: int, **kw)
     return time.perf_counter() - start
 
 
-def run_ppo(sft_run: Path, prompts: Path, out: Path, steps: int, **kw) -> float:
+def run_ppo(sft_run: Path, prompts_file: Path, out: Path, steps: int, **kw) -> float:
     """`ppo --reward math` from the SFT run; its wall time in seconds."""
     options = PPOOptions(num_generations=kw.get("generations", 1), prompts_per_step=kw.get("prompts", 16),
                          beta=kw.get("beta", 0.0), temperature=1.0, max_new_tokens=6, reward="math",
                          ppo_epochs=kw.get("ppo_epochs", 2), target_kl=kw.get("target_kl"))
     start = time.perf_counter()
-    ppo(str(sft_run), str(prompts), out, options, quiet=True,
+    ppo(str(sft_run), str(prompts_file), out, options, quiet=True,
         overrides={"max_steps": steps, "lr": kw.get("lr", 1e-4), "save_every": 0, "tensorboard": False,
                    "precision": "fp32", "seed": kw.get("seed", 0)})
     return time.perf_counter() - start

@@ -18,6 +18,7 @@ the same one.
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -176,7 +177,9 @@ def ppo_rollout(model, tokenizer, records, cfg: RolloutConfig, ppo: PPOConfig, r
     for (ids, _), record in zip(rendered, records):
         check_fits(ids, record, model.policy.model.rotary_emb.n_positions)
     prompts = [ids for ids, _ in rendered for _ in range(G)]
+    start = time.perf_counter()
     replies = sample_replies(model.policy, tokenizer, prompts, cfg, seed)
+    seconds = time.perf_counter() - start
     reward_records = [{**r.reward_record(), "thinking_open": open_} for r, (_, open_) in zip(records, rendered)
                       for _ in range(G)]
     scores, parts = score(replies, reward_records, reward_fn, cfg.max_new_tokens)
@@ -193,6 +196,7 @@ def ppo_rollout(model, tokenizer, records, cfg: RolloutConfig, ppo: PPOConfig, r
                   "reward_std": scores.std().item() if len(scores) > 1 else 0.0,
                   "reply_len": new_tokens / len(replies),
                   "truncated": sum(r.finish_reason == "length" for r in replies) / len(replies),
+                  "rollout_tokens_per_s": new_tokens / max(seconds, 1e-9),
                   **{f"reward_{k}": v for k, v in parts.items()}})
     batch.update({f"stat_{k}": torch.tensor(v, dtype=torch.float32) for k, v in stats.items()})
     return batch
