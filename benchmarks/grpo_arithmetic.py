@@ -129,7 +129,7 @@ def run_rl(sft_run: Path, prompts: Path, out: Path, loss: str, steps: int, **kw)
 
 def run_ppo(sft_run: Path, prompts_file: Path, out: Path, steps: int, **kw) -> float:
     """`ppo --reward math` from the SFT run; its wall time in seconds."""
-    options = PPOOptions(num_generations=kw.get("generations", 1), prompts_per_step=kw.get("prompts", 16),
+    options = PPOOptions(num_generations=kw.get("generations", 1), prompts_per_step=kw.get("prompts", 64),
                          beta=kw.get("beta", 0.0), temperature=1.0, max_new_tokens=6, reward="math",
                          ppo_epochs=kw.get("ppo_epochs", 2), target_kl=kw.get("target_kl"))
     start = time.perf_counter()

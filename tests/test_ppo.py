@@ -188,7 +188,28 @@ def test_ppo_raises_the_reward_of_a_model_that_is_wrong_half_the_time(tmp_path):
     from grpo_arithmetic import reward_curve, run_ppo, sft_model, write_data
     sft_file, prompts, _ = write_data(tmp_path, add_max=8, mul_max=0)
     run = sft_model(tmp_path, sft_file, steps=200)
-    run_ppo(run, prompts, tmp_path / "rl", steps=40)
+    run_ppo(run, prompts, tmp_path / "rl", steps=40, prompts=32)
     curve = reward_curve(tmp_path / "rl")
     first, last = sum(curve[:5]) / 5, sum(curve[-10:]) / 10
     assert len(curve) == 40 and last > first + 0.15, curve
+
+
+@pytest.mark.slow
+def test_two_processes_roll_out_their_own_prompts_and_stop_early_together(base_run, prompts_file, tmp_path):
+    """torchrun, 2 processes: each rank samples its own prompts; --target-kl's decision is the ranks' mean KL,
+    so both skip the same epochs (a rank that went on alone would hang the next all-reduce)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    args = ["ppo", "--init", str(base_run), "--data", str(prompts_file), "--num-generations", "2",
+            "--prompts-per-step", "2", "--max-new-tokens", "6", "--ppo-epochs", "3", "--target-kl", "1e-12",
+            "--reward", f"math,{prompts_file.parent / 'myreward.py'}:chars", "--precision", "fp32", "--device",
+            "cpu", "--tensorboard", "false", "--lr", "1e-3", "--quiet", "--out", str(tmp_path / "ddp"),
+            "--max-steps", "2", "--save-every", "2"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "-m",
+                "nanoforge"]
+    proc = subprocess.run(launcher + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [r["ppo_epoch"] for r in _metrics(tmp_path / "ddp")] == [0, 0]
+    state = json.loads((tmp_path / "ddp" / "checkpoints" / "step_000002" / "state.json").read_text())
+    assert state["data"]["prompts"]["cursor"] == 8 and state["data"]["rollouts"] == 2  # 2 x 2 prompts x 2 ranks
