@@ -12,7 +12,7 @@ import torch
 
 from nanoforge.config import build_config
 from nanoforge.errors import NanoforgeError
-from nanoforge.loader import CRITIC_PREFIX, load_model
+from nanoforge.loader import CRITIC_PREFIX, init_weights, load_model
 from nanoforge.model.gpt import GPT
 from nanoforge.rl import critic
 from nanoforge.rl.ppo import PPOConfig, forward_ppo
@@ -107,6 +107,7 @@ def test_the_stage_runs_logs_and_writes_a_run_the_loader_reads_as_its_policy(bas
     assert any(k.startswith(CRITIC_PREFIX) for k in saved) and CRITIC_PREFIX == critic.CRITIC_PREFIX
     model, tok, _ = load_model(run)
     assert isinstance(model, GPT)
+    assert not any(k.startswith(CRITIC_PREFIX) for k in init_weights(ckpt.latest_checkpoint(run)))  # a later --init
     assert all(torch.equal(v, saved[k]) for k, v in model.state_dict_for_save().items())
     assert not torch.equal(model.state_dict_for_save()["model.embed_tokens.weight"],
                            ckpt.load_weights_file(ckpt.latest_checkpoint(base_run))["model.embed_tokens.weight"])
@@ -120,6 +121,13 @@ def test_eval_and_chat_commands_load_a_ppo_run(base_run, prompts_file, tmp_path)
                            "4", "--device", "cpu"], input="1+2=\n", cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"conversations": [{"role": "user", "content": f"{a}+1="},
+                                                          {"role": "assistant", "content": str(a + 1)}]}) + "\n"
+                            for a in range(4)))
+    proc = subprocess.run([sys.executable, "-m", "nanoforge", "eval", str(tmp_path / "run"), "--data", str(held),
+                           "--device", "cpu"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "loss" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
 def test_resume_is_bit_exact_in_the_middle_of_a_rollouts_epochs(base_run, prompts_file, tmp_path):
