@@ -170,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="let --reward-model run its own Python code")
     rl.add_argument("--think", action="store_true", default=None, help="open the think block of every reply "
                     "(a template in MiniMind-3's format)")
+    rl.add_argument("--tools", metavar="NAME[,NAME]", help="multi-turn tool use: run the replies' tool calls "
+                    "(built-in: calculator) and train on whole trajectories with the agent reward (records need "
+                    '"gt"; no --reward)')
+    rl.add_argument("--max-turns", type=int, metavar="N", help="with --tools: replies per trajectory (default: 3)")
     rl.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     rl.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(rl, presets=False)
