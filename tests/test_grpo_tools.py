@@ -219,3 +219,27 @@ def test_the_command_line_takes_the_flags(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stderr.strip().startswith("error: --tools: unknown tool 'abacus'"), \
         proc.stderr
+
+
+@pytest.mark.slow
+def test_two_processes_roll_out_their_own_trajectories(base_run, tmp_path):
+    """torchrun: each rank's trajectories (of its own width) gathered into a mid-rollout checkpoint, resumed."""
+    data = _agent_prompts(tmp_path / "agent.jsonl", QUESTIONS[:8])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "-m",
+                "nanoforge", "grpo"]
+    args = ["--init", str(base_run), "--data", str(data), "--tools", "calculator", "--max-turns", "2",
+            "--num-generations", "2", "--prompts-per-step", "1", "--max-new-tokens", "6", "--ppo-epochs", "2",
+            "--precision", "fp32", "--device", "cpu", "--tensorboard", "false", "--lr", "1e-3", "--quiet"]
+    proc = subprocess.run(launcher + args + ["--out", str(tmp_path / "ddp"), "--max-steps", "3", "--save-every", "3"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    state = json.loads((tmp_path / "ddp" / "checkpoints" / "step_000003" / "state.json").read_text())
+    assert len(state["data"]["current"]) == 2
+    proc = subprocess.run(launcher + ["--out", str(tmp_path / "ddp"), "--resume", "--max-steps", "4", "--quiet"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recs = [r for r in _metrics(tmp_path / "ddp") if "reward_mean" in r]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4] and all("turns" in r for r in recs)
