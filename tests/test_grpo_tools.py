@@ -111,6 +111,26 @@ def test_a_trajectory_without_trained_tokens_adds_nothing_to_the_loss():
     assert count.item() == 1 and torch.isfinite(total) and logp.grad[1].abs().sum().item() == 0.0
 
 
+def test_a_step_whose_trajectories_all_lack_room_trains_nothing_and_stays_finite(tiny_tokenizer):
+    """A context too small for any reply: every trajectory ends "context" with no sampled token; the batch's
+    mask is all 0, the count 0, and the loss and its gradient finite zeros (the loop divides by max(count, 1))."""
+    tok = tiny_tokenizer
+    rec = record("What is 12*7?", "84")
+    prompt = agent_prompt(tok, rec, TOOLS, False)
+    model = scripted_model(tok, {}, max_seq_len=len(prompt) + 7)
+    cfg = RolloutConfig(num_generations=2, temperature=1.0, max_new_tokens=8)
+    batch = agent_rollout(model, tok, [rec], cfg, None, seed=3, reference=model, tools=TOOLS, max_turns=2)
+    assert batch["input_ids"].tolist() == [prompt, prompt] and batch["loss_mask"].sum().item() == 0
+    assert batch["rewards"].tolist() == [-0.5, -0.5] and batch["stat_unfinished"].item() == 1.0
+    model.train()
+    for norm in ("sequence", "token"):
+        total, count, _ = policy_objective("grpo", 0.2, None, 0.1, norm, 1.0)(model, batch)
+        model.zero_grad()
+        total.backward()
+        assert total.item() == 0.0 and count.item() == 0
+        assert all(torch.equal(p.grad, torch.zeros_like(p.grad)) for p in model.parameters() if p.grad is not None)
+
+
 # ---------------------------------------------------------------------------------------------- runs
 
 
