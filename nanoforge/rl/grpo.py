@@ -225,6 +225,6 @@ def grpo(init: str | None, data: str | None, out: str | Path, options: RLOptions
         reward_name = (f"agent (tools {','.join(tools)}, max turns {o['max_turns']})" if tools else
                        f"{o.get('reward') or ''}{' + model' if o.get('reward_model') else ''}")
         print(f"grpo: {len(records)} prompts, {o['prompts_per_step']} x {o['num_generations']} replies per rollout"
-              f" (x {w.world_size} processes), loss {o['loss']}, reward {reward_name}, beta {o['beta']:g}, ppo epochs {o['ppo_epochs']}",
-              flush=True)
+              f" (x {w.world_size} processes), loss {o['loss']}, reward {reward_name}, beta {o['beta']:g}, "
+              f"ppo epochs {o['ppo_epochs']}", flush=True)
     return train_and_report(stage, model, mcfg, tcfg, run_dir, resume, quiet)
