@@ -57,7 +57,9 @@ def test_a_scripted_step_equals_the_hand_built_batch(tiny_tokenizer):
     """Two prompts x 2 trajectories, --max-turns 2: "12*7" calls the calculator, then answers 84 (reward 0.1 for
     the call + 1.0 for "gt" found); "keep calling" calls twice and runs out of turns (0.2 - 0.5 unfinished).
     The scripted model's pushes make sampling at temperature 0.8 follow the script, so the step's batch is
-    known token for token. grad_accum 2: each micro-batch is one prompt's pair of trajectories."""
+    known token for token. grad_accum 2: each micro-batch is one prompt's pair of trajectories. The step's batch
+    source is built as grpo() builds it (RolloutBatches over agent_rollout), with the scripted model as policy
+    and reference, since grpo() loads its own model from --init."""
     tok = tiny_tokenizer
     answer_rec, looping_rec = record("What is 12*7?", "84"), record("Keep calling", "84")
     answer_prompt, looping_prompt = (agent_prompt(tok, r, TOOLS, False) for r in (answer_rec, looping_rec))
