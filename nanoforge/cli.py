@@ -10,6 +10,19 @@ from nanoforge.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, ModelConfig, T
 from nanoforge.infer import defaults as chat_defaults
 
 
+def _resume_value(text: str) -> str:
+    if text != "auto":
+        raise argparse.ArgumentTypeError(f"{text!r}: the one value is auto (--resume alone continues the run)")
+    return text
+
+
+def add_resume_flag(p: argparse.ArgumentParser) -> None:
+    """--resume on every training command (grpo too: call this, and commands.run resolves `auto`)."""
+    p.add_argument("--resume", nargs="?", const=True, default=False, type=_resume_value, metavar="auto",
+                   help="continue the run in --out from its latest checkpoint; `--resume auto`: continue it if it "
+                        "holds a checkpoint, else start fresh (one command line for every (re)start)")
+
+
 def add_config_flags(p: argparse.ArgumentParser, presets: bool = True, exclude: tuple[str, ...] = ()) -> None:
     """--preset, --config and one --field-name flag per config field, defaults shown in --help."""
     if presets:
@@ -87,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--data", nargs="*", default=[], metavar="PATH",
                      help="a prepared directory, or JSONL files (prepared into RUN/data)")
     pre.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    pre.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    add_resume_flag(pre)
     pre.add_argument("--tokenizer", metavar="DIR", help="tokenizer for raw JSONL (default: train one on the data)")
     pre.add_argument("--init", metavar="RUN_OR_CHECKPOINT",
                      help="continue pretraining from this run, checkpoint or HF model directory (its shape and "
@@ -101,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--data", nargs="*", default=[], metavar="PATH",
                      help="a directory from `prepare --kind sft`, or conversation JSONL files")
     sft.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    sft.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    add_resume_flag(sft)
     sft.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(sft, presets=False)
 
@@ -119,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     lora.add_argument("--alpha", type=float, help="adapter scale numerator, scale = alpha / rank (default: 32.0)")
     lora.add_argument("--dropout", type=float, help="dropout on the adapters' input (default: 0.05)")
     lora.add_argument("--targets", help="linear layers to adapt (default: q,k,v,o,gate,up,down)")
-    lora.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    add_resume_flag(lora)
     lora.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(lora, presets=False, exclude=("dropout",))
 
@@ -130,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a directory from `prepare --kind dpo`, or DPO JSONL files")
     dpo.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
     dpo.add_argument("--beta", type=float, help="strength of the pull towards the reference (default: 0.1)")
-    dpo.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    add_resume_flag(dpo)
     dpo.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(dpo, presets=False)
 
@@ -145,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--temperature", type=float, help="softening of both distributions (default: 1.5)")
     dist.add_argument("--alpha", type=float, help="weight of the data's cross-entropy; "
                       "1 - alpha weighs the KL to the teacher (default: 0.5)")
-    dist.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    add_resume_flag(dist)
     dist.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(dist, presets=False)
 

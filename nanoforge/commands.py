@@ -22,6 +22,7 @@ from nanoforge.plan import format_plan, make_plan
 from nanoforge.report import write_report
 from nanoforge.tokenizer import train_tokenizer
 from nanoforge.train.distributed import is_main
+from nanoforge.train.autoresume import AUTO, resolve_resume
 from nanoforge.train.loop import TrainingInterrupted
 from nanoforge.train.rundir import check_resume_options
 from nanoforge.train.stages import distill, dpo, lora_merge, pretrain, sft
@@ -32,6 +33,8 @@ def run(args: argparse.Namespace) -> int:
     if not is_main():  # under torchrun only rank 0 talks to the user
         sys.stdout = open(os.devnull, "w")
     try:
+        if getattr(args, "resume", None) == AUTO:  # every training command's --resume auto, grpo's too
+            args.resume = resolve_resume(AUTO, args.out, args.command)
         COMMANDS[args.command](args)
         return 0
     except NanoforgeError as e:
