@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     prep = sub.add_parser("prepare", help="tokenize JSONL into token shards for training", formatter_class=fmt)
     prep.add_argument("--kind", choices=["pretrain", "sft", "dpo"], required=True, help="record format")
     prep.add_argument("--data", nargs="+", required=True, metavar="FILE",
-                      help="JSONL files, or (pretrain) plain-text .txt/.md files")
+                      help="JSONL or Parquet files, HF datasets directories (save_to_disk), or (pretrain) "
+                           "plain-text .txt/.md files")
     prep.add_argument("--tokenizer", required=True, metavar="DIR", help="tokenizer directory or tokenizer.json")
     prep.add_argument("--out", required=True, metavar="DIR", help="output directory (written atomically)")
     prep.add_argument("--val-fraction", type=float, default=0.01,
@@ -95,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="sft: render a seeded share P (0..1) of the records without the empty think blocks of "
                            "their assistant turns, so the model learns both forms (MiniMind-3's recipe)")
     prep.add_argument("--force", action="store_true", help="replace --out if it exists")
+    prep.add_argument("--text-column", default="text", metavar="NAME",
+                      help="pretrain from Parquet or an HF datasets directory: the column that holds the text")
 
     pre = sub.add_parser("pretrain", help="pretrain a GPT on a token stream", formatter_class=fmt)
     pre.add_argument("--data", nargs="*", default=[], metavar="PATH",

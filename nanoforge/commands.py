@@ -71,7 +71,7 @@ def cmd_tokenizer(args) -> None:
 def cmd_prepare(args) -> None:
     prepare_dataset(args.kind, args.data, args.tokenizer, args.out, val_fraction=args.val_fraction,
                     workers=args.workers, skip_invalid=args.skip_invalid, force=args.force,
-                    drop_empty_think=args.drop_empty_think)
+                    drop_empty_think=args.drop_empty_think, text_column=args.text_column)
 
 
 def cmd_pretrain(args) -> None:

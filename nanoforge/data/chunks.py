@@ -31,6 +31,7 @@ from typing import Iterator
 
 import numpy as np
 
+from nanoforge.data.columnar import as_row_error, check_row, hash_source, is_columnar, row_chunks
 from nanoforge.data.jsonl import (MAX_RECORD_BYTES, UTF8_BOM, DataError, SkipCounter, parse_line,
                                   record_too_long)
 from nanoforge.data.sft_records import drops_empty_think, render_sft_record
@@ -80,12 +81,19 @@ class ChunkTask:
     text_end: bool = True
     text_val: bool = False
     drop_empty_think: float = 0.0  # sft: the seeded share of records rendered without empty think blocks
+    rows: list | None = None  # Parquet / datasets rows as records (data/columnar.py); first_line is a row number
 
 
 def chunk_tasks(kind: str, sources: list[SourceStats], chunk_bytes: int, skip_invalid: bool,
                  val_fraction: float = 0.0, split_pattern: str | None = "gpt-2",
-                 drop_empty_think: float = 0.0) -> Iterator[ChunkTask]:
+                 drop_empty_think: float = 0.0, text_column: str = "text") -> Iterator[ChunkTask]:
     for index, source in enumerate(sources):
+        if is_columnar(source.path):
+            source.size = hash_source(source.path, source.hasher)
+            for first_row, rows in row_chunks(source.path, kind, text_column):
+                yield ChunkTask(kind, index, str(source.path), first_row, b"", skip_invalid,
+                                drop_empty_think=drop_empty_think, rows=rows)
+            continue
         if is_plain_text(source.path):
             if kind != "pretrain":
                 raise DataError(f"plain text is pretraining data; {kind} needs JSONL records", source.path)
@@ -261,6 +269,8 @@ def encode_chunk(task: ChunkTask, tokenizer) -> ChunkResult:
     """Parse, validate and tokenize the lines of one chunk. Raises the DataError of its first bad line."""
     if task.plain_text:
         return _encode_text(task, tokenizer)
+    if task.rows is not None:
+        return _encode_rows(task, tokenizer)
     skips = SkipCounter()
     records = []
     for offset, raw in enumerate(task.data.split(b"\n")):
@@ -277,6 +287,26 @@ def encode_chunk(task: ChunkTask, tokenizer) -> ChunkResult:
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     encode = {"pretrain": _encode_pretrain, "sft": _encode_sft, "dpo": _encode_dpo}[task.kind]
     tokens, lens, nbytes, mask = encode(records, tokenizer, dtype, task, skips)
+    return ChunkResult(task.file_index, tokens, lens, nbytes, mask, skips)
+
+
+def _encode_rows(task: ChunkTask, tokenizer) -> ChunkResult:
+    """encode_chunk for Parquet / datasets rows: each row checked as a JSONL record is, errors at `row N`."""
+    skips, records = SkipCounter(), []
+    for offset, record in enumerate(task.rows):
+        row = task.first_line + offset
+        try:
+            records.append((row, check_row(task.kind, record, task.path, row)))
+        except DataError as e:
+            if not task.skip_invalid:
+                raise
+            skips.add(e)
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+    encode = {"pretrain": _encode_pretrain, "sft": _encode_sft, "dpo": _encode_dpo}[task.kind]
+    try:
+        tokens, lens, nbytes, mask = encode(records, tokenizer, dtype, task, skips)
+    except DataError as e:
+        raise as_row_error(e) from None
     return ChunkResult(task.file_index, tokens, lens, nbytes, mask, skips)
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from nanoforge import __version__, dirlock
 from nanoforge.data.chunks import ChunkResult, SourceStats, chunk_tasks, run_chunks
+from nanoforge.data.columnar import check_columnar, is_columnar
 from nanoforge.data.jsonl import DataError, check_input_file
 from nanoforge.data.sft_records import DROP_THINK_SEED
 from nanoforge.data.shards import FORMAT, FORMAT_VERSION, MASKED_KINDS
@@ -36,7 +37,7 @@ PREPARED_KINDS = ("pretrain", "sft", "dpo")
 def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 0.01, workers: int = 0,
                     skip_invalid: bool = False, force: bool = False, log: Callable[[str], None] = print, *,
                     chunk_bytes: int = CHUNK_BYTES, max_shard_tokens: int = SHARD_TOKENS,
-                    drop_empty_think: float = 0.0) -> dict:
+                    drop_empty_think: float = 0.0, text_column: str = "text") -> dict:
     """Tokenize JSONL `files` of `kind` into shards in `out_dir`; return the manifest (also written there).
 
     pretrain: each document is encode(text) + [eos].  sft: each conversation is tokenizer.render_chat(...),
@@ -49,6 +50,8 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
     process. Keyword-only chunk_bytes and max_shard_tokens exist for tests and tuning.
     drop_empty_think (sft): the share of records, chosen by a seeded hash of file index and line
     (data/sft_records.py), whose assistant turns are rendered without their empty think blocks.
+    Parquet files and HF datasets directories are read row by row (data/columnar.py); text_column names
+    pretraining's string column.
     """
     started = time.perf_counter()
     _check_kind(kind)
@@ -67,7 +70,7 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
     files = [files] if isinstance(files, (str, os.PathLike)) else list(files)
     if not files:
         raise NanoforgeError("no input files given to prepare")
-    paths = [check_input_file(f) for f in files]
+    paths = [check_columnar(f) if is_columnar(f) else check_input_file(f) for f in files]  # data/columnar.py
     out_dir = Path(out_dir)
     _check_out_dir(out_dir, force)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -76,11 +79,11 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
                          unlink_on_release=True):
         _check_out_dir(out_dir, force)  # again: a prepare that held the lock until now may have filled it
         return _prepare_locked(kind, paths, tokenizer, out_dir, val_fraction, workers, skip_invalid, force, log,
-                               chunk_bytes, max_shard_tokens, started, drop_empty_think)
+                               chunk_bytes, max_shard_tokens, started, drop_empty_think, text_column)
 
 
 def _prepare_locked(kind, paths, tokenizer, out_dir: Path, val_fraction, workers, skip_invalid, force, log,
-                    chunk_bytes, max_shard_tokens, started, drop_empty_think=0.0) -> dict:
+                    chunk_bytes, max_shard_tokens, started, drop_empty_think=0.0, text_column="text") -> dict:
     workers = workers or os.cpu_count() or 1
     # no more processes than chunks: starting a worker costs ~0.5 s, more than a small input takes
     workers = max(1, min(workers, math.ceil(sum(p.stat().st_size for p in paths) / chunk_bytes)))
@@ -96,7 +99,7 @@ def _prepare_locked(kind, paths, tokenizer, out_dir: Path, val_fraction, workers
                                       max_shard_tokens=max_shard_tokens) for split in SPLITS}
         sources = [SourceStats(path) for path in paths]
         tasks = chunk_tasks(kind, sources, chunk_bytes, skip_invalid, val_fraction, tokenizer.split_pattern,
-                            drop_empty_think)
+                            drop_empty_think, text_column)
         docs_seen = 0
         with closing(run_chunks(tasks, tokenizer, workers)) as results:  # closing stops the workers
             for result in results:

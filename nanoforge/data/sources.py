@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+from nanoforge.data.columnar import check_columnar, columnar_kind, is_columnar, is_hf_dataset_dir
 from nanoforge.data.jsonl import check_input_file, detect_kind
 from nanoforge.data.shards import read_manifest
 from nanoforge.errors import NanoforgeError
@@ -22,11 +23,11 @@ def prepared_dir(data: Sequence) -> Path | None:
     paths = [Path(p) for p in data]
     if not paths:
         raise NanoforgeError("--data is required: a prepared directory or one or more JSONL files")
-    if len(paths) == 1 and paths[0].is_dir():
+    if len(paths) == 1 and paths[0].is_dir() and not is_hf_dataset_dir(paths[0]):
         read_manifest(paths[0])  # raises, naming the directory, when it is not prepared data
         return paths[0]
     for p in paths:
-        if p.is_dir():
+        if p.is_dir() and not is_hf_dataset_dir(p):
             raise NanoforgeError(f"{p}: a directory; give JSONL files, or one directory made by "
                                  "`nanoforge prepare`")
     return None
@@ -38,6 +39,8 @@ def data_kind(data: Sequence[str]) -> str:
     if prepared is not None:
         return read_manifest(prepared)["kind"]
     first = Path(data[0])
+    if is_columnar(first):  # Parquet, a datasets directory: the columns say
+        return columnar_kind(check_columnar(first))
     check_input_file(first)
     if is_plain_text(first):  # a .txt/.md file is one pretraining document
         return "pretrain"

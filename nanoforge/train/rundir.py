@@ -189,7 +189,7 @@ def _resolve_data(kind: str, data: Sequence[str], run_dir: Path, tokenizer_path:
         log(f"no --tokenizer given: training a {mcfg.vocab_size}-token BPE tokenizer on the data")
         tokenizer = train_tokenizer(paths, vocab_size=mcfg.vocab_size, out_dir=run_dir / "tokenizer")
     prepare_dataset(kind, paths, tokenizer, target, val_fraction=tcfg.val_fraction, workers=tcfg.workers,
-                    log=(lambda *a: None) if quiet else print)
+                    log=(lambda *a: None) if quiet else print, text_column=tcfg.text_column)
     return target
 
 
