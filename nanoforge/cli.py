@@ -80,12 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
     tt.add_argument("--min-frequency", type=int, default=2, help="minimum pair frequency for a merge")
     tt.add_argument("--out", required=True, metavar="DIR", help="output directory")
 
-    prep = sub.add_parser("prepare", help="tokenize JSONL into token shards for training", formatter_class=fmt)
-    prep.add_argument("--kind", choices=["pretrain", "sft", "dpo"], required=True, help="record format")
-    prep.add_argument("--data", nargs="+", required=True, metavar="FILE",
+    prep = sub.add_parser("prepare", help="tokenize JSONL into token shards for training; `prepare merge DIR... "
+                          "--out DIR` combines prepared parts", formatter_class=fmt)
+    # --kind, --data and --tokenizer are required unless merging (commands.cmd_prepare says which are missing)
+    prep.add_argument("action", nargs="?", choices=["merge"], help="merge: write --out over the prepared DIRs "
+                      "(a manifest referencing their shards; no token is copied)")
+    prep.add_argument("parts", nargs="*", metavar="DIR", help="with merge: the prepared directories, in order")
+    prep.add_argument("--kind", choices=["pretrain", "sft", "dpo"], help="record format")
+    prep.add_argument("--data", nargs="+", metavar="FILE",
                       help="JSONL or Parquet files, HF datasets directories (save_to_disk), or (pretrain) "
                            "plain-text .txt/.md files")
-    prep.add_argument("--tokenizer", required=True, metavar="DIR", help="tokenizer directory or tokenizer.json")
+    prep.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory or tokenizer.json")
     prep.add_argument("--out", required=True, metavar="DIR", help="output directory (written atomically)")
     prep.add_argument("--val-fraction", type=float, default=0.01,
                       help="share held out for validation: of JSONL records, evenly spread; of each plain-text "
@@ -96,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="sft: render a seeded share P (0..1) of the records without the empty think blocks of "
                            "their assistant turns, so the model learns both forms (MiniMind-3's recipe)")
     prep.add_argument("--force", action="store_true", help="replace --out if it exists")
+    prep.add_argument("--part", metavar="I/N", help="prepare only part I of N (1 <= I <= N): every N-th input "
+                      "file, or of one JSONL file its I-th byte range; then `prepare merge` the parts")
     prep.add_argument("--text-column", default="text", metavar="NAME",
                       help="pretrain from Parquet or an HF datasets directory: the column that holds the text")
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from nanoforge.bench import format_bench, run_bench, write_json
 from nanoforge.config import MODEL_FIELDS, TRAIN_FIELDS, build_config, parse_value
+from nanoforge.data.parts import merge_prepared
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.demo import run_demo
 from nanoforge.errors import NanoforgeError
@@ -69,9 +70,17 @@ def cmd_tokenizer(args) -> None:
 
 
 def cmd_prepare(args) -> None:
+    if args.action == "merge":
+        merge_prepared(args.parts, args.out, force=args.force)
+        return
+    missing = [flag for flag, value in (("--kind", args.kind), ("--data", args.data), ("--tokenizer", args.tokenizer))
+               if not value]
+    if missing or args.parts:
+        raise NanoforgeError(f"prepare needs {', '.join(missing)}" if missing else
+                             f"prepare: unexpected {' '.join(args.parts)} (input files go after --data)")
     prepare_dataset(args.kind, args.data, args.tokenizer, args.out, val_fraction=args.val_fraction,
                     workers=args.workers, skip_invalid=args.skip_invalid, force=args.force,
-                    drop_empty_think=args.drop_empty_think, text_column=args.text_column)
+                    drop_empty_think=args.drop_empty_think, text_column=args.text_column, part=args.part)
 
 
 def cmd_pretrain(args) -> None:

@@ -32,6 +32,7 @@ from typing import Iterator
 import numpy as np
 
 from nanoforge.data.columnar import as_row_error, check_row, hash_source, is_columnar, row_chunks
+from nanoforge.data.parts import range_line_chunks
 from nanoforge.data.jsonl import (MAX_RECORD_BYTES, UTF8_BOM, DataError, SkipCounter, parse_line,
                                   record_too_long)
 from nanoforge.data.sft_records import drops_empty_think, render_sft_record
@@ -55,12 +56,19 @@ class SourceStats:
     val_start: int | None = None
     val_line: int = 0
     kept_whole: str = ""
+    # prepare --part (data/parts.py): the byte range of the file this part reads, the line it starts at, and
+    # the records before it in the whole input (where this part's val draw starts counting)
+    byte_range: tuple[int, int] | None = None
+    first_line: int = 1
+    records_before: int = 0
 
     def to_json(self) -> dict:
         entry = {"path": str(self.path.resolve()), "bytes": self.size, "sha256": self.hasher.hexdigest(),
                  "records": self.records, "skipped": self.skips.skipped}
         if self.val_start is not None:
             entry["val_from_byte"] = self.val_start
+        if self.byte_range is not None:
+            entry["byte_range"] = list(self.byte_range)
         return entry
 
 
@@ -100,7 +108,8 @@ def chunk_tasks(kind: str, sources: list[SourceStats], chunk_bytes: int, skip_in
             for first_line, data, last, val in _text_chunks(source, chunk_bytes, val_fraction, split_pattern):
                 yield ChunkTask(kind, index, str(source.path), first_line, data, skip_invalid, True, last, val)
             continue
-        for first_line, data in _line_chunks(source, chunk_bytes):
+        for first_line, data in (range_line_chunks(source, chunk_bytes) if source.byte_range
+                                 else _line_chunks(source, chunk_bytes)):
             yield ChunkTask(kind, index, str(source.path), first_line, data, skip_invalid,
                             drop_empty_think=drop_empty_think)
 

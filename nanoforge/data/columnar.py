@@ -93,6 +93,14 @@ def columnar_kind(path: Path) -> str:
     return "pretrain"
 
 
+def num_rows(path: Path) -> int:
+    """Rows in a Parquet file (its metadata) or a datasets directory (its record batches' lengths)."""
+    pa = _pyarrow()
+    if not path.is_dir():
+        return pa.parquet.ParquetFile(path).metadata.num_rows
+    return sum(batch.num_rows for batch in _batches(path, None))
+
+
 def _batches(path: Path, columns: list[str] | None) -> Iterator[Any]:
     """Arrow record batches, read as they are stored (never the whole file)."""
     pa = _pyarrow()
