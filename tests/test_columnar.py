@@ -123,6 +123,8 @@ def test_a_bad_row_is_named_by_file_and_row(tiny_tokenizer_dir, tmp_path):
 def test_pretrain_reads_parquet_directly(corpus, tiny_tokenizer_dir, tmp_path):
     records = [{"body": r["text"]} for r in jsonl_records(corpus["pretrain"])]
     parquet = write_parquet(records, tmp_path / "pre.parquet")
+    untokenized = nf("pretrain", "--data", parquet, "--out", tmp_path / "run", "--max-steps", 1)
+    assert untokenized.returncode == 1 and "give --tokenizer" in untokenized.stderr
     res = nf("pretrain", "--preset", "tiny", "--n-layers", 1, "--data", parquet, "--tokenizer", tiny_tokenizer_dir,
              "--text-column", "body", "--out", tmp_path / "run", "--max-steps", 2, "--seq-len", 32,
              "--tensorboard", "false", "--eval-every", 0, "--quiet")

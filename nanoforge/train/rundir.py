@@ -25,6 +25,7 @@ from nanoforge import dirlock
 from nanoforge.config import (MODEL_FIELDS, PRESETS, ConfigError, ModelConfig, TrainConfig, build_config,
                               config_to_toml, load_toml)
 from nanoforge.device import resolve_device
+from nanoforge.data.columnar import is_columnar
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import check_tokenizer
 from nanoforge.data.sources import data_kind, prepared_dir
@@ -184,6 +185,9 @@ def _resolve_data(kind: str, data: Sequence[str], run_dir: Path, tokenizer_path:
         return target
     if tokenizer_path:
         tokenizer = load_tokenizer(tokenizer_path)
+    elif any(is_columnar(p) for p in paths):
+        raise NanoforgeError("training a tokenizer reads JSONL or text, not Parquet or a datasets directory: give "
+                             "--tokenizer (e.g. one trained with `nanoforge tokenizer train` on a JSONL sample)")
     else:
         log = (lambda *a: None) if quiet else print
         log(f"no --tokenizer given: training a {mcfg.vocab_size}-token BPE tokenizer on the data")
