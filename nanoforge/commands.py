@@ -22,8 +22,8 @@ from nanoforge.model.lora import LoraConfig
 from nanoforge.plan import format_plan, make_plan
 from nanoforge.report import write_report
 from nanoforge.tokenizer import train_tokenizer
-from nanoforge.train.distributed import is_main
 from nanoforge.train.autoresume import AUTO, resolve_resume
+from nanoforge.train.distributed import is_main
 from nanoforge.train.loop import TrainingInterrupted
 from nanoforge.train.rundir import check_resume_options
 from nanoforge.train.stages import distill, dpo, lora_merge, pretrain, sft

@@ -73,11 +73,17 @@ def test_every_nth_file_parts_hold_the_same_records_in_the_same_splits(corpus, t
     for split in ("train", "val"):
         assert docs(tmp_path / "merged", split) == docs(tmp_path / "whole", split), split
     assert TokenShards(tmp_path / "merged", "val").num_docs > 0
-    # a training command reads the merged directory as any prepared one
-    run = nf("pretrain", "--preset", "tiny", "--n-layers", 1, "--data", tmp_path / "merged", "--out", tmp_path / "run",
-             "--max-steps", 2, "--seq-len", 32, "--tensorboard", "false", "--eval-every", 2, "--quiet")
+    # a training command given the parts merges them into RUN/data (a manifest, no tokens) and trains on them
+    run = nf("pretrain", "--preset", "tiny", "--n-layers", 1, "--data", tmp_path / "part1", tmp_path / "part2",
+             "--out", tmp_path / "run", "--max-steps", 2, "--seq-len", 32, "--tensorboard", "false",
+             "--eval-every", 2, "--quiet")
     assert run.returncode == 0, run.stderr
     assert '"val_loss"' in (tmp_path / "run" / "metrics.jsonl").read_text()
+    in_run = json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())
+    merged = json.loads((tmp_path / "merged" / "manifest.json").read_text())
+    assert {k: v["tokens"] for k, v in in_run["splits"].items()} == {k: v["tokens"] for k, v in merged["splits"].items()}
+    assert in_run["parts"] == ["../../part1", "../../part2"]
+    assert not list((tmp_path / "run" / "data").glob("*.bin"))
 
 
 def test_merge_refuses_parts_that_do_not_belong_together(corpus, tiny_tokenizer, tmp_path):

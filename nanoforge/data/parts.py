@@ -11,6 +11,7 @@ prepare, so the val draw may then differ.)
 
 `prepare merge PART... --out DIR` writes a directory whose manifest lists the parts' shards by relative
 path (`../part1/train_00000`): no token is copied, and data/shards.py reads it as any prepared directory.
+A training command given several prepared directories as --data merges them so into RUN/data.
 The parts must agree on format, kind, dtype, tokenizer, layout and validation share. Merged order is part by
 part: the split of every record and the tokens are those of one prepare; the order of documents is the
 one prepare's only for byte-range parts of one file (for every-N-th files it is part 1's files, then part 2's).

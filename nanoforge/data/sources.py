@@ -17,6 +17,10 @@ def is_plain_text(path) -> bool:
     return Path(path).suffix.lower() in PLAIN_TEXT_SUFFIXES
 
 
+def is_prepared(path) -> bool:
+    return Path(path).is_dir() and (Path(path) / "manifest.json").is_file()
+
+
 def prepared_dir(data: Sequence) -> Path | None:
     """The prepared directory `data` names (one directory, alone, with a valid manifest.json), or None when
     it names raw files to prepare on the fly. No data, or a directory among files, is an error."""
@@ -26,6 +30,8 @@ def prepared_dir(data: Sequence) -> Path | None:
     if len(paths) == 1 and paths[0].is_dir() and not is_hf_dataset_dir(paths[0]):
         read_manifest(paths[0])  # raises, naming the directory, when it is not prepared data
         return paths[0]
+    if len(paths) > 1 and all(is_prepared(p) for p in paths):
+        return None  # prepared parts: a training run merges them into RUN/data (data/parts.py), copying no token
     for p in paths:
         if p.is_dir() and not is_hf_dataset_dir(p):
             raise NanoforgeError(f"{p}: a directory; give JSONL files, or one directory made by "
@@ -39,6 +45,8 @@ def data_kind(data: Sequence[str]) -> str:
     if prepared is not None:
         return read_manifest(prepared)["kind"]
     first = Path(data[0])
+    if is_prepared(first):  # one of several prepared parts
+        return read_manifest(first)["kind"]
     if is_columnar(first):  # Parquet, a datasets directory: the columns say
         return columnar_kind(check_columnar(first))
     check_input_file(first)

@@ -28,7 +28,8 @@ from nanoforge.device import resolve_device
 from nanoforge.data.columnar import is_columnar
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import check_tokenizer
-from nanoforge.data.sources import data_kind, prepared_dir
+from nanoforge.data.parts import merge_prepared
+from nanoforge.data.sources import data_kind, is_prepared, prepared_dir
 from nanoforge.errors import NanoforgeError
 from nanoforge.loader import init_config, init_tokenizer_dir
 from nanoforge.train.microbatch import fit_micro_batch
@@ -182,6 +183,9 @@ def _resolve_data(kind: str, data: Sequence[str], run_dir: Path, tokenizer_path:
         return prepared
     target = run_dir / "data"
     if (target / "manifest.json").is_file():
+        return target
+    if all(is_prepared(p) for p in paths):  # several prepared parts: a manifest over their shards
+        merge_prepared(paths, target, log=(lambda *a: None) if quiet else print)
         return target
     if tokenizer_path:
         tokenizer = load_tokenizer(tokenizer_path)
