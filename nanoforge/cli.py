@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(built-in: calculator) and train on whole trajectories with the agent reward (records need "
                     '"gt"; no --reward)')
     rl.add_argument("--max-turns", type=int, metavar="N", help="with --tools: replies per trajectory (default: 3)")
-    rl.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    add_resume_flag(rl)
     rl.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(rl, presets=False)
 
