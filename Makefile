@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[test,report,export,serve]'
+	$(BIN)/pip install -q -e '.[test,report,export,serve,parquet]'
 	touch $(STAMP)
 
 setup: $(STAMP)

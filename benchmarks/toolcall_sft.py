@@ -10,7 +10,8 @@ Data (written to WORK/data):
   - held-out synthetic prompts from another seed, both as SFT-shaped records (for `eval --toolcall`) and as
     {"question", "answer": "#### R"} (for `eval --gsm8k`, with and without `--tools calculator`).
 Then: a tokenizer trained on the rendered training conversations (so the tools system turn is short), a
-1-step pretrain as the init (random weights), `nanoforge sft` for --sft-steps, and the evaluations
+short pretraining on 40,000 one-line copy texts ("What is A op B? calculator: A op B result: R The answer is
+R."; --pretrain-steps), `nanoforge sft` for --sft-steps, and the evaluations
 (`--eval-only` runs just those, on WORK/run); docs/tools.md has the figures.
 
     python benchmarks/toolcall_sft.py --work /tmp/toolcall [--sft-steps 600] [--gsm8k-limit 300]
@@ -87,6 +88,16 @@ def synthetic_conversation(expression: str, result: str, with_tools: bool) -> li
             {"role": "tool", "content": result}, answer]
 
 
+def copy_texts(n: int, seed: int):
+    """Short pretraining texts that reward copying numbers (question -> call -> result -> answer): a tiny
+    model learns to copy digits from its context far sooner from these than from the long tool conversations."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        expression, result = arithmetic(rng)
+        yield {"text": f"What is {expression}?\ncalculator: {expression}\nresult: {result}\n"
+                       f"The answer is {result}."}
+
+
 def write_jsonl(path: Path, records) -> int:
     n = 0
     with open(path, "w", encoding="utf-8") as f:
@@ -114,6 +125,7 @@ def build_data(out: Path, gsm8k_limit: int, synthetic: int, no_tool_share: float
         conversations.append(synthetic_conversation(*arithmetic(rng), with_tools=rng.random() >= no_tool_share))
     random.Random(1).shuffle(conversations)
     write_jsonl(out / "train.jsonl", ({"conversations": c} for c in conversations))
+    write_jsonl(out / "copy.jsonl", copy_texts(40000, seed=2))
     template = compile_template(THINKING_TOOLS_TEMPLATE)  # the rendered text, for the tokenizer to learn
     write_jsonl(out / "rendered.jsonl", ({"text": template.render(messages=c, tools=c[0].get("tools"))}
                                          for c in conversations))
@@ -148,6 +160,7 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--d-model", default="128")
     parser.add_argument("--seq-len", default="512")
+    parser.add_argument("--pretrain-steps", type=int, default=300)
     parser.add_argument("--eval-only", action="store_true")
     args = parser.parse_args()
     work = Path(args.work)
@@ -164,10 +177,10 @@ def train(work: Path, args) -> None:
               "--out", str(work / "tok"))
     nanoforge("prepare", "--kind", "sft", "--data", str(data / "train.jsonl"), "--tokenizer", str(work / "tok"),
               "--out", str(work / "sft"))
-    nanoforge("prepare", "--kind", "pretrain", "--data", str(data / "rendered.jsonl"), "--tokenizer",
+    nanoforge("prepare", "--kind", "pretrain", "--data", str(data / "copy.jsonl"), "--tokenizer",
               str(work / "tok"), "--out", str(work / "pre"))
     nanoforge("pretrain", "--preset", args.preset, "--data", str(work / "pre"), "--out", str(work / "init"),
-              "--max-steps", "1", "--seq-len", args.seq_len, "--max-seq-len", args.seq_len, "--d-model", args.d_model,
+              "--max-steps", str(args.pretrain_steps), "--seq-len", args.seq_len, "--max-seq-len", args.seq_len, "--d-model", args.d_model,
               "--eval-every", "0")
     nanoforge("sft", "--init", str(work / "init"), "--data", str(work / "sft"), "--out", str(work / "run"),
               "--max-steps", str(args.sft_steps), "--lr", "3e-3", "--warmup-steps", "50", "--seq-len", args.seq_len,
@@ -176,9 +189,10 @@ def train(work: Path, args) -> None:
 
 def run_evals(work: Path) -> None:
     run, data = str(work / "run"), work / "data"
-    print(nanoforge("eval", run, "--toolcall", str(data / "heldout_tools.jsonl")))
-    print(nanoforge("eval", run, "--gsm8k", str(data / "heldout_gsm8k.jsonl"), "--tools", "calculator"))
-    print(nanoforge("eval", run, "--gsm8k", str(data / "heldout_gsm8k.jsonl")))
+    short = ["--max-new-tokens", "64"]  # room in the 512-token context for the tool result's round
+    print(nanoforge("eval", run, "--toolcall", str(data / "heldout_tools.jsonl"), *short))
+    print(nanoforge("eval", run, "--gsm8k", str(data / "heldout_gsm8k.jsonl"), "--tools", "calculator", *short))
+    print(nanoforge("eval", run, "--gsm8k", str(data / "heldout_gsm8k.jsonl"), *short))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,19 @@ from nanoforge.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, ModelConfig, T
 from nanoforge.infer import defaults as chat_defaults
 
 
+def _resume_value(text: str) -> str:
+    if text != "auto":
+        raise argparse.ArgumentTypeError(f"{text!r}: the one value is auto (--resume alone continues the run)")
+    return text
+
+
+def add_resume_flag(p: argparse.ArgumentParser) -> None:
+    """--resume on every training command (grpo too: call this, and commands.run resolves `auto`)."""
+    p.add_argument("--resume", nargs="?", const=True, default=False, type=_resume_value, metavar="auto",
+                   help="continue the run in --out from its latest checkpoint; `--resume auto`: continue it if it "
+                        "holds a checkpoint, else start fresh (one command line for every (re)start)")
+
+
 def add_config_flags(p: argparse.ArgumentParser, presets: bool = True, exclude: tuple[str, ...] = ()) -> None:
     """--preset, --config and one --field-name flag per config field, defaults shown in --help."""
     if presets:
@@ -67,11 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
     tt.add_argument("--min-frequency", type=int, default=2, help="minimum pair frequency for a merge")
     tt.add_argument("--out", required=True, metavar="DIR", help="output directory")
 
-    prep = sub.add_parser("prepare", help="tokenize JSONL into token shards for training", formatter_class=fmt)
-    prep.add_argument("--kind", choices=["pretrain", "sft", "dpo"], required=True, help="record format")
-    prep.add_argument("--data", nargs="+", required=True, metavar="FILE",
-                      help="JSONL files, or (pretrain) plain-text .txt/.md files")
-    prep.add_argument("--tokenizer", required=True, metavar="DIR", help="tokenizer directory or tokenizer.json")
+    prep = sub.add_parser("prepare", help="tokenize JSONL into token shards for training; `prepare merge DIR... "
+                          "--out DIR` combines prepared parts", formatter_class=fmt)
+    # --kind, --data and --tokenizer are required unless merging (commands.cmd_prepare says which are missing)
+    prep.add_argument("action", nargs="?", choices=["merge"], help="merge: write --out over the prepared DIRs "
+                      "(a manifest referencing their shards; no token is copied)")
+    prep.add_argument("parts", nargs="*", metavar="DIR", help="with merge: the prepared directories, in order")
+    prep.add_argument("--kind", choices=["pretrain", "sft", "dpo"], help="record format")
+    prep.add_argument("--data", nargs="+", metavar="FILE",
+                      help="JSONL or Parquet files, HF datasets directories (save_to_disk), or (pretrain) "
+                           "plain-text .txt/.md files")
+    prep.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory or tokenizer.json")
     prep.add_argument("--out", required=True, metavar="DIR", help="output directory (written atomically)")
     prep.add_argument("--val-fraction", type=float, default=0.01,
                       help="share held out for validation: of JSONL records, evenly spread; of each plain-text "
@@ -82,12 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="sft: render a seeded share P (0..1) of the records without the empty think blocks of "
                            "their assistant turns, so the model learns both forms (MiniMind-3's recipe)")
     prep.add_argument("--force", action="store_true", help="replace --out if it exists")
+    prep.add_argument("--part", metavar="I/N", help="prepare only part I of N (1 <= I <= N): every N-th input "
+                      "file, or of one JSONL file its I-th byte range; then `prepare merge` the parts")
+    prep.add_argument("--text-column", default="text", metavar="NAME",
+                      help="pretrain from Parquet or an HF datasets directory: the column that holds the text")
 
     pre = sub.add_parser("pretrain", help="pretrain a GPT on a token stream", formatter_class=fmt)
     pre.add_argument("--data", nargs="*", default=[], metavar="PATH",
                      help="a prepared directory, or JSONL files (prepared into RUN/data)")
     pre.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    pre.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    add_resume_flag(pre)
     pre.add_argument("--tokenizer", metavar="DIR", help="tokenizer for raw JSONL (default: train one on the data)")
     pre.add_argument("--init", metavar="RUN_OR_CHECKPOINT",
                      help="continue pretraining from this run, checkpoint or HF model directory (its shape and "
@@ -101,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--data", nargs="*", default=[], metavar="PATH",
                      help="a directory from `prepare --kind sft`, or conversation JSONL files")
     sft.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    sft.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    add_resume_flag(sft)
     sft.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(sft, presets=False)
 
@@ -119,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     lora.add_argument("--alpha", type=float, help="adapter scale numerator, scale = alpha / rank (default: 32.0)")
     lora.add_argument("--dropout", type=float, help="dropout on the adapters' input (default: 0.05)")
     lora.add_argument("--targets", help="linear layers to adapt (default: q,k,v,o,gate,up,down)")
-    lora.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    add_resume_flag(lora)
     lora.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(lora, presets=False, exclude=("dropout",))
 
@@ -130,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a directory from `prepare --kind dpo`, or DPO JSONL files")
     dpo.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
     dpo.add_argument("--beta", type=float, help="strength of the pull towards the reference (default: 0.1)")
-    dpo.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    add_resume_flag(dpo)
     dpo.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(dpo, presets=False)
 
@@ -170,7 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="let --reward-model run its own Python code")
     rl.add_argument("--think", action="store_true", default=None, help="open the think block of every reply "
                     "(a template in MiniMind-3's format)")
-    rl.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    rl.add_argument("--tools", metavar="NAME[,NAME]", help="multi-turn tool use: run the replies' tool calls "
+                    "(built-in: calculator) and train on whole trajectories with the agent reward (records need "
+                    '"gt"; no --reward)')
+    rl.add_argument("--max-turns", type=int, metavar="N", help="with --tools: replies per trajectory (default: 3)")
+    add_resume_flag(rl)
     rl.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(rl, presets=False)
 
@@ -187,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--temperature", type=float, help="softening of both distributions (default: 1.5)")
     dist.add_argument("--alpha", type=float, help="weight of the data's cross-entropy; "
                       "1 - alpha weighs the KL to the teacher (default: 0.5)")
-    dist.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    add_resume_flag(dist)
     dist.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(dist, presets=False)
 
@@ -356,6 +383,6 @@ def add_ppo_parser(sub, fmt) -> None:
                    help="let --reward-model run its own Python code")
     p.add_argument("--think", action="store_true", default=None, help="open the think block of every reply "
                    "(a template in MiniMind-3's format)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    add_resume_flag(p)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(p, presets=False)

@@ -11,6 +11,7 @@ from typing import Any
 
 from nanoforge.bench import format_bench, run_bench, write_json
 from nanoforge.config import MODEL_FIELDS, TRAIN_FIELDS, build_config, parse_value
+from nanoforge.data.parts import merge_prepared
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.demo import run_demo
 from nanoforge.errors import NanoforgeError
@@ -23,6 +24,7 @@ from nanoforge.rl.grpo import RLOptions, grpo
 from nanoforge.rl.ppo_recipe import PPOOptions, ppo
 from nanoforge.report import write_report
 from nanoforge.tokenizer import train_tokenizer
+from nanoforge.train.autoresume import AUTO, resolve_resume
 from nanoforge.train.distributed import is_main
 from nanoforge.train.loop import TrainingInterrupted
 from nanoforge.train.rundir import check_resume_options
@@ -34,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
     if not is_main():  # under torchrun only rank 0 talks to the user
         sys.stdout = open(os.devnull, "w")
     try:
+        if getattr(args, "resume", None) == AUTO:  # every training command's --resume auto, grpo's too
+            args.resume = resolve_resume(AUTO, args.out, args.command)
         COMMANDS[args.command](args)
         return 0
     except NanoforgeError as e:
@@ -68,9 +72,17 @@ def cmd_tokenizer(args) -> None:
 
 
 def cmd_prepare(args) -> None:
+    if args.action == "merge":
+        merge_prepared(args.parts, args.out, force=args.force)
+        return
+    missing = [flag for flag, value in (("--kind", args.kind), ("--data", args.data), ("--tokenizer", args.tokenizer))
+               if not value]
+    if missing or args.parts:
+        raise NanoforgeError(f"prepare needs {', '.join(missing)}" if missing else
+                             f"prepare: unexpected {' '.join(args.parts)} (input files go after --data)")
     prepare_dataset(args.kind, args.data, args.tokenizer, args.out, val_fraction=args.val_fraction,
                     workers=args.workers, skip_invalid=args.skip_invalid, force=args.force,
-                    drop_empty_think=args.drop_empty_think)
+                    drop_empty_think=args.drop_empty_think, text_column=args.text_column, part=args.part)
 
 
 def cmd_pretrain(args) -> None:

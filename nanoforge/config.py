@@ -130,6 +130,7 @@ class TrainConfig:
     # data
     val_fraction: float = 0.01  # held out when raw JSONL/text is prepared on the fly (a text file: its tail)
     workers: int = 0  # tokenization processes when preparing on the fly; 0 means all cores
+    text_column: str = "text"  # Parquet / datasets pretraining input: the column that holds the text
 
     def validate(self) -> None:
         _finite(self)

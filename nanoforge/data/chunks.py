@@ -31,6 +31,8 @@ from typing import Iterator
 
 import numpy as np
 
+from nanoforge.data.columnar import as_row_error, check_row, hash_source, is_columnar, row_chunks
+from nanoforge.data.parts import range_line_chunks
 from nanoforge.data.jsonl import (MAX_RECORD_BYTES, UTF8_BOM, DataError, SkipCounter, parse_lines,
                                   record_too_long)
 from nanoforge.data.sft_records import drops_empty_think, render_sft_record
@@ -54,12 +56,19 @@ class SourceStats:
     val_start: int | None = None
     val_line: int = 0
     kept_whole: str = ""
+    # prepare --part (data/parts.py): the byte range of the file this part reads, the line it starts at, and
+    # the records before it in the whole input (where this part's val draw starts counting)
+    byte_range: tuple[int, int] | None = None
+    first_line: int = 1
+    records_before: int = 0
 
     def to_json(self) -> dict:
         entry = {"path": str(self.path.resolve()), "bytes": self.size, "sha256": self.hasher.hexdigest(),
                  "records": self.records, "skipped": self.skips.skipped}
         if self.val_start is not None:
             entry["val_from_byte"] = self.val_start
+        if self.byte_range is not None:
+            entry["byte_range"] = list(self.byte_range)
         return entry
 
 
@@ -80,19 +89,27 @@ class ChunkTask:
     text_end: bool = True
     text_val: bool = False
     drop_empty_think: float = 0.0  # sft: the seeded share of records rendered without empty think blocks
+    rows: list | None = None  # Parquet / datasets rows as records (data/columnar.py); first_line is a row number
 
 
 def chunk_tasks(kind: str, sources: list[SourceStats], chunk_bytes: int, skip_invalid: bool,
                  val_fraction: float = 0.0, split_pattern: str | None = "gpt-2",
-                 drop_empty_think: float = 0.0) -> Iterator[ChunkTask]:
+                 drop_empty_think: float = 0.0, text_column: str = "text") -> Iterator[ChunkTask]:
     for index, source in enumerate(sources):
+        if is_columnar(source.path):
+            source.size = hash_source(source.path, source.hasher)
+            for first_row, rows in row_chunks(source.path, kind, text_column):
+                yield ChunkTask(kind, index, str(source.path), first_row, b"", skip_invalid,
+                                drop_empty_think=drop_empty_think, rows=rows)
+            continue
         if is_plain_text(source.path):
             if kind != "pretrain":
                 raise DataError(f"plain text is pretraining data; {kind} needs JSONL records", source.path)
             for first_line, data, last, val in _text_chunks(source, chunk_bytes, val_fraction, split_pattern):
                 yield ChunkTask(kind, index, str(source.path), first_line, data, skip_invalid, True, last, val)
             continue
-        for first_line, data in _line_chunks(source, chunk_bytes):
+        for first_line, data in (range_line_chunks(source, chunk_bytes) if source.byte_range
+                                 else _line_chunks(source, chunk_bytes)):
             yield ChunkTask(kind, index, str(source.path), first_line, data, skip_invalid,
                             drop_empty_think=drop_empty_think)
 
@@ -261,12 +278,34 @@ def encode_chunk(task: ChunkTask, tokenizer) -> ChunkResult:
     """Parse, validate and tokenize the lines of one chunk. Raises the DataError of its first bad line."""
     if task.plain_text:
         return _encode_text(task, tokenizer)
+    if task.rows is not None:
+        return _encode_rows(task, tokenizer)
     skips = SkipCounter()
     records = list(parse_lines(task.data.split(b"\n"), task.kind, task.path, task.first_line, task.skip_invalid,
                                skips))
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     encode = {"pretrain": _encode_pretrain, "sft": _encode_sft, "dpo": _encode_dpo}[task.kind]
     tokens, lens, nbytes, mask = encode(records, tokenizer, dtype, task, skips)
+    return ChunkResult(task.file_index, tokens, lens, nbytes, mask, skips)
+
+
+def _encode_rows(task: ChunkTask, tokenizer) -> ChunkResult:
+    """encode_chunk for Parquet / datasets rows: each row checked as a JSONL record is, errors at `row N`."""
+    skips, records = SkipCounter(), []
+    for offset, record in enumerate(task.rows):
+        row = task.first_line + offset
+        try:
+            records.append((row, check_row(task.kind, record, task.path, row)))
+        except DataError as e:
+            if not task.skip_invalid:
+                raise
+            skips.add(e)
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+    encode = {"pretrain": _encode_pretrain, "sft": _encode_sft, "dpo": _encode_dpo}[task.kind]
+    try:
+        tokens, lens, nbytes, mask = encode(records, tokenizer, dtype, task, skips)
+    except DataError as e:
+        raise as_row_error(e) from None
     return ChunkResult(task.file_index, tokens, lens, nbytes, mask, skips)
 
 

@@ -19,7 +19,9 @@ import numpy as np
 
 from nanoforge import __version__, dirlock
 from nanoforge.data.chunks import ChunkResult, SourceStats, chunk_tasks, run_chunks
+from nanoforge.data.columnar import check_columnar, is_columnar
 from nanoforge.data.jsonl import KINDS, DataError, check_input_file
+from nanoforge.data.parts import PartInput, parse_part, plan_part
 from nanoforge.data.sft_records import DROP_THINK_SEED
 from nanoforge.data.shards import FORMAT, FORMAT_VERSION, MASKED_KINDS
 from nanoforge.errors import NanoforgeError
@@ -34,7 +36,7 @@ CHUNK_BYTES = 2 << 20  # raw JSONL handed to a worker at a time
 def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 0.01, workers: int = 0,
                     skip_invalid: bool = False, force: bool = False, log: Callable[[str], None] = print, *,
                     chunk_bytes: int = CHUNK_BYTES, max_shard_tokens: int = SHARD_TOKENS,
-                    drop_empty_think: float = 0.0) -> dict:
+                    drop_empty_think: float = 0.0, text_column: str = "text", part: str | None = None) -> dict:
     """Tokenize JSONL `files` of `kind` into shards in `out_dir`; return the manifest (also written there).
 
     pretrain: each document is encode(text) + [eos].  sft: each conversation is tokenizer.render_chat(...),
@@ -47,6 +49,8 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
     process. Keyword-only chunk_bytes and max_shard_tokens exist for tests and tuning.
     drop_empty_think (sft): the share of records, chosen by a seeded hash of file index and line
     (data/sft_records.py), whose assistant turns are rendered without their empty think blocks.
+    Parquet files and HF datasets directories are read row by row (data/columnar.py); text_column names
+    pretraining's string column. part "I/N": prepare only part I of N of the input (data/parts.py).
     """
     started = time.perf_counter()
     if kind not in KINDS:
@@ -66,7 +70,8 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
     files = [files] if isinstance(files, (str, os.PathLike)) else list(files)
     if not files:
         raise NanoforgeError("no input files given to prepare")
-    paths = [check_input_file(f) for f in files]
+    paths = [check_columnar(f) if is_columnar(f) else check_input_file(f) for f in files]  # data/columnar.py
+    inputs = plan_part(paths, parse_part(part)) if part else [PartInput(p) for p in paths]  # data/parts.py
     out_dir = Path(out_dir)
     _check_out_dir(out_dir, force)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -74,12 +79,14 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
     with dirlock.acquire(out_dir.parent / f".{out_dir.name}.lock", f"{out_dir} (being prepared)",
                          unlink_on_release=True):
         _check_out_dir(out_dir, force)  # again: a prepare that held the lock until now may have filled it
-        return _prepare_locked(kind, paths, tokenizer, out_dir, val_fraction, workers, skip_invalid, force, log,
-                               chunk_bytes, max_shard_tokens, started, drop_empty_think)
+        return _prepare_locked(kind, inputs, tokenizer, out_dir, val_fraction, workers, skip_invalid, force, log,
+                               chunk_bytes, max_shard_tokens, started, drop_empty_think, text_column, part)
 
 
-def _prepare_locked(kind, paths, tokenizer, out_dir: Path, val_fraction, workers, skip_invalid, force, log,
-                    chunk_bytes, max_shard_tokens, started, drop_empty_think=0.0) -> dict:
+def _prepare_locked(kind, inputs, tokenizer, out_dir: Path, val_fraction, workers, skip_invalid, force, log,
+                    chunk_bytes, max_shard_tokens, started, drop_empty_think=0.0, text_column="text",
+                    part=None) -> dict:
+    paths = [i.path for i in inputs]
     workers = workers or os.cpu_count() or 1
     # no more processes than chunks: starting a worker costs ~0.5 s, more than a small input takes
     workers = max(1, min(workers, math.ceil(sum(p.stat().st_size for p in paths) / chunk_bytes)))
@@ -93,13 +100,17 @@ def _prepare_locked(kind, paths, tokenizer, out_dir: Path, val_fraction, workers
         tmp.mkdir()
         writers = {split: SplitWriter(tmp, split, dtype, with_mask=kind in MASKED_KINDS,
                                       max_shard_tokens=max_shard_tokens) for split in SPLITS}
-        sources = [SourceStats(path) for path in paths]
+        sources = [SourceStats(i.path, byte_range=i.byte_range, first_line=i.first_line,
+                               records_before=i.records_before) for i in inputs]
         tasks = chunk_tasks(kind, sources, chunk_bytes, skip_invalid, val_fraction, tokenizer.split_pattern,
-                            drop_empty_think)
+                            drop_empty_think, text_column)
         docs_seen = 0
         with closing(run_chunks(tasks, tokenizer, workers)) as results:  # closing stops the workers
+            current = None
             for result in results:
                 source = sources[result.file_index]
+                if part and result.file_index != current:  # where the whole input's count stands here
+                    current, docs_seen = result.file_index, source.records_before
                 source.records += (len(result.doc_lens) - result.continues) // _docs_per_record(kind)
                 source.skips.merge(result.skips)
                 docs_seen = _write_result(result, writers, docs_seen, val_fraction, _docs_per_record(kind))
@@ -112,6 +123,8 @@ def _prepare_locked(kind, paths, tokenizer, out_dir: Path, val_fraction, workers
         tokenizer.save(tmp / "tokenizer")
         manifest = _manifest(kind, tokenizer, dtype, val_fraction, sources, splits, workers,
                              time.perf_counter() - started, drop_empty_think)
+        if part:
+            manifest["part"] = part
         write_json(tmp / "manifest.json", manifest)
         _swap_into_place(tmp, out_dir, force)
     except BaseException:  # KeyboardInterrupt too: never leave a half-written directory behind

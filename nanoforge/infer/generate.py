@@ -3,7 +3,8 @@ strings, and streaming that never shows half a character or a piece of a stop st
 
 One decoding loop (`_token_steps`) serves everything: `generate` runs it for a batch and returns token ids,
 `complete` also returns the text cut at the first stop string, and `stream` yields one prompt's text as it
-is decoded. Sampling follows the usual order (HF transformers' logits processors): repetition penalty on
+is decoded (`sample_with_logprobs`, for RL, steps the same decoding state and also returns each sampled
+token's log-prob). Sampling follows the usual order (HF transformers' logits processors): repetition penalty on
 the raw logits, then temperature, top-k, top-p, and a draw from what is left.
 
 Prompts of different lengths are left-padded into one batch so that every row's next token sits in the last
@@ -172,6 +173,48 @@ def stream_completion(model, tokenizer, prompt_ids: Sequence[int], cfg: Sampling
     if len(text) > len(emitted) and text.startswith(emitted):
         yield text[len(emitted):]  # the held-back tail: it was not a stop string after all
     yield Completion(text, ids, reason)
+
+
+def sample_with_logprobs(model, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, stop_ids: Sequence[int],
+                         generator: torch.Generator | None = None,
+                         precision: str = "fp32") -> list[tuple[list[int], list[float], bool]]:
+    """One reply per prompt, all generated together, for RL: (sampled ids, each one's log-prob, stopped?) per
+    row. A row that stopped ends with its stop token (kept: RL trains on it); one that did not was cut at
+    max_new_tokens or the end of the context. The log-prob is log_softmax(logits / T) of the sampled token
+    (T = 1 for greedy rows), the unfiltered tempered distribution; `generator` draws every token (None: the
+    decoding state's own, seeded from cfg.seed, else the global RNG). No repetition penalty: RL's log-probs
+    must be those of the distribution sampled from."""
+    cfg.validate()
+    if cfg.repetition_penalty != 1.0:
+        raise NanoforgeError("sample_with_logprobs samples from the model's own distribution: "
+                             "repetition_penalty must be 1")
+    if precision not in PRECISIONS:
+        raise NanoforgeError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+    if len(prompts) == 0:
+        return []
+    device = next(model.parameters()).device
+    temperature = cfg.temperature or 1.0
+    stops = set(stop_ids)
+    with _step_context(model, device, precision):
+        state = _DecodeState(model, prompts, cfg, True, device, precision)
+    generator = generator if generator is not None else state.generator
+    tokens_of: list[list[int]] = [[] for _ in prompts]
+    logprobs_of: list[list[float]] = [[] for _ in prompts]
+    stopped = [False] * len(prompts)
+    for _ in range(state.n_new):
+        with _step_context(model, device, precision):
+            logits = state._next_logits()  # (B, V) float32
+            tokens = sample_next(logits, cfg, generator)  # (B,)
+            chosen = torch.log_softmax(logits / temperature, dim=-1).gather(1, tokens[:, None])[:, 0]  # (B,)
+            state.pending = tokens[:, None]
+        for i, (token, logprob) in enumerate(zip(tokens.tolist(), chosen.tolist())):
+            if not stopped[i]:  # a stopped row is still computed with the batch; its tokens are ignored
+                tokens_of[i].append(token)
+                logprobs_of[i].append(logprob)
+                stopped[i] = token in stops
+        if all(stopped):
+            break
+    return list(zip(tokens_of, logprobs_of, stopped))
 
 
 def cut_at_stop(text: str, stop_strings: Sequence[str]) -> str:

@@ -41,18 +41,21 @@ from its first token: no cache is kept between rounds (simple, and what the trai
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 from nanoforge.errors import NanoforgeError
-from nanoforge.infer.generate import SamplingConfig, _DecodeState, _step_context, sample_next
+from nanoforge.infer.generate import SamplingConfig, sample_with_logprobs
 from nanoforge.infer.toolloop import stop_ids
 from nanoforge.infer.toolparse import Reply, parse_reply
 from nanoforge.infer.toolturn import tool_messages, tool_schemas
+from nanoforge.rl.losses import group_advantages
 from nanoforge.rl.prompts import PromptRecord
 from nanoforge.rl.rewards import AgentTurns, agent_reward_parts
+from nanoforge.rl.rollout import Batch, RolloutConfig, check_fits, frozen_logps
 from nanoforge.tools.calculator import BUILTIN_TOOLS
 
 ENDS = ("answer", "length", "max_turns", "context")
@@ -136,7 +139,8 @@ def agent_rollouts(model, tokenizer, prompts: Sequence[Sequence[int]], records: 
     for turn in range(max_turns):
         if not live:
             break
-        rows = _decode_round(model, [trajectories[i].ids for i in live], cfg, stops, generator, precision)
+        rows = sample_with_logprobs(model, [trajectories[i].ids for i in live], cfg, stops, generator,
+                                    precision)
         live = [i for i, (tokens, logprobs, stopped) in zip(live, rows)
                 if _add_reply(trajectories[i], tokenizer, tokens, logprobs, stopped, tools, think,
                               turn + 1 == max_turns, context - cfg.max_new_tokens)]
@@ -198,32 +202,81 @@ def _add_reply(trajectory: Trajectory, tokenizer, tokens: list[int], logprobs: l
     return True
 
 
-def _decode_round(model, prompts: list[list[int]], cfg: SamplingConfig, stops: set[int],
-                  generator: torch.Generator | None, precision: str) -> list[tuple[list[int], list[float], bool]]:
-    """One reply per prompt, all generated together: (sampled ids, their log-probs, stopped?) per row. A row
-    that stopped ends with its stop token; one that did not was cut at cfg.max_new_tokens.
+# ---------------------------------------------------------------------------------------------- the RL batch
 
-    The decoding state is generate.py's (left padding, attention mask, KV cache); the sampling step is done
-    here because `generate` returns no log-probs: the same `sample_next`, and the chosen tokens' log-probs
-    from the same logits."""
-    device = next(model.parameters()).device
-    temperature = cfg.temperature or 1.0  # greedy rows report log-probs at T = 1
-    with _step_context(model, device, precision):
-        state = _DecodeState(model, prompts, cfg, True, device, precision)
-    tokens_of: list[list[int]] = [[] for _ in prompts]
-    logprobs_of: list[list[float]] = [[] for _ in prompts]
-    stopped = [False] * len(prompts)
-    for _ in range(state.n_new):
-        with _step_context(model, device, precision):
-            logits = state._next_logits()  # (B, V) float32
-            tokens = sample_next(logits, cfg, generator)  # (B,)
-            chosen = torch.log_softmax(logits / temperature, dim=-1).gather(1, tokens[:, None])[:, 0]  # (B,)
-            state.pending = tokens[:, None]
-        for i, (token, logprob) in enumerate(zip(tokens.tolist(), chosen.tolist())):
-            if not stopped[i]:  # a stopped row is still computed with the batch; its tokens are ignored
-                tokens_of[i].append(token)
-                logprobs_of[i].append(logprob)
-                stopped[i] = token in stops
-        if all(stopped):
-            break
-    return list(zip(tokens_of, logprobs_of, stopped))
+
+def pack_trajectories(trajectories: Sequence[Trajectory], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids (B, L), loss_mask (B, L-1)) of a rollout batch (rl/rollout.py's layout): each trajectory's ids
+    right-padded; loss_mask[t] is the trajectory's mask of target t+1 (its own sampled tokens), 0 on padding."""
+    length = max(len(t.ids) for t in trajectories)
+    ids = torch.full((len(trajectories), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(trajectories), length - 1), dtype=torch.float32)
+    for i, t in enumerate(trajectories):
+        ids[i, :len(t.ids)] = torch.tensor(t.ids)
+        mask[i, :len(t.ids) - 1] = torch.tensor(t.mask[1:], dtype=torch.float32)
+    return ids, mask
+
+
+def agent_rollout(model, tokenizer, records: Sequence[PromptRecord], cfg: RolloutConfig, reward_fn, seed: int,
+                  reference=None, micro_rows: int | None = None, *, tools: Sequence[str],
+                  max_turns: int) -> Batch:
+    """rl/rollout.py `rollout` for `grpo --tools`: each record rolled out num_generations times by
+    agent_rollouts (every trajectory of the step in one batch per round), rewarded by the agent reward alone
+    (`reward_fn` must be None), and laid out as the same batch: old (and reference) log-probs recomputed
+    over the packed ids in the loss's micro-batch chunks, so in fp32 the first update's ratio is exactly 1."""
+    if reward_fn is not None:
+        raise NanoforgeError("--tools: the agent reward is the reward; --reward and --reward-model do not apply")
+    G = cfg.num_generations
+    prompts = [agent_prompt(tokenizer, r, tools, cfg.think) for r in records]
+    for ids, record in zip(prompts, records):
+        check_fits(ids, record, model.model.rotary_emb.n_positions)
+    sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=seed)
+    start = time.perf_counter()
+    trajectories = agent_rollouts(model, tokenizer, [p for p in prompts for _ in range(G)],
+                                  [r for r in records for _ in range(G)], tools, sampling, max_turns, cfg.think,
+                                  precision=cfg.precision)
+    seconds = time.perf_counter() - start
+    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)  # (B,)
+    grouped = rewards.view(len(records), G)  # (P, G)
+    input_ids, loss_mask = pack_trajectories(trajectories, tokenizer.pad_id if tokenizer.pad_id is not None else 0)
+    batch = {"input_ids": input_ids, "loss_mask": loss_mask,
+             "old_logp": frozen_logps(model, input_ids, cfg.temperature, cfg.precision, micro_rows),
+             "advantages": group_advantages(grouped, cfg.advantage).view(-1), "rewards": rewards}
+    if reference is not None:
+        batch["ref_logp"] = frozen_logps(reference, input_ids, cfg.temperature, cfg.precision, micro_rows)
+    batch.update({f"stat_{k}": torch.tensor(v, dtype=torch.float32)
+                  for k, v in agent_stats(trajectories, grouped, seconds).items()})
+    return batch
+
+
+def agent_stats(trajectories: Sequence[Trajectory], grouped: torch.Tensor, seconds: float) -> dict[str, float]:
+    """A step's figures: rl/rollout.py's (reward, zero-variance groups, reply_len = sampled tokens per
+    trajectory, truncated, rollout tokens/s) and the agent's (turns, tool calls per trajectory, unfinished
+    share, the agent reward's parts)."""
+    n = len(trajectories)
+    new_tokens = sum(t.generated_tokens for t in trajectories)
+    stats = {"reward_mean": grouped.mean().item(), "reward_std": grouped.flatten().std().item(),
+             "zero_var_groups": (grouped.amax(1) == grouped.amin(1)).float().mean().item(),
+             "reply_len": new_tokens / n, "truncated": sum(t.end == "length" for t in trajectories) / n,
+             "rollout_tokens_per_s": new_tokens / max(seconds, 1e-9),
+             "turns": sum(t.turns for t in trajectories) / n,
+             "tool_calls": sum(len(t.tool_results) for t in trajectories) / n,
+             "unfinished": sum(not t.finished for t in trajectories) / n}
+    for name in ("calls", "bad", "answer", "unfinished"):
+        stats[f"reward_{name}"] = sum(t.reward_parts[name] for t in trajectories) / n
+    return stats
+
+
+def check_agent_prompts(tokenizer, records: Sequence[PromptRecord], tools: Sequence[str], think: bool,
+                        context: int) -> None:
+    """Before the first step of `grpo --tools`: the template renders tool calls, every record has "gt" (the
+    agent reward's expected answers) and its prompt, tool schemas included, fits the model's context; a bad
+    record is named by its file:line."""
+    if not tokenizer.supports_tools:
+        raise NanoforgeError("--tools: this tokenizer's chat template cannot render tool calls; agent rollouts "
+                             "need a tokenizer trained by `nanoforge tokenizer train` (or MiniMind-3's)")
+    for record in records:
+        if not record.gt:
+            raise NanoforgeError(f'{record.source or "a prompt"}: "gt": missing; with --tools every record needs '
+                                 'the expected answers ("gt": a string or a list of strings) for the agent reward')
+        check_fits(agent_prompt(tokenizer, record, tools, think), record, context)

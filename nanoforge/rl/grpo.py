@@ -7,19 +7,22 @@ samples, report); --data is a prompts JSONL file (rl/prompts.py), read as it is,
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from nanoforge.config import MODEL_FIELDS, build_config, load_toml
 from nanoforge.device import resolve_device
 from nanoforge.errors import NanoforgeError
+from nanoforge.infer.toolturn import parse_tool_names
 from nanoforge.loader import init_config, init_tokenizer_dir, init_weights
 from nanoforge.model.gpt import GPT
+from nanoforge.rl.agent import agent_rollout, check_agent_prompts
 from nanoforge.rl.losses import ADVANTAGES, LOSSES, NORMS
 from nanoforge.rl.prompts import PromptIterator, read_prompts
 from nanoforge.rl.reward_model import load_reward_model
 from nanoforge.rl.rewards import combine, parse_rewards, parse_weights
-from nanoforge.rl.rollout import RolloutConfig, check_prompts
+from nanoforge.rl.rollout import RolloutConfig, check_prompts, rollout
 from nanoforge.rl.stage import RolloutBatches, policy_count, policy_objective
 from nanoforge.tokenizer import load_tokenizer
 from nanoforge.train import checkpoint as ckpt
@@ -56,6 +59,8 @@ class RLOptions:
     reward_model: str | None = None
     trust_remote_code: bool | None = None
     think: bool | None = None
+    tools: str | None = None
+    max_turns: int | None = None
 
     def given(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -65,6 +70,7 @@ class RLOptions:
 DEFAULTS = {"loss": "grpo", "num_generations": 6, "prompts_per_step": 2, "beta": 0.1, "epsilon": 0.2,
             "advantage": "zscore", "loss_norm": "sequence", "temperature": 0.8, "max_new_tokens": 256,
             "ppo_epochs": 1, "trust_remote_code": False, "think": False}
+MAX_TURNS = 3  # replies per trajectory under --tools when --max-turns is not given (call, answer, one spare)
 FLAGS = {f.name: "--" + f.name.replace("_", "-") for f in fields(RLOptions)}
 
 
@@ -80,9 +86,26 @@ def check_options(o: dict[str, Any]) -> None:
     for key in ("epsilon", "epsilon_high"):
         if key in o and not o[key] > 0:
             raise NanoforgeError(f"{FLAGS[key]} {o[key]} must be > 0")
-    if not o.get("reward") and not o.get("reward_model"):
+    if o.get("tools") is not None:
+        check_tool_options(o)
+    elif "max_turns" in o:
+        raise NanoforgeError("--max-turns only applies to multi-turn rollouts: add --tools calculator")
+    elif not o.get("reward") and not o.get("reward_model"):
         raise NanoforgeError("--reward: no reward given (math, format, length, repetition, module:function) and "
                              "no --reward-model")
+
+
+def check_tool_options(o: dict[str, Any]) -> None:
+    """--tools: known tools, --max-turns >= 1, and the agent reward alone (docs/rl.md, multi-turn)."""
+    if not parse_tool_names(o["tools"]):
+        raise NanoforgeError("--tools: no tool named; the built-in tools: calculator")
+    if not isinstance(o["max_turns"], int) or o["max_turns"] < 1:
+        raise NanoforgeError(f"--max-turns {o['max_turns']!r} must be an integer >= 1")
+    given = [FLAGS[k] for k in ("reward", "reward_model") if o.get(k)]
+    if given:
+        raise NanoforgeError(f"{' and '.join(given)} with --tools: the reward of a multi-turn rollout is the agent "
+                             'reward (valid calls, the record\'s "gt" found in the final answer, unfinished '
+                             "penalty); drop " + " and ".join(given))
 
 
 def resolve_options(out: Path, options: RLOptions, resume: bool) -> dict[str, Any]:
@@ -93,7 +116,9 @@ def resolve_options(out: Path, options: RLOptions, resume: bool) -> dict[str, An
         check_resume_options(out, {k: (FLAGS[k], v) for k, v in given.items()})
         saved = {k: v for k, v in load_toml(out / "config.toml").get("run", {}).items() if k in FLAGS}
     resolved = {**DEFAULTS, **saved, **given}
-    if "reward" not in resolved and not resolved.get("reward_model"):
+    if resolved.get("tools") is not None:
+        resolved.setdefault("max_turns", MAX_TURNS)
+    elif "reward" not in resolved and not resolved.get("reward_model"):
         resolved["reward"] = "math"
     check_options(resolved)
     return resolved
@@ -182,17 +207,24 @@ def grpo(init: str | None, data: str | None, out: str | Path, options: RLOptions
     model = GPT(mcfg)
     if not resume:
         model.load_weights(init_weights(init_path))
-    check_prompts(tok, records, cfg.think, model.model.rotary_emb.n_positions)
-    batches = RolloutBatches(model, tok, iterator, cfg, reward_function(o, device), tcfg.seed, o["ppo_epochs"],
-                             tcfg.grad_accum, reference)
+    tools = parse_tool_names(o.get("tools"))
+    if tools:  # multi-turn: rl/agent.py's rollouts and reward
+        check_agent_prompts(tok, records, tools, cfg.think, model.model.rotary_emb.n_positions)
+        rollout_fn, reward = partial(agent_rollout, tools=tools, max_turns=o["max_turns"]), None
+    else:
+        check_prompts(tok, records, cfg.think, model.model.rotary_emb.n_positions)
+        rollout_fn, reward = rollout, reward_function(o, device)
+    batches = RolloutBatches(model, tok, iterator, cfg, reward, tcfg.seed, o["ppo_epochs"], tcfg.grad_accum,
+                             reference, rollout_fn)
     tcfg.batch_size = batches.micro_rows  # for the header: replies per micro-batch
     loss = policy_objective(o["loss"], o["epsilon"], o.get("epsilon_high"), o["beta"], o["loss_norm"],
                             o["temperature"])
     stage = Stage("grpo", batches, loss, None, None, run_info, count_fn=policy_count(o["loss_norm"]),
                   sampler=make_sampler(run_dir, tcfg, tok, prompts, chat=True))
     if not quiet:
+        reward_name = (f"agent (tools {','.join(tools)}, max turns {o['max_turns']})" if tools else
+                       f"{o.get('reward') or ''}{' + model' if o.get('reward_model') else ''}")
         print(f"grpo: {len(records)} prompts, {o['prompts_per_step']} x {o['num_generations']} replies per rollout"
-              f" (x {w.world_size} processes), loss {o['loss']}, reward {o.get('reward') or ''}"
-              f"{' + model' if o.get('reward_model') else ''}, beta {o['beta']:g}, ppo epochs {o['ppo_epochs']}",
-              flush=True)
+              f" (x {w.world_size} processes), loss {o['loss']}, reward {reward_name}, beta {o['beta']:g}, "
+              f"ppo epochs {o['ppo_epochs']}", flush=True)
     return train_and_report(stage, model, mcfg, tcfg, run_dir, resume, quiet)

@@ -1,6 +1,7 @@
 """Rollouts: P prompts x G replies sampled at once through the KV-cache generator, scored, and laid out as the
-batch the policy loss trains on. The RL stages (GRPO/CISPO/REINFORCE now; PPO and multi-turn tool rollouts
-next) share this module: `render_prompt`, `sample_replies`, `token_logps` and `pack` are the pieces.
+batch the policy loss trains on. The RL stages (GRPO/CISPO/REINFORCE now; PPO next; multi-turn tool rollouts,
+rl/agent.py, lay out the same batch) share this module: `render_prompt`, `sample_replies`, `token_logps` and
+`pack` are the pieces.
 
 A rollout batch (CPU tensors, B = P x G rows, groups of G consecutive rows share a prompt; L = longest prompt +
 reply, right-padded with the tokenizer's pad id):

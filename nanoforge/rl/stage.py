@@ -32,10 +32,11 @@ def rollout_seed(seed: int, index: int, rank: int) -> int:
 
 class RolloutBatches:
     """BatchSource of the RL stages: next_batch() returns micro-batch (call % grad_accum) of the current rollout,
-    sampling a new rollout every ppo_epochs x grad_accum calls. The model is the plain (unwrapped) policy."""
+    sampling a new rollout every ppo_epochs x grad_accum calls. The model is the plain (unwrapped) policy.
+    rollout_fn samples a rollout batch, rl/rollout.py `rollout` or (grpo --tools) rl/agent.py `agent_rollout`."""
 
-    def __init__(self, model, tokenizer, prompts: PromptIterator, cfg: RolloutConfig, reward_fn: RewardFn,
-                 seed: int, ppo_epochs: int = 1, grad_accum: int = 1, reference=None):
+    def __init__(self, model, tokenizer, prompts: PromptIterator, cfg: RolloutConfig, reward_fn: RewardFn | None,
+                 seed: int, ppo_epochs: int = 1, grad_accum: int = 1, reference=None, rollout_fn=rollout):
         rows_per_rollout = prompts.prompts_per_step * cfg.num_generations
         if rows_per_rollout % grad_accum:
             raise NanoforgeError(f"--grad-accum {grad_accum} must divide the {rows_per_rollout} replies of a rollout "
@@ -43,6 +44,7 @@ class RolloutBatches:
                                  f"{cfg.num_generations})")
         self.model, self.tokenizer, self.prompts, self.cfg = model, tokenizer, prompts, cfg
         self.reward_fn, self.seed, self.reference = reward_fn, int(seed), reference
+        self.rollout_fn = rollout_fn
         self.ppo_epochs, self.grad_accum = ppo_epochs, grad_accum
         self.micro_rows = rows_per_rollout // grad_accum
         self.calls = 0  # next_batch calls so far
@@ -71,8 +73,8 @@ class RolloutBatches:
     def _sample(self) -> None:
         records = self.prompts.next_prompts()
         seed = rollout_seed(self.seed, self.rollouts, self.prompts.rank)
-        self.current = rollout(self.model, self.tokenizer, records, self.cfg, self.reward_fn, seed, self.reference,
-                               self.micro_rows)
+        self.current = self.rollout_fn(self.model, self.tokenizer, records, self.cfg, self.reward_fn, seed,
+                                       self.reference, self.micro_rows)
         self.rollouts += 1
         self.every_rank = [self.current]
         if self.prompts.world_size > 1 and self.cycle > 1:  # a checkpoint mid-rollout needs every rank's

@@ -74,10 +74,25 @@ def setup(device: torch.device) -> torch.device:
         # main_first() keeps ranks > 0 in a barrier while rank 0 prepares data or computes DPO reference
         # log-probs; NCCL's default 10-minute timeout would kill them on a large corpus.
         timeout = datetime.timedelta(minutes=_timeout_minutes())
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=w.rank,
-                                world_size=w.world_size, timeout=timeout)
+        try:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=w.rank,
+                                    world_size=w.world_size, timeout=timeout)
+        except RuntimeError as e:
+            raise _restart_hint(e) from e
         atexit.register(dist.destroy_process_group)
     return device
+
+
+def _restart_hint(error: RuntimeError) -> Exception:
+    """After an elastic restart torchrun (2.5 and later) hands the workers the rendezvous store of the last
+    attempt, addresses of its dead ranks included, and joining the group fails on them (pytorch#135712). The
+    error a person can act on names the launcher's switch; any other failure is returned unchanged."""
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if not (restarted and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        return error
+    return NanoforgeError(f"joining the process group after torchrun's restart failed ({str(error)[:200]}): the "
+                          "restarted workers read the last attempt's addresses from torchrun's shared store. Launch "
+                          "torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (pytorch#135712)")
 
 
 def barrier() -> None:

@@ -31,6 +31,7 @@ from nanoforge.errors import NanoforgeError
 from nanoforge.model.interface import TRAINABLE_INTERFACE, TrainableModel
 from nanoforge.train import checkpoint as ckpt
 from nanoforge.train import distributed
+from nanoforge.train.faults import kill_if_asked
 from nanoforge.train.guard import NonFiniteGuard
 from nanoforge.train.metrics import MetricsLog, observed_peak, peak_flops, peak_memory_bytes, progress_line
 from nanoforge.train.optim import build_optimizer, lr_at
@@ -210,6 +211,7 @@ def train(stage: Stage, model: TrainableModel, mcfg: ModelConfig, tcfg: TrainCon
                     _sample(run)
                 if tcfg.save_every and step % tcfg.save_every == 0:
                     last_saved = save(run)
+                kill_if_asked(run.world.rank, step)  # NANOFORGE_INJECT_KILL, a test hook (train/faults.py)
                 signum = result.signum if run.world.distributed else (result.signum or flag.signum)
                 if signum is not None:
                     raise TrainingInterrupted(signum, save(run))

@@ -23,9 +23,11 @@ from nanoforge import dirlock
 from nanoforge.config import (MODEL_FIELDS, PRESETS, ConfigError, ModelConfig, TrainConfig, build_config,
                               config_to_toml, load_toml)
 from nanoforge.device import resolve_device
+from nanoforge.data.columnar import is_columnar
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import check_tokenizer
-from nanoforge.data.sources import data_kind, prepared_dir
+from nanoforge.data.parts import merge_prepared
+from nanoforge.data.sources import data_kind, is_prepared, prepared_dir
 from nanoforge.errors import NanoforgeError
 from nanoforge.fsutil import write_text_atomic
 from nanoforge.loader import init_config, init_tokenizer_dir
@@ -182,14 +184,20 @@ def _resolve_data(kind: str, data: Sequence[str], run_dir: Path, tokenizer_path:
     target = run_dir / "data"
     if (target / "manifest.json").is_file():
         return target
+    if all(is_prepared(p) for p in paths):  # several prepared parts: a manifest over their shards
+        merge_prepared(paths, target, log=(lambda *a: None) if quiet else print)
+        return target
     if tokenizer_path:
         tokenizer = load_tokenizer(tokenizer_path)
+    elif any(is_columnar(p) for p in paths):
+        raise NanoforgeError("training a tokenizer reads JSONL or text, not Parquet or a datasets directory: give "
+                             "--tokenizer (e.g. one trained with `nanoforge tokenizer train` on a JSONL sample)")
     else:
         log = (lambda *a: None) if quiet else print
         log(f"no --tokenizer given: training a {mcfg.vocab_size}-token BPE tokenizer on the data")
         tokenizer = train_tokenizer(paths, vocab_size=mcfg.vocab_size, out_dir=run_dir / "tokenizer")
     prepare_dataset(kind, paths, tokenizer, target, val_fraction=tcfg.val_fraction, workers=tcfg.workers,
-                    log=(lambda *a: None) if quiet else print)
+                    log=(lambda *a: None) if quiet else print, text_column=tcfg.text_column)
     return target
 
 

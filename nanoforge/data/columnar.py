@@ -1,0 +1,178 @@
+"""Columnar inputs for `prepare` and on-the-fly preparing: Parquet files and HF `datasets` directories (what
+`Dataset.save_to_disk` writes: `state.json`, `dataset_info.json` and `data-*.arrow` files in Arrow's IPC
+stream format), read locally with pyarrow (the optional `parquet` extra; `datasets` itself is never needed and
+no hub is ever asked).
+
+A row is a record, as a JSONL line is: pretraining takes one string column (`text`, or --text-column), SFT
+and DPO take the whole row (`conversations`, optionally `tools`; `chosen` and `rejected`). Arrow's structs
+hold every key of every message, with nulls where a message lacks one: null-valued keys are dropped, so a
+row equals the JSONL record it was made from; a column holding JSON text is parsed. Rows are numbered from
+1, and errors say `file.parquet:row 17: "conversations"[1].role: ...`.
+
+Memory stays flat: rows are read a batch at a time (Parquet row group by row group, Arrow's stored record
+batches), never the whole file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+from nanoforge.data.jsonl import DataError, RecordError, validate_record
+from nanoforge.errors import NanoforgeError
+
+ROWS_PER_CHUNK = 1024  # rows handed to a tokenizer worker at a time
+HF_STATE = "state.json"
+HF_INFO = "dataset_info.json"
+
+
+def _pyarrow():
+    """pyarrow, the optional `parquet` extra (imported here: JSONL users need not install it)."""
+    try:
+        import pyarrow
+        import pyarrow.parquet  # noqa: F401  (registers pyarrow.parquet)
+    except ImportError:
+        raise NanoforgeError("reading Parquet or Arrow data needs pyarrow: pip install 'nanoforge[parquet]'") from None
+    return pyarrow
+
+
+def is_hf_dataset_dir(path) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / HF_STATE).is_file() and (path / HF_INFO).is_file()
+
+
+def is_columnar(path) -> bool:
+    return Path(path).suffix.lower() == ".parquet" or is_hf_dataset_dir(path)
+
+
+def arrow_files(path: Path) -> list[Path]:
+    """The data files of a save_to_disk directory, in order (state.json's `_data_files`)."""
+    try:
+        state = json.loads((path / HF_STATE).read_text(encoding="utf-8"))
+        files = [path / entry["filename"] for entry in state["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{HF_STATE} does not list the data files (_data_files): {e}", path) from None
+    for f in files:
+        if not f.is_file():
+            raise DataError(f"{HF_STATE} lists {f.name}, which is missing", path)
+    return files
+
+
+def check_columnar(path) -> Path:
+    """Fail early, naming the path: missing, or not readable as Parquet / a save_to_disk directory."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError("no such file", path)
+    pa = _pyarrow()
+    try:
+        if path.is_dir():
+            arrow_files(path)
+        else:
+            pa.parquet.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"cannot be read as Parquet: {e}", path) from None
+    return path
+
+
+def column_names(path: Path) -> list[str]:
+    pa = _pyarrow()
+    if path.is_dir():
+        with pa.ipc.open_stream(pa.memory_map(str(arrow_files(path)[0]))) as reader:
+            return reader.schema.names
+    return pa.parquet.ParquetFile(path).schema_arrow.names
+
+
+def columnar_kind(path: Path) -> str:
+    """The kind of data a Parquet file or datasets directory holds, from its columns."""
+    names = column_names(path)
+    if "conversations" in names:
+        return "sft"
+    if "chosen" in names or "rejected" in names:
+        return "dpo"
+    return "pretrain"
+
+
+def num_rows(path: Path) -> int:
+    """Rows in a Parquet file (its metadata) or a datasets directory (its record batches' lengths)."""
+    pa = _pyarrow()
+    if not path.is_dir():
+        return pa.parquet.ParquetFile(path).metadata.num_rows
+    return sum(batch.num_rows for batch in _batches(path, None))
+
+
+def _batches(path: Path, columns: list[str] | None) -> Iterator[Any]:
+    """Arrow record batches, read as they are stored (never the whole file)."""
+    pa = _pyarrow()
+    if path.is_dir():
+        for f in arrow_files(path):
+            with pa.ipc.open_stream(pa.memory_map(str(f))) as reader:
+                for batch in reader:
+                    yield batch.select(columns) if columns else batch
+        return
+    pf = pa.parquet.ParquetFile(path)
+    for group in range(pf.num_row_groups):  # row group by row group
+        yield from pf.iter_batches(batch_size=ROWS_PER_CHUNK, row_groups=[group], columns=columns)
+
+
+def row_chunks(path: Path, kind: str, text_column: str = "text") -> Iterator[tuple[int, list[dict]]]:
+    """(first row number, rows as plain records) chunks of at most ROWS_PER_CHUNK rows. Pretraining reads only
+    `text_column`, renamed `text`; the other kinds read every column."""
+    names = column_names(path)
+    columns = None
+    if kind == "pretrain":
+        if text_column not in names:
+            raise DataError(f"has no column {text_column!r} (its columns: {', '.join(names)}); choose the text "
+                            "column with --text-column", path)
+        columns = [text_column]
+    row = 1
+    for batch in _batches(path, columns):
+        for start in range(0, batch.num_rows, ROWS_PER_CHUNK):
+            rows = batch.slice(start, ROWS_PER_CHUNK).to_pylist()
+            if kind == "pretrain":
+                rows = [{"text": r[text_column]} for r in rows]
+            yield row, [_plain(r) for r in rows]
+            row += len(rows)
+
+
+def _plain(value: Any) -> Any:
+    """A row as the JSONL record it stands for: Arrow's null struct fields dropped."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def check_row(kind: str, record: dict, path: str, row: int) -> dict:
+    """One row validated as a JSONL record is (data/jsonl.py's rules); a JSON-text column is parsed first."""
+    for key in ("conversations", "chosen", "rejected", "tools"):
+        if kind != "pretrain" and isinstance(record.get(key), str):
+            try:
+                record[key] = json.loads(record[key])
+            except json.JSONDecodeError as e:
+                raise DataError(f"invalid JSON text: {e.msg} at column {e.colno}", path, f"row {row}",
+                                json.dumps(key)) from None
+    try:
+        validate_record(kind, record)
+    except RecordError as e:
+        raise DataError(e.message, path, f"row {row}", e.field) from None
+    return record
+
+
+def as_row_error(error: DataError) -> DataError:
+    """A DataError raised with a row's number as its line, relabelled `row N`."""
+    if isinstance(error.line, int):
+        return DataError(error.message, error.path, f"row {error.line}", error.field)
+    return error
+
+
+def hash_source(path: Path, hasher: "hashlib._Hash") -> int:
+    """Feed the file (or a directory's Arrow files, in order) to `hasher`; return the bytes read."""
+    size = 0
+    for f in arrow_files(path) if path.is_dir() else [path]:
+        with open(f, "rb") as fh:
+            while block := fh.read(1 << 20):
+                hasher.update(block)
+                size += len(block)
+    return size

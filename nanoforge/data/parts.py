@@ -1,0 +1,209 @@
+"""Preparing in parts, so N jobs or N machines share the work, and merging the parts without copying tokens.
+
+`prepare --part I/N` (I from 1 to N) prepares
+- with several input files: every N-th of them, starting at the I-th (files of similar size spread evenly);
+- with one JSONL file: its I-th of N byte ranges, each cut at a line start (line numbers in errors are still
+  the whole file's).
+Each record goes to the split it would get in one prepare of all the input: a part starts its record count
+(data/prepare.py's val draw) at the number of records before its input, counted as non-blank lines (or
+Parquet rows). (With --skip-invalid, skipped records before a part still count there but not in a single
+prepare, so the val draw may then differ.)
+
+`prepare merge PART... --out DIR` writes a directory whose manifest lists the parts' shards by relative
+path (`../part1/train_00000`): no token is copied, and data/shards.py reads it as any prepared directory.
+A training command given several prepared directories as --data merges them so into RUN/data.
+The parts must agree on format, kind, dtype, tokenizer, layout and validation share. Merged order is part by
+part: the split of every record and the tokens are those of one prepare; the order of documents is the
+one prepare's only for byte-range parts of one file (for every-N-th files it is part 1's files, then part 2's).
+Keep the parts where they are, next to the merged directory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Iterator
+
+from nanoforge.data.columnar import is_columnar, num_rows
+from nanoforge.data.jsonl import MAX_RECORD_BYTES, record_too_long
+from nanoforge.data.shards import read_manifest
+from nanoforge.errors import NanoforgeError
+from nanoforge.fsutil import fsync_dir
+from nanoforge.tokenizer import PLAIN_TEXT_SUFFIXES
+
+SCAN_BYTES = 8 << 20
+AGREE = ("format", "format_version", "kind", "dtype", "layout", "val_fraction", "drop_empty_think")
+
+
+@dataclass
+class PartInput:
+    """One input of a part: a file (or a byte range of one), where its lines start, records before it."""
+    path: Path
+    byte_range: tuple[int, int] | None = None
+    first_line: int = 1
+    records_before: int = 0
+
+
+def parse_part(text: str) -> tuple[int, int]:
+    """"I/N" -> (I, N), 1 <= I <= N."""
+    i, _, n = str(text).partition("/")
+    if not (i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n)):
+        raise NanoforgeError(f"--part {text!r}: expected I/N with 1 <= I <= N, e.g. --part 2/8")
+    return int(i), int(n)
+
+
+def plan_part(paths: list[Path], part: tuple[int, int]) -> list[PartInput]:
+    """The inputs of part I of N, each with the count of records before it in the whole input."""
+    index, count = part
+    if len(paths) > 1:
+        before, planned = 0, []
+        for k, path in enumerate(paths):
+            if k % count == index - 1:
+                planned.append(PartInput(path, records_before=before))
+            before += _records_in(path)
+        if not planned:
+            raise NanoforgeError(f"--part {index}/{count}: only {len(paths)} input files, so part {index} has none; "
+                                 f"use at most {len(paths)} parts, or split the files")
+        return planned
+    path = paths[0]
+    if is_columnar(path) or path.suffix.lower() in PLAIN_TEXT_SUFFIXES:
+        raise NanoforgeError(f"--part with one input file splits it by lines: JSONL only, not {path.name}; "
+                             "give several files (one part prepares every N-th)")
+    size = path.stat().st_size
+    start, end = (_line_start_at(path, size * k // count) for k in (index - 1, index))
+    lines, records = _count_lines(path, start)
+    return [PartInput(path, (start, end), lines + 1, records)]
+
+
+def _records_in(path: Path) -> int:
+    """Records a file adds to the val draw's count: rows, non-blank JSONL lines, none for plain text."""
+    if is_columnar(path):
+        return num_rows(path)
+    if path.suffix.lower() in PLAIN_TEXT_SUFFIXES:
+        return 0
+    return _count_lines(path, path.stat().st_size)[1]
+
+
+def _count_lines(path: Path, end: int) -> tuple[int, int]:
+    """(line breaks, non-blank lines) in bytes [0, end) of a file that has a line start at `end`."""
+    breaks = records = 0
+    tail = b""
+    with open(path, "rb") as f:
+        left = end
+        while left > 0:
+            block = f.read(min(SCAN_BYTES, left))
+            left -= len(block)
+            lines = (tail + block).split(b"\n")
+            tail = lines.pop()
+            breaks += len(lines)
+            records += sum(1 for line in lines if line.strip())
+    return breaks, records + (1 if tail.strip() else 0)
+
+
+def _line_start_at(path: Path, offset: int) -> int:
+    """The first line start at or after `offset` (the file's size if none)."""
+    size = path.stat().st_size
+    if offset <= 0 or offset >= size:
+        return min(max(offset, 0), size)
+    with open(path, "rb") as f:
+        f.seek(offset - 1)
+        pos = offset - 1
+        while True:
+            block = f.read(SCAN_BYTES)
+            if not block:
+                return size
+            newline = block.find(b"\n")
+            if newline >= 0:
+                return pos + newline + 1
+            pos += len(block)
+            if pos - offset > MAX_RECORD_BYTES:
+                raise record_too_long(pos - offset, path, None)
+
+
+def range_line_chunks(source, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """(first line number, bytes) chunks of whole lines of `source.byte_range`; hashes and sizes that range."""
+    start, end = source.byte_range
+    line_no = source.first_line
+    with open(source.path, "rb") as f:
+        f.seek(start)
+        left, pending = end - start, b""
+        while left > 0:
+            block = f.read(min(chunk_bytes, left))
+            if not block:
+                break
+            left -= len(block)
+            source.hasher.update(block)
+            source.size += len(block)
+            data = pending + block
+            cut = data.rfind(b"\n") + 1 if left > 0 else len(data)
+            if cut == 0:
+                if len(data) > MAX_RECORD_BYTES:
+                    raise record_too_long(len(data), source.path, line_no)
+                pending = data
+                continue
+            yield line_no, data[:cut]
+            line_no += data.count(b"\n", 0, cut)
+            pending = data[cut:]
+
+
+def merge_prepared(dirs: list, out_dir, force: bool = False, log: Callable[[str], None] = print) -> dict:
+    """Write `out_dir` (a manifest over the prepared `dirs` and a copy of their tokenizer); returns the manifest.
+    Written under a temporary name and renamed into place, as `prepare` does."""
+    dirs, out_dir = [Path(d) for d in dirs], Path(out_dir)
+    if len(dirs) < 2:
+        raise NanoforgeError("prepare merge needs two or more prepared directories")
+    if len({d.resolve() for d in dirs}) != len(dirs):
+        raise NanoforgeError("prepare merge: a directory is given twice; its tokens would be counted twice")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:
+        raise NanoforgeError(f"{out_dir}: already exists and is not empty; pass --force to replace it")
+    manifests = [read_manifest(d) for d in dirs]
+    first = manifests[0]
+    for d, m in zip(dirs[1:], manifests[1:]):
+        diffs = [f"{key} {first.get(key)!r} vs {m.get(key)!r}" for key in AGREE if m.get(key) != first.get(key)]
+        if m["tokenizer"]["sha256"] != first["tokenizer"]["sha256"]:
+            diffs.append("another tokenizer (sha256 "
+                         f"{first['tokenizer']['sha256'][:12]} vs {m['tokenizer']['sha256'][:12]})")
+        if set(m["splits"]) != set(first["splits"]):
+            diffs.append(f"splits {sorted(first['splits'])} vs {sorted(m['splits'])}")
+        if diffs:
+            raise NanoforgeError(f"prepare merge: {d} does not match {dirs[0]}: {'; '.join(diffs)}")
+    merged = {**{k: v for k, v in first.items() if k not in ("stats", "part")},
+              "sources": [s for m in manifests for s in m["sources"]],
+              "parts": [os.path.relpath(d.resolve(), out_dir.resolve()) for d in dirs],
+              "splits": {split: _merged_split(dirs, manifests, split, out_dir) for split in first["splits"]},
+              "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    _write_merged(out_dir, merged, dirs[0] / "tokenizer")
+    log(f"merged {len(dirs)} parts into {out_dir}: " + ", ".join(
+        f"{split} {entry['tokens']:,} tokens / {entry['docs']:,} docs" for split, entry in merged["splits"].items()))
+    return merged
+
+
+def _merged_split(dirs: list[Path], manifests: list[dict], split: str, out_dir: Path) -> dict:
+    entries = [m["splits"][split] for m in manifests]
+    shards = [{**shard, "name": os.path.relpath((d / shard["name"]).resolve(), out_dir.resolve())}
+              for d, entry in zip(dirs, entries) for shard in entry["shards"]]
+    return {"shards": shards, **{key: sum(int(e[key]) for e in entries) for key in ("tokens", "docs", "bytes")}}
+
+
+def _write_merged(out_dir: Path, manifest: dict, tokenizer_dir: Path) -> None:
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        shutil.copytree(tokenizer_dir, tmp / "tokenizer")
+        with open(tmp / "manifest.json", "w", encoding="utf-8") as f:
+            json.dump(manifest, f, ensure_ascii=False, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir) if out_dir.is_dir() else out_dir.unlink()
+        os.rename(tmp, out_dir)
+        fsync_dir(out_dir.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,135 @@
+"""torchrun as a cluster uses it, in real processes (gloo, CPU): an elastic restart after a worker is lost
+(SIGKILL, no checkpoint, no cleanup) continues with `--resume auto` to the same weights, bit for bit, as an
+uninterrupted run; and two launchers joined by c10d rendezvous (two "nodes", one process each) train exactly
+like one process with the same global batch."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from nanoforge.data.prepare import prepare_dataset
+from nanoforge.train import checkpoint as ckpt
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMON = ["pretrain", "--preset", "tiny", "--precision", "fp32", "--device", "cpu", "--max-steps", "6",
+          "--log-every", "1", "--eval-every", "0", "--save-every", "2", "--keep-last", "5", "--tensorboard",
+          "false", "--seq-len", "32", "--grad-accum", "2"]
+B = 2  # per-process batch
+
+
+def env(**extra):
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"):
+        e.pop(key, None)
+    return e
+
+
+def torchrun(*launcher_args):
+    return [sys.executable, "-m", "torch.distributed.run", *launcher_args, "-m", "nanoforge"]
+
+
+def check(proc):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    return proc
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def weights(run_dir):
+    return load_file(str(ckpt.latest_checkpoint(run_dir) / "model.safetensors"))
+
+
+def assert_same_weights(a, b):
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert wa[k].dtype == wb[k].dtype and bool((wa[k] == wb[k]).all()), f"{k} differs"
+
+
+def logged_steps(run_dir):
+    return [json.loads(l)["step"] for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in l]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, tiny_tokenizer):
+    from conftest import tiny_corpus
+    work = tmp_path_factory.mktemp("elastic_prep")
+    prepare_dataset("pretrain", tiny_corpus(work)[:1], tiny_tokenizer, work / "pre", val_fraction=0.0,
+                    workers=1, log=lambda *a: None)
+    return work / "pre"
+
+
+@pytest.mark.slow
+def test_a_lost_worker_restarts_and_ends_bit_exact(data, tmp_path):
+    line = [*COMMON, "--data", str(data), "--batch-size", str(B), "--resume", "auto"]
+    plain = tmp_path / "plain"
+    check(subprocess.run(torchrun("--standalone", "--nproc-per-node", "2") + [*line, "--out", str(plain)],
+                         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300))
+    elastic = tmp_path / "elastic"
+    proc = check(subprocess.run(
+        torchrun("--standalone", "--nproc-per-node", "2", "--max-restarts", "1") + [*line, "--out", str(elastic)],
+        cwd=ROOT, env=env(NANOFORGE_INJECT_KILL="1@3", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), capture_output=True, text=True, timeout=300))
+    assert "exitcode: -9" in proc.stderr, proc.stderr[-3000:]  # torchrun saw rank 1 die of SIGKILL
+    assert "--resume auto: continuing" in proc.stdout and "step_000002" in proc.stdout
+    assert logged_steps(elastic) == [1, 2, 3, 4, 5, 6], "step 3 redone from the step-2 checkpoint, logged once"
+    assert_same_weights(elastic, plain)
+
+
+def assert_close(a, b, rel=1e-5):
+    assert [s for s, _ in a] == [s for s, _ in b], (a, b)
+    for (step, x), (_, y) in zip(a, b):
+        assert abs(x - y) <= rel * max(abs(x), abs(y)), f"step {step}: {x} vs {y}"
+
+
+def curve(run_dir):
+    return [(r["step"], r["loss"]) for r in map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r]
+
+
+@pytest.mark.slow
+def test_two_nodes_by_c10d_rendezvous_match_one_process(data, tmp_path):
+    """Two torchrun launchers, as two machines would start them (the same line; c10d rendezvous at one
+    endpoint), one process each, sharing the run directory: equal to one process with the same global batch."""
+    single = tmp_path / "single"
+    check(subprocess.run([sys.executable, "-m", "nanoforge", *COMMON, "--data", str(data), "--batch-size",
+                          str(2 * B), "--out", str(single)], cwd=ROOT, env=env(), capture_output=True, text=True,
+                         timeout=300))
+    nodes = tmp_path / "nodes"
+    launcher = torchrun("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                        f"127.0.0.1:{free_port()}", "--rdzv-id", "nanoforge-test")
+    line = [*COMMON, "--data", str(data), "--batch-size", str(B), "--out", str(nodes), "--resume", "auto"]
+    procs = [subprocess.Popen(launcher + line, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:] + err[-8000:]
+    assert "x 2 processes (DDP)" in outs[0][1] + outs[1][1], "one job of two processes, not two jobs"
+    assert logged_steps(nodes) == [1, 2, 3, 4, 5, 6]
+    assert_close(curve(nodes), curve(single))
+    a, b = weights(nodes), weights(single)
+    for k in a:
+        assert (a[k] - b[k]).abs().max() <= 1e-4, k
+
+
+def test_a_failed_join_after_a_restart_names_the_launchers_switch(monkeypatch):
+    from nanoforge.errors import NanoforgeError
+    from nanoforge.train.distributed import _restart_hint
+    error = RuntimeError("Gloo connectFullMesh failed: Connection refused")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert _restart_hint(error) is error, "a first attempt's failure is not about restarts"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    hint = _restart_hint(error)
+    assert isinstance(hint, NanoforgeError) and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in str(hint)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    assert _restart_hint(error) is error
