@@ -130,6 +130,19 @@ def test_eval_and_chat_commands_load_a_ppo_run(base_run, prompts_file, tmp_path)
     assert proc.returncode == 0 and "loss" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
+def test_the_command_line_starts_and_continues_a_run_with_resume_auto(base_run, prompts_file, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, "-m", "nanoforge", "ppo", "--init", str(base_run), "--data", str(prompts_file),
+            "--out", str(tmp_path / "run"), "--resume", "auto", "--prompts-per-step", "2", "--max-new-tokens", "4",
+            "--precision", "fp32", "--device", "cpu", "--tensorboard", "false", "--quiet"]
+    for steps in (1, 2):
+        proc = subprocess.run(args + ["--max-steps", str(steps)], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert f"ppo finished at step {steps}" in proc.stdout
+    assert [r["step"] for r in _metrics(tmp_path / "run")] == [1, 2]
+
+
 def test_resume_is_bit_exact_in_the_middle_of_a_rollouts_epochs(base_run, prompts_file, tmp_path):
     """fp32 CPU: 3 steps then 3 more from the checkpoint equal 6 uninterrupted, policy and critic; with
     --ppo-epochs 2 the checkpoint at step 3 falls between a rollout's two epochs, so it carries the rollout."""
