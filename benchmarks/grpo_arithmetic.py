@@ -2,7 +2,7 @@
 trained with `nanoforge grpo --reward math` until its greedy answers are right.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/grpo_arithmetic.py [--loss grpo|cispo|reinforce] [--steps 100]
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/grpo_arithmetic.py --algo ppo [--steps 100]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/grpo_arithmetic.py --algo ppo [--steps 200]
 
 1. Data: every `a+b=` (a, b < --add-max) and `a*b=` (a, b < --mul-max) prompt. The SFT set holds each prompt twice,
    once with the right answer and once with a systematic slip (a zero too many: "19" -> "190"), so the SFT
@@ -144,9 +144,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--algo", default="grpo", choices=["grpo", "ppo"], help="the RL stage")
     ap.add_argument("--loss", default="grpo", choices=["grpo", "cispo", "reinforce"], help="grpo's loss")
-    ap.add_argument("--steps", type=int, default=100, help="RL steps")
+    ap.add_argument("--steps", type=int, help="RL steps (default 100 grpo, 200 ppo)")
     ap.add_argument("--sft-steps", type=int, default=400)
-    ap.add_argument("--lr", type=float, help="RL learning rate (AdamW, constant; default 3e-5 grpo, 1e-4 ppo)")
+    ap.add_argument("--lr", type=float, help="RL learning rate (AdamW, constant; default 3e-5 grpo, 5e-5 ppo)")
     ap.add_argument("--ppo-epochs", type=int, help="updates per rollout (default 1 grpo, 2 ppo)")
     ap.add_argument("--beta", type=float, default=0.0, help="KL weight (grpo: k3 loss term; ppo: reward penalty)")
     ap.add_argument("--add-max", type=int, default=12)
@@ -163,9 +163,11 @@ def main() -> None:
     print(f"greedy accuracy on held-out prompts before RL: {before:.1%}", flush=True)
     name = "ppo" if args.algo == "ppo" else args.loss
     if args.algo == "ppo":
-        seconds = run_ppo(run, prompts, work / f"rl-{name}", args.steps, lr=args.lr or 1e-4,
+        args.steps = args.steps or 200
+        seconds = run_ppo(run, prompts, work / f"rl-{name}", args.steps, lr=args.lr or 5e-5,
                           ppo_epochs=args.ppo_epochs or 2, beta=args.beta)
     else:
+        args.steps = args.steps or 100
         seconds = run_rl(run, prompts, work / f"rl-{name}", args.loss, args.steps, lr=args.lr or 3e-5,
                          ppo_epochs=args.ppo_epochs or 1, beta=args.beta)
     after = greedy_accuracy(work / f"rl-{name}", held)
