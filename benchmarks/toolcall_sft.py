@@ -180,8 +180,8 @@ def train(work: Path, args) -> None:
     nanoforge("prepare", "--kind", "pretrain", "--data", str(data / "copy.jsonl"), "--tokenizer",
               str(work / "tok"), "--out", str(work / "pre"))
     nanoforge("pretrain", "--preset", args.preset, "--data", str(work / "pre"), "--out", str(work / "init"),
-              "--max-steps", str(args.pretrain_steps), "--seq-len", args.seq_len, "--max-seq-len", args.seq_len, "--d-model", args.d_model,
-              "--eval-every", "0")
+              "--max-steps", str(args.pretrain_steps), "--seq-len", args.seq_len, "--max-seq-len", args.seq_len,
+              "--d-model", args.d_model, "--eval-every", "0")
     nanoforge("sft", "--init", str(work / "init"), "--data", str(work / "sft"), "--out", str(work / "run"),
               "--max-steps", str(args.sft_steps), "--lr", "3e-3", "--warmup-steps", "50", "--seq-len", args.seq_len,
               "--batch-size", "8", "--eval-every", "0", "--save-every", "0", "--sample-every", "0")

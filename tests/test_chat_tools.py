@@ -100,8 +100,8 @@ def test_tools_and_thinking_need_a_template_in_minimind3s_format(loaded):
 def run_cli(run_dir, *args, stdin="What is 12 * 7?"):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "nanoforge.cli", "chat", str(run_dir), "--device", "cpu",
-                           "--temperature", "0", "--max-new-tokens", "100", "--system", SYSTEM, *args], input=stdin, capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=120)
+                           "--temperature", "0", "--max-new-tokens", "100", "--system", SYSTEM, *args],
+                          input=stdin, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
 
 
 def test_chat_with_the_calculator_from_the_command_line(tool_run_dir):

@@ -24,8 +24,8 @@ def nf(*args):
 
 def stream(prepared, split):
     shards = TokenShards(prepared, split)
-    mask = shards.read_mask(0, len(shards)) if shards.has_mask else None
-    return shards.read(0, len(shards)), shards.doc_offsets(), mask
+    mask = shards.read_mask(0, shards.num_tokens) if shards.has_mask else None
+    return shards.read(0, shards.num_tokens), shards.doc_offsets(), mask
 
 
 def docs(prepared, split):

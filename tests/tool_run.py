@@ -4,7 +4,8 @@ and `eval --toolcall` use it to drive the real tool path end to end (a random mo
 
 Each conversation: a question "What is A op B?", the assistant's call calculator {"expression": "A op B"}
 (after the reasoning "I should compute A op B." when thinking is on), the tool's result, and the answer
-"The answer is R." (after "The calculator gave R." when thinking is on). Built once per test session (about half a minute on 2 CPU cores).
+"The answer is R." (after "The calculator gave R." when thinking is on). Built once per test session (about
+half a minute on a quiet 2-core CPU).
 """
 from __future__ import annotations
 

@@ -185,10 +185,10 @@ class _Session:
             for piece in stream(self.model, self.tokenizer, ids, cfg, self.stop_ids, self.precision):
                 pieces.append(piece)
                 shown.show(parser.feed(piece) if parser else [("content", piece)])
+            if parser:  # what the parser held back (a tag's first characters, newlines) is shown now
+                shown.show(parser.close())
         except KeyboardInterrupt:  # Ctrl-C during a reply stops the reply, not the chat
             interrupted = True
-        if parser:
-            shown.show(parser.close())
         if interrupted:
             self.write(" (interrupted)")
         self.write("\n")
