@@ -189,7 +189,8 @@ def test_bad_inputs_are_clear_errors(base_run, prompts_file, tmp_path):
     with pytest.raises(NanoforgeError, match="--init is required"):
         ppo(None, str(prompts_file), tmp_path / "b", _options(prompts_file))
     with pytest.raises(NanoforgeError, match="must divide the 4 replies"):
-        ppo(str(base_run), str(prompts_file), tmp_path / "c", _options(prompts_file), overrides={**FAST, "grad_accum": 3})
+        ppo(str(base_run), str(prompts_file), tmp_path / "c", _options(prompts_file),
+            overrides={**FAST, "grad_accum": 3})
     with pytest.raises(NanoforgeError, match="target_kl"):
         ppo(str(base_run), str(prompts_file), tmp_path / "d", _options(prompts_file, target_kl=-1.0), overrides=FAST)
     with pytest.raises(NanoforgeError, match="--ppo-epochs 0 must be >= 1"):

@@ -104,6 +104,7 @@ def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions
     device = setup(resolve_device(tcfg.device))
     w = world()
     iterator = PromptIterator(records, o["prompts_per_step"], tcfg.seed, w.rank, w.world_size)
+    # the group advantage of RolloutConfig is GRPO's and unused here: PPO's advantages come from GAE
     cfg = RolloutConfig(o["num_generations"], o["temperature"], o["max_new_tokens"], o["think"], "mean",
                         tcfg.precision)
     reference = None
