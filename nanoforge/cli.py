@@ -343,10 +343,6 @@ def main(argv: list[str] | None = None) -> int:
     return commands.run(args)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def add_ppo_parser(sub, fmt) -> None:
     """`nanoforge ppo`: defaults None, so a --resume can tell a given option from an omitted one (the defaults
     are in nanoforge/rl/ppo_recipe.py)."""
@@ -386,3 +382,7 @@ def add_ppo_parser(sub, fmt) -> None:
     add_resume_flag(p)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(p, presets=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

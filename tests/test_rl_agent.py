@@ -21,6 +21,7 @@ from nanoforge.loader import load_model
 from nanoforge.model.gpt import GPT
 from nanoforge.rl.agent import Trajectory, agent_prompt, agent_rollouts, environment_ids
 from nanoforge.rl.prompts import PromptRecord, prompt_record
+from nanoforge.rl.rewards import answer_found
 from nanoforge.tools.calculator import evaluate
 from tool_run import QUESTIONS, conversation
 
@@ -335,7 +336,11 @@ def test_tool_run_rollouts_with_the_calculator(tool_run_dir, think):
         assert t.ids.count(response[0]) == len(t.tool_results) - unanswered
     # the tool run calls the calculator, then answers (a tiny model: not always right)
     assert sum(t.end == "answer" and t.turns == 2 and len(t.tool_results) == 1 for t in trajectories) >= 9
-    assert sum(t.reward_parts["answer"] == 1.0 for t in trajectories) >= 6
+    # the answer term is whether the calculator's result appears in the last reply (the model's own answer,
+    # right or not: its accuracy depends on the tokenizer the fixture trained, with or without ../shared)
+    for t, r in zip(trajectories, records):
+        last = t.replies[-1].content if t.replies else ""
+        assert t.reward_parts["answer"] == (1.0 if answer_found(last, r.gt[0]) else 0.0)
     # the eval's tool loop re-renders each conversation every round; greedy, it sees the same tokens, so it
     # writes the same replies, and its final conversation renders to the trajectory's ids
     loops = run_tool_loop(model, tok, [r.messages for r in records], cfg, tools=TOOLS, think=think, max_turns=3)
