@@ -157,50 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     dpo.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(dpo, presets=False)
 
-    rl = sub.add_parser("grpo", help="reinforcement learning with verifiable rewards: GRPO, CISPO or REINFORCE on "
-                        "groups of sampled replies", formatter_class=fmt)
-    rl.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the SFT run, checkpoint or HF model directory to "
-                    "train; also the frozen reference of the KL term")
-    rl.add_argument("--data", metavar="FILE.jsonl", help="prompts: chats ending in a user turn (or an empty "
-                    'assistant placeholder), GSM8K\'s {"question", "answer"}; "answer"/"gt" for the rewards')
-    rl.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    # default None: a --resume can tell a given option from an omitted one (defaults in nanoforge/rl/grpo.py)
-    rl.add_argument("--loss", choices=["grpo", "cispo", "reinforce"], help="policy loss: clipped ratio (grpo), "
-                    "clipped importance weight (cispo), plain policy gradient (default: grpo)")
-    rl.add_argument("--num-generations", type=int, metavar="G", help="replies sampled per prompt (default: 6)")
-    rl.add_argument("--prompts-per-step", type=int, metavar="P", help="prompts per rollout, per process (default: 2)")
-    rl.add_argument("--beta", type=float, help="weight of the k3 KL to the --init model; 0 skips the reference "
-                    "(default: 0.1)")
-    rl.add_argument("--epsilon", type=float, help="ratio clip: [1 - epsilon, 1 + epsilon] (default: 0.2)")
-    rl.add_argument("--epsilon-high", type=float, help="upper clip 1 + epsilon_high (DAPO's clip-higher; "
-                    "default: --epsilon)")
-    rl.add_argument("--advantage", choices=["zscore", "mean"], help="group advantage: (r - mean) / std, or "
-                    "r - mean (default: zscore)")
-    rl.add_argument("--loss-norm", choices=["sequence", "token"], help="average over each reply's tokens then "
-                    "replies, or over all tokens (default: sequence)")
-    rl.add_argument("--temperature", type=float, help="sampling temperature; log-probs are trained at it too "
-                    "(default: 0.8)")
-    rl.add_argument("--max-new-tokens", type=int, help="reply length cap; a reply cut there has no stop token "
-                    "(default: 256)")
-    rl.add_argument("--ppo-epochs", type=int, metavar="K", help="optimizer steps on each rollout, so the ratio and "
-                    "clipping act (default: 1)")
-    rl.add_argument("--reward", metavar="NAME[,NAME]", help="math, format, length, repetition, module:function "
-                    "or path/file.py:function, summed (default: math)")
-    rl.add_argument("--reward-weights", metavar="W[,W]", help="one weight per reward (and the reward model last)")
-    rl.add_argument("--reward-model", metavar="LOCAL_DIR", help="a local HF sequence-classification model whose "
-                    "score is added as a reward (never downloaded)")
-    rl.add_argument("--trust-remote-code", action="store_true", default=None,
-                    help="let --reward-model run its own Python code")
-    rl.add_argument("--think", action="store_true", default=None, help="open the think block of every reply "
-                    "(a template in MiniMind-3's format)")
-    rl.add_argument("--tools", metavar="NAME[,NAME]", help="multi-turn tool use: run the replies' tool calls "
-                    "(built-in: calculator) and train on whole trajectories with the agent reward (records need "
-                    '"gt"; no --reward)')
-    rl.add_argument("--max-turns", type=int, metavar="N", help="with --tools: replies per trajectory (default: 3)")
-    add_resume_flag(rl)
-    rl.add_argument("--quiet", action="store_true", help="no progress lines")
-    add_config_flags(rl, presets=False)
-
+    add_grpo_parser(sub, fmt)
     add_ppo_parser(sub, fmt)
 
     dist = sub.add_parser("distill", help="distill a teacher run into a student (a run or a preset)",
@@ -341,6 +298,53 @@ def main(argv: list[str] | None = None) -> int:
     # which `--help` and a usage error do not need.
     from nanoforge import commands
     return commands.run(args)
+
+
+def add_grpo_parser(sub, fmt) -> None:
+    """`nanoforge grpo`: GRPO, CISPO or REINFORCE on groups of sampled replies (rl/grpo.py)."""
+    rl = sub.add_parser("grpo", help="reinforcement learning with verifiable rewards: GRPO, CISPO or REINFORCE on "
+                        "groups of sampled replies", formatter_class=fmt)
+    rl.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the SFT run, checkpoint or HF model directory to "
+                    "train; also the frozen reference of the KL term")
+    rl.add_argument("--data", metavar="FILE.jsonl", help="prompts: chats ending in a user turn (or an empty "
+                    'assistant placeholder), GSM8K\'s {"question", "answer"}; "answer"/"gt" for the rewards')
+    rl.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
+    # default None: a --resume can tell a given option from an omitted one (defaults in nanoforge/rl/grpo.py)
+    rl.add_argument("--loss", choices=["grpo", "cispo", "reinforce"], help="policy loss: clipped ratio (grpo), "
+                    "clipped importance weight (cispo), plain policy gradient (default: grpo)")
+    rl.add_argument("--num-generations", type=int, metavar="G", help="replies sampled per prompt (default: 6)")
+    rl.add_argument("--prompts-per-step", type=int, metavar="P", help="prompts per rollout, per process (default: 2)")
+    rl.add_argument("--beta", type=float, help="weight of the k3 KL to the --init model; 0 skips the reference "
+                    "(default: 0.1)")
+    rl.add_argument("--epsilon", type=float, help="ratio clip: [1 - epsilon, 1 + epsilon] (default: 0.2)")
+    rl.add_argument("--epsilon-high", type=float, help="upper clip 1 + epsilon_high (DAPO's clip-higher; "
+                    "default: --epsilon)")
+    rl.add_argument("--advantage", choices=["zscore", "mean"], help="group advantage: (r - mean) / std, or "
+                    "r - mean (default: zscore)")
+    rl.add_argument("--loss-norm", choices=["sequence", "token"], help="average over each reply's tokens then "
+                    "replies, or over all tokens (default: sequence)")
+    rl.add_argument("--temperature", type=float, help="sampling temperature; log-probs are trained at it too "
+                    "(default: 0.8)")
+    rl.add_argument("--max-new-tokens", type=int, help="reply length cap; a reply cut there has no stop token "
+                    "(default: 256)")
+    rl.add_argument("--ppo-epochs", type=int, metavar="K", help="optimizer steps on each rollout, so the ratio and "
+                    "clipping act (default: 1)")
+    rl.add_argument("--reward", metavar="NAME[,NAME]", help="math, format, length, repetition, module:function "
+                    "or path/file.py:function, summed (default: math)")
+    rl.add_argument("--reward-weights", metavar="W[,W]", help="one weight per reward (and the reward model last)")
+    rl.add_argument("--reward-model", metavar="LOCAL_DIR", help="a local HF sequence-classification model whose "
+                    "score is added as a reward (never downloaded)")
+    rl.add_argument("--trust-remote-code", action="store_true", default=None,
+                    help="let --reward-model run its own Python code")
+    rl.add_argument("--think", action="store_true", default=None, help="open the think block of every reply "
+                    "(a template in MiniMind-3's format)")
+    rl.add_argument("--tools", metavar="NAME[,NAME]", help="multi-turn tool use: run the replies' tool calls "
+                    "(built-in: calculator) and train on whole trajectories with the agent reward (records need "
+                    '"gt"; no --reward)')
+    rl.add_argument("--max-turns", type=int, metavar="N", help="with --tools: replies per trajectory (default: 3)")
+    add_resume_flag(rl)
+    rl.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_config_flags(rl, presets=False)
 
 
 def add_ppo_parser(sub, fmt) -> None:

@@ -22,61 +22,39 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from nanoforge.device import autocast_context
-from nanoforge.errors import NanoforgeError
 from nanoforge.rl.losses import approx_kl
 from nanoforge.rl.ppo import PPOConfig, forward_ppo, ppo_batch, ppo_count, ppo_loss, token_logprobs
 from nanoforge.rl.prompts import PromptIterator
 from nanoforge.rl.rollout import (Batch, RewardFn, RolloutConfig, check_fits, pack, render_prompt,
-                                  rows, sample_replies, score)
-from nanoforge.rl.stage import decode_batch, encode_batch, rollout_seed
+                                  sample_replies, score)
+from nanoforge.rl.stage import RolloutBatches
 from nanoforge.train import distributed
 
 
-class PPOBatches:
-    """BatchSource of `nanoforge ppo`: next_batch() returns micro-batch (call % grad_accum) of the current
-    rollout, sampling a new one every ppo_epochs x grad_accum calls, or earlier when --target-kl stops it."""
+class PPOBatches(RolloutBatches):
+    """BatchSource of `nanoforge ppo`: grpo's RolloutBatches (a rollout every ppo_epochs x grad_accum calls,
+    micro-batch call % grad_accum of it, resumable mid-rollout) whose rollouts are ppo_rollout's, and whose
+    remaining epochs are skipped when --target-kl says the policy has moved too far."""
 
     def __init__(self, model, tokenizer, prompts: PromptIterator, cfg: RolloutConfig, ppo: PPOConfig,
                  reward_fn: RewardFn, seed: int, ppo_epochs: int = 2, grad_accum: int = 1, reference=None):
-        rows_per_rollout = prompts.prompts_per_step * cfg.num_generations
-        if rows_per_rollout % grad_accum:
-            raise NanoforgeError(f"--grad-accum {grad_accum} must divide the {rows_per_rollout} replies of a rollout "
-                                 f"(--prompts-per-step {prompts.prompts_per_step} x --num-generations "
-                                 f"{cfg.num_generations})")
-        self.model, self.tokenizer, self.prompts, self.cfg, self.ppo = model, tokenizer, prompts, cfg, ppo
-        self.reward_fn, self.seed, self.reference = reward_fn, int(seed), reference
-        self.ppo_epochs, self.grad_accum = ppo_epochs, grad_accum
-        self.micro_rows = rows_per_rollout // grad_accum
-        self.calls = 0  # next_batch calls so far (a skipped epoch counts its calls as made)
-        self.rollouts = 0
+        def sample(model, tokenizer, records, cfg, reward_fn, seed, reference, micro_rows):
+            return ppo_rollout(model, tokenizer, records, cfg, ppo, reward_fn, seed, reference, micro_rows)
+
+        super().__init__(model, tokenizer, prompts, cfg, reward_fn, seed, ppo_epochs, grad_accum, reference, sample)
+        self.ppo = ppo
         self.early_stops = 0  # rollouts whose epochs --target-kl cut short
-        self.current: Batch | None = None
-        self.every_rank: list[Batch] | None = None
-
-    @property
-    def sequences_per_epoch(self) -> int:
-        """For --epochs: every prompt once, G replies each, trained on ppo_epochs times."""
-        return len(self.prompts.records) * self.cfg.num_generations * self.ppo_epochs
-
-    @property
-    def cycle(self) -> int:
-        return self.ppo_epochs * self.grad_accum
 
     def next_batch(self) -> Batch:
         position = self.calls % self.cycle
         if position and position % self.grad_accum == 0 and self._too_far():
-            self.calls += self.cycle - position  # the rest of this rollout's epochs are skipped
+            self.calls += self.cycle - position  # the rest of this rollout's epochs are skipped (counted as made)
             self.early_stops += 1
             position = 0
-        if position == 0:
-            self._sample()
-        micro = position % self.grad_accum
-        self.calls += 1
-        batch = rows(self.current, micro * self.micro_rows, (micro + 1) * self.micro_rows)
+        batch = super().next_batch()
         batch["stat_ppo_epoch"] = torch.tensor(float(position // self.grad_accum))
         batch["stat_early_stops"] = torch.tensor(float(self.early_stops))
         return batch
@@ -94,41 +72,12 @@ class PPOBatches:
             kl = distributed.all_reduce_sum(kl.to(next(self.model.parameters()).device)).cpu() / self.prompts.world_size
         return kl.item() > self.ppo.target_kl
 
-    def _sample(self) -> None:
-        records = self.prompts.next_prompts()
-        seed = rollout_seed(self.seed, self.rollouts, self.prompts.rank)
-        self.current = ppo_rollout(self.model, self.tokenizer, records, self.cfg, self.ppo, self.reward_fn, seed,
-                                   self.reference, self.micro_rows)
-        self.rollouts += 1
-        self.every_rank = [self.current]
-        if self.prompts.world_size > 1 and self.cycle > 1:  # a checkpoint mid-rollout needs every rank's
-            gathered: list[Any] = [None] * self.prompts.world_size
-            dist.all_gather_object(gathered, encode_batch(self.current))
-            self.every_rank = [decode_batch(b) for b in gathered]
-
     def state_dict(self) -> dict[str, Any]:
-        state = {"prompts": self.prompts.state_dict(), "calls": self.calls, "rollouts": self.rollouts,
-                 "early_stops": self.early_stops, "seed": self.seed, "cycle": self.cycle}
-        if self.calls % self.cycle:
-            state["current"] = [encode_batch(b) for b in self.every_rank]
-        return state
+        return {**super().state_dict(), "early_stops": self.early_stops}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("seed", self.seed) != self.seed:
-            raise NanoforgeError(f"cannot resume the rollouts: they were sampled with --seed {state['seed']}, this "
-                                 f"run has --seed {self.seed}")
-        self.prompts.load_state_dict(state["prompts"])
-        self.rollouts, self.early_stops = int(state["rollouts"]), int(state.get("early_stops", 0))
-        self.current = self.every_rank = None
-        if "current" in state:
-            saved = state["current"]
-            if len(saved) != self.prompts.world_size or state.get("cycle") != self.cycle:
-                raise NanoforgeError(f"the checkpoint was taken in the middle of a rollout's --ppo-epochs steps by "
-                                     f"{len(saved)} processes; resume it with as many processes and the same "
-                                     "--ppo-epochs and --grad-accum, or from a checkpoint at a rollout boundary")
-            self.every_rank = [decode_batch(b) for b in saved]
-            self.current = self.every_rank[self.prompts.rank]
-        self.calls = int(state["calls"])
+        super().load_state_dict(state)
+        self.early_stops = int(state.get("early_stops", 0))
 
 
 @torch.no_grad()
