@@ -25,7 +25,7 @@ from nanoforge.rl.ppo_recipe import PPOOptions, ppo
 from nanoforge.report import write_report
 from nanoforge.tokenizer import train_tokenizer
 from nanoforge.train.autoresume import AUTO, resolve_resume
-from nanoforge.train.distributed import is_main
+from nanoforge.train.distributed import is_main, leave
 from nanoforge.train.loop import TrainingInterrupted
 from nanoforge.train.rundir import check_resume_options
 from nanoforge.train.stages import distill, dpo, lora_merge, pretrain, sft
@@ -39,13 +39,14 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, "resume", None) == AUTO:  # every training command's --resume auto, grpo's too
             args.resume = resolve_resume(AUTO, args.out, args.command)
         COMMANDS[args.command](args)
-        return 0
+        code = 0
     except NanoforgeError as e:
         print(f"error: {e}" if not isinstance(e, TrainingInterrupted) else str(e), file=sys.stderr)
-        return 128 + e.signum if isinstance(e, TrainingInterrupted) else 1
+        code = 128 + e.signum if isinstance(e, TrainingInterrupted) else 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        code = 130
+    return leave(code)  # under torchrun: leave the process group and exit here (train/distributed.py)
 
 
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:

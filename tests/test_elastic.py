@@ -133,3 +133,24 @@ def test_a_failed_join_after_a_restart_names_the_launchers_switch(monkeypatch):
     assert isinstance(hint, NanoforgeError) and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in str(hint)
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
     assert _restart_hint(error) is error
+
+
+def test_leaving_the_group_exits_with_the_status_and_flushed_output(tmp_path):
+    """A rank ends by leaving the process group and exiting at once (distributed.leave), so gloo's threads never
+    meet a finalizing interpreter: the status is the command's, buffered output reaches the pipe, and nothing
+    after it runs."""
+    script = ("import datetime, torch.distributed as dist\n"
+              "from nanoforge.train.distributed import leave\n"
+              f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'rdzv'}', rank=0, world_size=1,\n"
+              "                        timeout=datetime.timedelta(seconds=60))\n"
+              "dist.barrier()\n"
+              "print('buffered line')\n"
+              "leave(3)\n"
+              "print('after leave')\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert proc.stdout == "buffered line\n"
+    no_group = subprocess.run([sys.executable, "-c", "from nanoforge.train.distributed import leave\n"
+                               "print(leave(5))"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert no_group.stdout == "5\n", "without a group leave() only returns the status"

@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +94,21 @@ def _restart_hint(error: RuntimeError) -> Exception:
     return NanoforgeError(f"joining the process group after torchrun's restart failed ({str(error)[:200]}): the "
                           "restarted workers read the last attempt's addresses from torchrun's shared store. Launch "
                           "torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (pytorch#135712)")
+
+
+def leave(code: int) -> int:
+    """End a process that joined the group: leave it and exit with `code` at once, skipping the interpreter's
+    teardown; without a group, return `code`. Gloo's worker threads can still hold the last collectives'
+    finished work, whose tensors need the GIL to be freed; if the interpreter is already finalizing then, the
+    thread aborts the process ("terminate called without an active exception", SIGABRT after a rank's last
+    step; pytorch#179291), and torchrun fails a run that ended well. Files are closed by then (the loop's
+    `finally`), and only the standard streams are left to flush."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return code
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def barrier() -> None:
