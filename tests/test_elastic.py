@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,20 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def finish_together(procs, timeout=300):
+    """Wait for the launchers; when one fails, stop the others (a failed node leaves the rest waiting at
+    torchrun's exit barrier for 5 minutes) so the failure is reported with everyone's output."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.returncode not in (None, 0) for p in procs):
+            break
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    return [p.communicate() for p in procs]
 
 
 def weights(run_dir):
@@ -110,7 +125,7 @@ def test_two_nodes_by_c10d_rendezvous_match_one_process(data, tmp_path):
     line = [*COMMON, "--data", str(data), "--batch-size", str(B), "--out", str(nodes), "--resume", "auto"]
     procs = [subprocess.Popen(launcher + line, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
+    outs = finish_together(procs)
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, out[-3000:] + err[-8000:]
     assert "x 2 processes (DDP)" in outs[0][1] + outs[1][1], "one job of two processes, not two jobs"
