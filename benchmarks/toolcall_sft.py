@@ -10,11 +10,12 @@ Data (written to WORK/data):
   - held-out synthetic prompts from another seed, both as SFT-shaped records (for `eval --toolcall`) and as
     {"question", "answer": "#### R"} (for `eval --gsm8k`, with and without `--tools calculator`).
 Then: a tokenizer trained on the rendered training conversations (so the tools system turn is short), a
-short pretraining on 40,000 one-line copy texts ("What is A op B? calculator: A op B result: R The answer is
-R."; --pretrain-steps), `nanoforge sft` for --sft-steps, and the evaluations
-(`--eval-only` runs just those, on WORK/run); docs/tools.md has the figures.
+short pretraining of a 4-layer model on 40,000 copy texts (the question, the call's JSON, the result and the
+answer, one per line: copying numbers in the contexts the conversations use; --pretrain-steps), `nanoforge sft`
+for --sft-steps, and the evaluations (`--eval-only` runs just those, on WORK/run); docs/tools.md has the
+figures (about 10 minutes on a 2-core CPU).
 
-    python benchmarks/toolcall_sft.py --work /tmp/toolcall [--sft-steps 600] [--gsm8k-limit 300]
+    python benchmarks/toolcall_sft.py --work /tmp/toolcall [--pretrain-steps 1500] [--sft-steps 600]
 """
 from __future__ import annotations
 
@@ -89,13 +90,15 @@ def synthetic_conversation(expression: str, result: str, with_tools: bool) -> li
 
 
 def copy_texts(n: int, seed: int):
-    """Short pretraining texts that reward copying numbers (question -> call -> result -> answer): a tiny
-    model learns to copy digits from its context far sooner from these than from the long tool conversations."""
+    """Short pretraining texts that teach copying numbers in the very contexts of the tool conversation: the
+    question's operands into the call's JSON, the tool's result into the answer (digits are single tokens, so
+    a copy is the same tokens again). A tiny model learns this induction far sooner from 40-token texts than
+    from the 250-token tool conversations, whose system turn is the same every time."""
     rng = random.Random(seed)
     for _ in range(n):
         expression, result = arithmetic(rng)
-        yield {"text": f"What is {expression}?\ncalculator: {expression}\nresult: {result}\n"
-                       f"The answer is {result}."}
+        call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+        yield {"text": f"What is {expression}?\n{call}\n{result}\nThe answer is {result}."}
 
 
 def write_jsonl(path: Path, records) -> int:
@@ -159,8 +162,10 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, default=600)
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--d-model", default="128")
+    parser.add_argument("--n-layers", default="4", help="induction (copying) wants more than the preset's 2")
     parser.add_argument("--seq-len", default="512")
-    parser.add_argument("--pretrain-steps", type=int, default=300)
+    parser.add_argument("--pretrain-steps", type=int, default=1500)
+    parser.add_argument("--pretrain-batch", default="16", help="copy texts: 16 x 256 tokens a step")
     parser.add_argument("--eval-only", action="store_true")
     args = parser.parse_args()
     work = Path(args.work)
@@ -180,8 +185,9 @@ def train(work: Path, args) -> None:
     nanoforge("prepare", "--kind", "pretrain", "--data", str(data / "copy.jsonl"), "--tokenizer",
               str(work / "tok"), "--out", str(work / "pre"))
     nanoforge("pretrain", "--preset", args.preset, "--data", str(work / "pre"), "--out", str(work / "init"),
-              "--max-steps", str(args.pretrain_steps), "--seq-len", args.seq_len, "--max-seq-len", args.seq_len,
-              "--d-model", args.d_model, "--eval-every", "0")
+              "--max-steps", str(args.pretrain_steps), "--seq-len", "256", "--max-seq-len", args.seq_len,
+              "--batch-size", args.pretrain_batch, "--d-model", args.d_model, "--n-layers", args.n_layers,
+              "--eval-every", "0", "--save-every", "0", "--sample-every", "0")
     nanoforge("sft", "--init", str(work / "init"), "--data", str(work / "sft"), "--out", str(work / "run"),
               "--max-steps", str(args.sft_steps), "--lr", "3e-3", "--warmup-steps", "50", "--seq-len", args.seq_len,
               "--batch-size", "8", "--eval-every", "0", "--save-every", "0", "--sample-every", "0")
