@@ -58,8 +58,6 @@ from nanoforge.rl.rewards import AgentTurns, agent_reward_parts
 from nanoforge.rl.rollout import Batch, RolloutConfig, check_fits, frozen_logps
 from nanoforge.tools.calculator import BUILTIN_TOOLS
 
-ENDS = ("answer", "length", "max_turns", "context")
-
 
 @dataclass
 class Trajectory:
