@@ -18,7 +18,6 @@ the same one.
 """
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -28,8 +27,7 @@ from nanoforge.device import autocast_context
 from nanoforge.rl.losses import approx_kl
 from nanoforge.rl.ppo import PPOConfig, forward_ppo, ppo_batch, ppo_count, ppo_loss, token_logprobs
 from nanoforge.rl.prompts import PromptIterator
-from nanoforge.rl.rollout import (Batch, RewardFn, RolloutConfig, check_fits, pack, render_prompt,
-                                  sample_replies, score)
+from nanoforge.rl.rollout import Batch, RewardFn, RolloutConfig, sample_scored
 from nanoforge.rl.stage import RolloutBatches
 from nanoforge.train import distributed
 
@@ -121,18 +119,8 @@ def ppo_rollout(model, tokenizer, records, cfg: RolloutConfig, ppo: PPOConfig, r
     """A rollout as rl/ppo.py's batch: P prompts x G replies sampled by model.policy, scored by reward_fn, the
     old log-probs and values of the combined model, the reference's log-probs when beta > 0, then ppo_batch
     (shaped rewards, GAE, whitening); its figures as stat_* scalars for the log."""
-    G = cfg.num_generations
-    rendered = [render_prompt(tokenizer, r, cfg.think) for r in records]
-    for (ids, _), record in zip(rendered, records):
-        check_fits(ids, record, model.policy.model.rotary_emb.n_positions)
-    prompts = [ids for ids, _ in rendered for _ in range(G)]
-    start = time.perf_counter()
-    replies = sample_replies(model.policy, tokenizer, prompts, cfg, seed)
-    seconds = time.perf_counter() - start
-    reward_records = [{**r.reward_record(), "thinking_open": open_} for r, (_, open_) in zip(records, rendered)
-                      for _ in range(G)]
-    scores, parts = score(replies, reward_records, reward_fn, cfg.max_new_tokens)
-    input_ids, loss_mask = pack(prompts, replies, tokenizer.pad_id if tokenizer.pad_id is not None else 0)
+    input_ids, loss_mask, scores, reply_stats = sample_scored(model.policy, tokenizer, records, cfg, reward_fn,
+                                                              seed)
     mask = F.pad(loss_mask, (1, 0)).bool()  # per token (rl/ppo.py's alignment): 1 on the reply's tokens
     chunk = micro_rows or len(input_ids)
     old_logp, old_values = old_outputs(model, input_ids, cfg.temperature, cfg.precision, chunk)
@@ -140,13 +128,8 @@ def ppo_rollout(model, tokenizer, records, cfg: RolloutConfig, ppo: PPOConfig, r
     if reference is not None and ppo.beta > 0:
         ref_logp = gpt_logprobs(reference, input_ids, cfg.temperature, cfg.precision, chunk)
     batch, stats = ppo_batch(input_ids, mask, old_logp, old_values, scores, ppo, ref_logp)
-    new_tokens = sum(len(r.token_ids) + (r.stop_id is not None) for r in replies)
     stats.update({"reward_mean": scores.mean().item(),
-                  "reward_std": scores.std().item() if len(scores) > 1 else 0.0,
-                  "reply_len": new_tokens / len(replies),
-                  "truncated": sum(r.finish_reason == "length" for r in replies) / len(replies),
-                  "rollout_tokens_per_s": new_tokens / max(seconds, 1e-9),
-                  **{f"reward_{k}": v for k, v in parts.items()}})
+                  "reward_std": scores.std().item() if len(scores) > 1 else 0.0, **reply_stats})
     batch.update({f"stat_{k}": torch.tensor(v, dtype=torch.float32) for k, v in stats.items()})
     return batch
 
