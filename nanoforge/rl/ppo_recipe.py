@@ -7,11 +7,10 @@ the loader drops the latter, so chat, eval and export read a PPO run as its poli
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from nanoforge.config import load_toml
 from nanoforge.device import resolve_device
 from nanoforge.errors import NanoforgeError
 from nanoforge.loader import init_weights
@@ -24,7 +23,7 @@ from nanoforge.rl.prompts import PromptIterator
 from nanoforge.rl.rollout import RolloutConfig, check_prompts
 from nanoforge.train.distributed import setup, world
 from nanoforge.train.loop import Stage
-from nanoforge.train.rundir import check_resume_options, fresh_run_guard
+from nanoforge.train.rundir import fresh_run_guard, resolve_run_options
 from nanoforge.train.stages import make_sampler, sample_prompts, train_and_report
 
 
@@ -50,9 +49,6 @@ class PPOOptions:
     trust_remote_code: bool | None = None
     think: bool | None = None
 
-    def given(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
-
 
 # MiniMind's PPO: 2 epochs per batch, clip 0.2, clipped value loss, GAE gamma 1 lambda 0.95, a KL penalty
 DEFAULTS = {"num_generations": 1, "prompts_per_step": 8, "temperature": 1.0, "max_new_tokens": 256,
@@ -63,12 +59,7 @@ FLAGS = {f.name: "--" + f.name.replace("_", "-") for f in fields(PPOOptions)}
 
 def resolve_options(out: Path, options: PPOOptions, resume: bool) -> dict[str, Any]:
     """The options this run trains with: on --resume the saved ones (a different value given is an error)."""
-    given = options.given()
-    saved: dict[str, Any] = {}
-    if resume and (out / "config.toml").is_file():
-        check_resume_options(out, {k: (FLAGS[k], v) for k, v in given.items()})
-        saved = {k: v for k, v in load_toml(out / "config.toml").get("run", {}).items() if k in FLAGS}
-    o = {**DEFAULTS, **saved, **given}
+    o = resolve_run_options(out, options, DEFAULTS, resume)
     if "reward" not in o and not o.get("reward_model"):
         o["reward"] = "math"
     for key in ("num_generations", "prompts_per_step", "ppo_epochs", "max_new_tokens"):
