@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nanoforge.device import autocast_context
+from nanoforge.device import autocast_context, eval_mode
 from nanoforge.rl.losses import approx_kl
 from nanoforge.rl.ppo import PPOConfig, forward_ppo, ppo_batch, ppo_count, ppo_loss, token_logprobs
 from nanoforge.rl.prompts import PromptIterator
@@ -83,15 +83,10 @@ def gpt_logprobs(gpt, input_ids: torch.Tensor, temperature: float, precision: st
     """A plain GPT's per-token log-probs (rl/ppo.py token_logprobs, the very computation of the old ones) in eval
     mode without grad, `chunk` rows at a time: (B, L) on the CPU. The reference's, and the current policy's
     for --target-kl (equal weights give exactly the old log-probs)."""
-    was_training = gpt.training
-    gpt.eval()
-    try:
-        device = next(gpt.parameters()).device
-        with autocast_context(device, precision):
-            return torch.cat([token_logprobs(gpt(part.to(device)), part.to(device), temperature).cpu()
-                              for part in input_ids.split(chunk)])
-    finally:
-        gpt.train(was_training)
+    device = next(gpt.parameters()).device
+    with eval_mode(gpt), autocast_context(device, precision):
+        return torch.cat([token_logprobs(gpt(part.to(device)), part.to(device), temperature).cpu()
+                          for part in input_ids.split(chunk)])
 
 
 @torch.no_grad()
@@ -99,19 +94,14 @@ def old_outputs(model, input_ids: torch.Tensor, temperature: float, precision: s
                 chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """forward_ppo in eval mode without grad, `chunk` rows at a time (the loss's micro-batches, so the same
     shapes give the same numbers): (old_logp, old_values), (B, L) each on the CPU."""
-    was_training = model.training
-    model.eval()
-    try:
-        device = next(model.parameters()).device
-        logps, values = [], []
-        with autocast_context(device, precision):
-            for part in input_ids.split(chunk):
-                logp, value = forward_ppo(model, part.to(device), temperature)
-                logps.append(logp.cpu())
-                values.append(value.float().cpu())
-        return torch.cat(logps), torch.cat(values)
-    finally:
-        model.train(was_training)
+    device = next(model.parameters()).device
+    logps, values = [], []
+    with eval_mode(model), autocast_context(device, precision):
+        for part in input_ids.split(chunk):
+            logp, value = forward_ppo(model, part.to(device), temperature)
+            logps.append(logp.cpu())
+            values.append(value.float().cpu())
+    return torch.cat(logps), torch.cat(values)
 
 
 def ppo_rollout(model, tokenizer, records, cfg: RolloutConfig, ppo: PPOConfig, reward_fn: RewardFn, seed: int,

@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from nanoforge.device import autocast_context
+from nanoforge.device import autocast_context, eval_mode
 from nanoforge.errors import NanoforgeError
 from nanoforge.infer.generate import Completion, SamplingConfig, complete
 from nanoforge.infer.toolparse import THINK_OPEN
@@ -109,15 +109,10 @@ def frozen_logps(model, input_ids: torch.Tensor, temperature: float, precision: 
     """token_logps in eval mode, no grad, under the run's autocast: the old policy's and the reference's.
     Computed `chunk` rows at a time, the micro-batches the loss will see: the same shapes give the same numbers
     (in fp32 the first update's ratio is exactly 1), and the logits of a whole rollout need not fit at once."""
-    was_training = model.training
-    model.eval()
-    try:
-        device = next(model.parameters()).device
-        with autocast_context(device, precision):
-            return torch.cat([token_logps(model, part.to(device), temperature).cpu()
-                              for part in input_ids.split(chunk or len(input_ids))])
-    finally:
-        model.train(was_training)
+    device = next(model.parameters()).device
+    with eval_mode(model), autocast_context(device, precision):
+        return torch.cat([token_logps(model, part.to(device), temperature).cpu()
+                          for part in input_ids.split(chunk or len(input_ids))])
 
 
 def pack(prompts: Sequence[list[int]], replies: Sequence[Completion], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
