@@ -174,6 +174,13 @@ def reward_function(o: dict[str, Any], device):
     return combine(chosen, parse_weights(o.get("reward_weights"), len(chosen)))
 
 
+def frozen_reference(mcfg, init_path: Path, device) -> GPT:
+    """The --init model, frozen, whatever step a run resumes at: the reference of the KL term."""
+    reference = GPT(mcfg)
+    reference.load_weights(init_weights(init_path))
+    return reference.to(device).eval().requires_grad_(False)
+
+
 @fresh_run_guard
 def grpo(init: str | None, data: str | None, out: str | Path, options: RLOptions | None = None,
          config_file: str | None = None, overrides: dict[str, Any] | None = None, resume: bool = False,
@@ -191,11 +198,7 @@ def grpo(init: str | None, data: str | None, out: str | Path, options: RLOptions
     cfg = RolloutConfig(o["num_generations"], o["temperature"], o["max_new_tokens"], o["think"], o["advantage"],
                         tcfg.precision)
     cfg.validate()
-    reference = None
-    if o["beta"] > 0:  # the initial policy, frozen, whatever step we resume at
-        reference = GPT(mcfg)
-        reference.load_weights(init_weights(init_path))
-        reference.to(device).eval().requires_grad_(False)
+    reference = frozen_reference(mcfg, init_path, device) if o["beta"] > 0 else None
     model = GPT(mcfg)
     if not resume:
         model.load_weights(init_weights(init_path))

@@ -16,7 +16,7 @@ from nanoforge.errors import NanoforgeError
 from nanoforge.loader import init_weights
 from nanoforge.model.gpt import GPT
 from nanoforge.rl.critic import PolicyWithValue
-from nanoforge.rl.grpo import reward_function, rl_setup
+from nanoforge.rl.grpo import frozen_reference, reward_function, rl_setup
 from nanoforge.rl.ppo import PPOConfig
 from nanoforge.rl.ppo_stage import PPOBatches, ppo_objective, ppo_objective_count
 from nanoforge.rl.prompts import PromptIterator
@@ -98,11 +98,7 @@ def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions
     # the group advantage of RolloutConfig is GRPO's and unused here: PPO's advantages come from GAE
     cfg = RolloutConfig(o["num_generations"], o["temperature"], o["max_new_tokens"], o["think"], "mean",
                         tcfg.precision)
-    reference = None
-    if cfg_ppo.beta > 0:  # the initial policy, frozen, whatever step we resume at
-        reference = GPT(mcfg)
-        reference.load_weights(init_weights(init_path))
-        reference.to(device).eval().requires_grad_(False)
+    reference = frozen_reference(mcfg, init_path, device) if cfg_ppo.beta > 0 else None
     if resume:  # the loop loads the checkpoint's policy and critic
         model = PolicyWithValue.from_config(mcfg)
     else:

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from nanoforge.device import autocast_context, eval_mode
 from nanoforge.rl.losses import approx_kl
-from nanoforge.rl.ppo import PPOConfig, forward_ppo, ppo_batch, ppo_count, ppo_loss, token_logprobs
+from nanoforge.rl.ppo import (PPOConfig, forward_ppo, ppo_batch, ppo_count, ppo_loss, should_stop_early,
+                              token_logprobs)
 from nanoforge.rl.prompts import PromptIterator
 from nanoforge.rl.rollout import Batch, RewardFn, RolloutConfig, sample_scored
 from nanoforge.rl.stage import RolloutBatches
@@ -68,7 +69,7 @@ class PPOBatches(RolloutBatches):
         kl = approx_kl(logp, batch["old_logp"], batch["mask"]).reshape(1).float()
         if self.prompts.world_size > 1:
             kl = distributed.all_reduce_sum(kl.to(next(self.model.parameters()).device)).cpu() / self.prompts.world_size
-        return kl.item() > self.ppo.target_kl
+        return should_stop_early(kl.item(), self.ppo.target_kl)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "early_stops": self.early_stops}
