@@ -194,5 +194,5 @@ def cmd_chat(args) -> None:
 
 COMMANDS = {"demo": cmd_demo, "report": cmd_report, "tokenizer": cmd_tokenizer, "prepare": cmd_prepare,
             "pretrain": cmd_pretrain, "sft": cmd_sft, "lora": cmd_lora, "dpo": cmd_dpo, "grpo": cmd_rl,
-            "ppo": cmd_rl, "distill": cmd_distill, "plan": cmd_plan, "bench": cmd_bench, "eval": cmd_eval, "export": cmd_export, "serve": cmd_serve,
-            "generate": cmd_generate, "chat": cmd_chat}
+            "ppo": cmd_rl, "distill": cmd_distill, "plan": cmd_plan, "bench": cmd_bench, "eval": cmd_eval,
+            "export": cmd_export, "serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat}
