@@ -41,6 +41,14 @@ def add_config_flags(p: argparse.ArgumentParser, presets: bool = True, exclude: 
                                help=f"{what} (default: {default!r})" if what else f"(default: {default!r})")
 
 
+def add_run_flags(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """The last flags of a fine-tuning command: --resume, --quiet, then the config's (no presets: the shape
+    comes from --init)."""
+    add_resume_flag(p)
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_config_flags(p, presets=False, exclude=exclude)
+
+
 def _metavar(f: dataclasses.Field) -> str:
     kind = f.type if isinstance(f.type, str) else f.type.__name__
     return {"int": "N", "float": "X", "bool": "BOOL", "str": "STR"}[kind]
@@ -124,9 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--data", nargs="*", default=[], metavar="PATH",
                      help="a directory from `prepare --kind sft`, or conversation JSONL files")
     sft.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    add_resume_flag(sft)
-    sft.add_argument("--quiet", action="store_true", help="no progress lines")
-    add_config_flags(sft, presets=False)
+    add_run_flags(sft)
 
     lora = sub.add_parser("lora", help="LoRA fine-tuning on conversations; `lora merge RUN --out DIR` folds "
                           "the adapters into the base", formatter_class=fmt)
@@ -142,9 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     lora.add_argument("--alpha", type=float, help="adapter scale numerator, scale = alpha / rank (default: 32.0)")
     lora.add_argument("--dropout", type=float, help="dropout on the adapters' input (default: 0.05)")
     lora.add_argument("--targets", help="linear layers to adapt (default: q,k,v,o,gate,up,down)")
-    add_resume_flag(lora)
-    lora.add_argument("--quiet", action="store_true", help="no progress lines")
-    add_config_flags(lora, presets=False, exclude=("dropout",))
+    add_run_flags(lora, exclude=("dropout",))
 
     dpo = sub.add_parser("dpo", help="direct preference optimisation on chosen/rejected pairs", formatter_class=fmt)
     dpo.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the SFT run, checkpoint or HF model directory "
@@ -153,9 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a directory from `prepare --kind dpo`, or DPO JSONL files")
     dpo.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
     dpo.add_argument("--beta", type=float, help="strength of the pull towards the reference (default: 0.1)")
-    add_resume_flag(dpo)
-    dpo.add_argument("--quiet", action="store_true", help="no progress lines")
-    add_config_flags(dpo, presets=False)
+    add_run_flags(dpo)
 
     add_grpo_parser(sub, fmt)
     add_ppo_parser(sub, fmt)
@@ -171,9 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--temperature", type=float, help="softening of both distributions (default: 1.5)")
     dist.add_argument("--alpha", type=float, help="weight of the data's cross-entropy; "
                       "1 - alpha weighs the KL to the teacher (default: 0.5)")
-    add_resume_flag(dist)
-    dist.add_argument("--quiet", action="store_true", help="no progress lines")
-    add_config_flags(dist, presets=False)
+    add_run_flags(dist)
 
     plan = sub.add_parser("plan", help="memory, batch and time a run will need, before running it",
                           formatter_class=fmt)
@@ -253,9 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", help="text to continue (default: standard input; empty: a new document)")
     gen.add_argument("--num-samples", type=int, default=1, help="continuations to write, one after another")
     add_sampling_flags(gen, chat_defaults)
-    gen.add_argument("--device", default=chat_defaults.DEFAULT_DEVICE, help="auto, cpu, cuda, cuda:N, mps")
-    gen.add_argument("--precision", default=chat_defaults.DEFAULT_PRECISION,
-                     choices=chat_defaults.PRECISION_CHOICES, help="inference precision")
+    add_device_flags(gen)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP API and a web chat page", formatter_class=fmt)
     serve.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint), checkpoint or HF directory")
@@ -263,9 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="TCP port")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOFORGE_API_KEY, else none)")
-    serve.add_argument("--device", default=chat_defaults.DEFAULT_DEVICE, help="auto, cpu, cuda, cuda:N, mps")
-    serve.add_argument("--precision", default=chat_defaults.DEFAULT_PRECISION,
-                       choices=chat_defaults.PRECISION_CHOICES, help="inference precision")
+    add_device_flags(serve)
     serve.add_argument("--request-timeout", type=float, default=300.0,
                        help="seconds a request may take, queueing included; the reply then ends with "
                             "finish_reason length (0: no limit)")
@@ -276,9 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--tools", default=None, metavar="NAME[,NAME]",
                       help="built-in tools to offer and run when the model calls them: calculator")
     chat.add_argument("--max-tool-turns", type=int, default=5, help="tool rounds per message before giving up")
-    chat.add_argument("--device", default=chat_defaults.DEFAULT_DEVICE, help="auto, cpu, cuda, cuda:N, mps")
-    chat.add_argument("--precision", default=chat_defaults.DEFAULT_PRECISION,
-                      choices=chat_defaults.PRECISION_CHOICES, help="inference precision")
+    add_device_flags(chat)
     return parser
 
 
@@ -290,6 +284,12 @@ def add_sampling_flags(p: argparse.ArgumentParser, defaults) -> None:
                    help="1.0 disables")
     p.add_argument("--max-new-tokens", type=int, default=defaults.DEFAULT_MAX_NEW_TOKENS, help="reply length cap")
     p.add_argument("--seed", type=int, help="makes sampling reproducible")
+
+
+def add_device_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=chat_defaults.DEFAULT_DEVICE, help="auto, cpu, cuda, cuda:N, mps")
+    p.add_argument("--precision", default=chat_defaults.DEFAULT_PRECISION, choices=chat_defaults.PRECISION_CHOICES,
+                   help="inference precision")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -329,22 +329,12 @@ def add_grpo_parser(sub, fmt) -> None:
                     "(default: 256)")
     rl.add_argument("--ppo-epochs", type=int, metavar="K", help="optimizer steps on each rollout, so the ratio and "
                     "clipping act (default: 1)")
-    rl.add_argument("--reward", metavar="NAME[,NAME]", help="math, format, length, repetition, module:function "
-                    "or path/file.py:function, summed (default: math)")
-    rl.add_argument("--reward-weights", metavar="W[,W]", help="one weight per reward (and the reward model last)")
-    rl.add_argument("--reward-model", metavar="LOCAL_DIR", help="a local HF sequence-classification model whose "
-                    "score is added as a reward (never downloaded)")
-    rl.add_argument("--trust-remote-code", action="store_true", default=None,
-                    help="let --reward-model run its own Python code")
-    rl.add_argument("--think", action="store_true", default=None, help="open the think block of every reply "
-                    "(a template in MiniMind-3's format)")
+    add_reward_flags(rl)
     rl.add_argument("--tools", metavar="NAME[,NAME]", help="multi-turn tool use: run the replies' tool calls "
                     "(built-in: calculator) and train on whole trajectories with the agent reward (records need "
                     '"gt"; no --reward)')
     rl.add_argument("--max-turns", type=int, metavar="N", help="with --tools: replies per trajectory (default: 3)")
-    add_resume_flag(rl)
-    rl.add_argument("--quiet", action="store_true", help="no progress lines")
-    add_config_flags(rl, presets=False)
+    add_run_flags(rl)
 
 
 def add_ppo_parser(sub, fmt) -> None:
@@ -374,6 +364,13 @@ def add_ppo_parser(sub, fmt) -> None:
     p.add_argument("--lam", type=float, help="GAE lambda (default: 0.95)")
     p.add_argument("--target-kl", type=float, help="skip a rollout's remaining epochs once the approximate KL to "
                    "the sampling policy exceeds this (default: never)")
+    add_reward_flags(p)
+    add_run_flags(p)
+
+
+def add_reward_flags(p: argparse.ArgumentParser) -> None:
+    """The rewards of an RL command (grpo, ppo) and --think; defaults None, so a --resume can tell a given option
+    from an omitted one."""
     p.add_argument("--reward", metavar="NAME[,NAME]", help="math, format, length, repetition, module:function "
                    "or path/file.py:function, summed (default: math)")
     p.add_argument("--reward-weights", metavar="W[,W]", help="one weight per reward (and the reward model last)")
@@ -383,9 +380,6 @@ def add_ppo_parser(sub, fmt) -> None:
                    help="let --reward-model run its own Python code")
     p.add_argument("--think", action="store_true", default=None, help="open the think block of every reply "
                    "(a template in MiniMind-3's format)")
-    add_resume_flag(p)
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
-    add_config_flags(p, presets=False)
 
 
 if __name__ == "__main__":

@@ -123,18 +123,13 @@ def cmd_dpo(args) -> None:
     print(f"dpo finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
 
 
-def cmd_grpo(args) -> None:
-    options = RLOptions(**{k: getattr(args, k) for k in RLOptions.__dataclass_fields__})
-    summary = grpo(args.init, args.data, args.out, options, config_file=args.config,
-                   overrides=config_overrides(args), resume=args.resume, quiet=args.quiet)
-    print(f"grpo finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
-
-
-def cmd_ppo(args) -> None:
-    options = PPOOptions(**{k: getattr(args, k) for k in PPOOptions.__dataclass_fields__})
-    summary = ppo(args.init, args.data, args.out, options, config_file=args.config,
-                  overrides=config_overrides(args), resume=args.resume, quiet=args.quiet)
-    print(f"ppo finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
+def cmd_rl(args) -> None:
+    """grpo and ppo: the stage's options dataclass filled from the flags of the same names."""
+    options_cls, train_rl = {"grpo": (RLOptions, grpo), "ppo": (PPOOptions, ppo)}[args.command]
+    options = options_cls(**{k: getattr(args, k) for k in options_cls.__dataclass_fields__})
+    summary = train_rl(args.init, args.data, args.out, options, config_file=args.config,
+                       overrides=config_overrides(args), resume=args.resume, quiet=args.quiet)
+    print(f"{args.command} finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
 
 
 def cmd_distill(args) -> None:
@@ -198,7 +193,6 @@ def cmd_chat(args) -> None:
 
 
 COMMANDS = {"demo": cmd_demo, "report": cmd_report, "tokenizer": cmd_tokenizer, "prepare": cmd_prepare,
-            "pretrain": cmd_pretrain, "sft": cmd_sft, "lora": cmd_lora, "dpo": cmd_dpo, "grpo": cmd_grpo,
-            "ppo": cmd_ppo, "distill": cmd_distill,
-            "plan": cmd_plan, "bench": cmd_bench, "eval": cmd_eval, "export": cmd_export, "serve": cmd_serve,
-            "generate": cmd_generate, "chat": cmd_chat}
+            "pretrain": cmd_pretrain, "sft": cmd_sft, "lora": cmd_lora, "dpo": cmd_dpo, "grpo": cmd_rl,
+            "ppo": cmd_rl, "distill": cmd_distill, "plan": cmd_plan, "bench": cmd_bench, "eval": cmd_eval,
+            "export": cmd_export, "serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat}

@@ -32,6 +32,17 @@ def autocast_context(device: torch.device, precision: str):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+@contextlib.contextmanager
+def eval_mode(model):
+    """model.eval() for the duration, then back to whatever mode it was in (a caller's training model)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
 def fallback_precision(device: torch.device) -> str:
     """Where fp16 keeps overflowing: bf16 has fp32's range; fall back to fp32 where bf16 is not supported."""
     if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):

@@ -31,14 +31,14 @@ from nanoforge.data.batches import IGNORE
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import TokenShards, check_tokenizer, read_manifest
 from nanoforge.data.sources import data_kind, prepared_dir
-from nanoforge.device import autocast_context
+from nanoforge.device import autocast_context, eval_mode
 from nanoforge.errors import NanoforgeError
 from nanoforge.eval.choice import evaluate_choices
 from nanoforge.eval.common import Progress, check_precision, context_length, format_table, load_run
 from nanoforge.eval.gsm8k import evaluate_gsm8k, read_gsm8k
 from nanoforge.eval.toolcall import evaluate_toolcall, read_toolcall
 from nanoforge.infer.generate import SamplingConfig
-from nanoforge.infer.samples import eval_mode, generate_samples, load_prompts, write_samples
+from nanoforge.infer.samples import generate_samples, load_prompts, write_samples
 from nanoforge.infer.toolturn import parse_tool_names
 from nanoforge.train.checkpoint import load_state
 

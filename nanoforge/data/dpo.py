@@ -32,7 +32,7 @@ from torch import nn
 
 from nanoforge.data.batches import IGNORE, EpochOrder
 from nanoforge.data.shards import TokenShards
-from nanoforge.device import autocast_context
+from nanoforge.device import autocast_context, eval_mode
 from nanoforge.errors import NanoforgeError
 from nanoforge.fsutil import write_text_atomic
 
@@ -106,9 +106,7 @@ def compute_reference_logps(model: nn.Module, shards: TokenShards, batch_size: i
     out = np.full(shards.num_docs, np.nan, dtype=np.float32)
     docs = np.flatnonzero(fits)
     docs = docs[np.argsort(lengths[docs], kind="stable")]
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         for start in range(0, len(docs), batch_size):
             chunk = docs[start:start + batch_size].tolist()
             batch = _rows(shards, offsets, chunk, pad_id)
@@ -116,8 +114,6 @@ def compute_reference_logps(model: nn.Module, shards: TokenShards, batch_size: i
             with autocast_context(device, precision):
                 logits = model(ids)  # (R, T, V)
             out[chunk] = sequence_logps(logits, labels).cpu().numpy()
-    finally:
-        model.train(was_training)
     return out
 
 

@@ -361,13 +361,9 @@ def record_too_long(size: int, path, line_no: int) -> DataError:
                      f"split the document into several records", path, line_no)
 
 
-def parse_line(raw: bytes, kind: str | None, path: str | os.PathLike, line_no: int) -> dict | None:
-    """Decode, parse and validate one raw line. Returns None for a blank line; raises DataError.
-
-    Shared (through parse_lines) by iter_records and the parallel workers of `prepare`, so both report errors
-    identically.
-    kind=None detects the kind of each record from its keys.
-    """
+def line_text(raw: bytes, path: str | os.PathLike, line_no: int) -> str | None:
+    """One raw line's text (line 1's BOM dropped), None for a blank line; DataError for one that is too long,
+    binary or not UTF-8."""
     if line_no == 1 and raw.startswith(UTF8_BOM):
         raw = raw[len(UTF8_BOM):]
     if len(raw) > MAX_RECORD_BYTES:
@@ -377,17 +373,34 @@ def parse_line(raw: bytes, kind: str | None, path: str | os.PathLike, line_no: i
     if b"\x00" in raw:
         raise DataError("contains NUL bytes; is this a binary file?", path, line_no)
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise DataError(f"invalid UTF-8 at byte {e.start} of the line; re-encode the file as UTF-8",
                         path, line_no) from None
+
+
+def line_json(text: str, path: str | os.PathLike, line_no: int) -> Any:
+    """A line's JSON value; DataError naming path:line (and a JSON array on line 1) otherwise."""
     try:
-        obj = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as e:
         hint = ""
         if line_no == 1 and text.lstrip().startswith("["):
             hint = "; this looks like a JSON array: JSONL needs one JSON object per line"
         raise DataError(f"invalid JSON: {e.msg} at column {e.colno}{hint}", path, line_no) from None
+
+
+def parse_line(raw: bytes, kind: str | None, path: str | os.PathLike, line_no: int) -> dict | None:
+    """Decode, parse and validate one raw line. Returns None for a blank line; raises DataError.
+
+    Shared (through parse_lines) by iter_records and the parallel workers of `prepare`, so both report errors
+    identically.
+    kind=None detects the kind of each record from its keys.
+    """
+    text = line_text(raw, path, line_no)
+    if text is None:
+        return None
+    obj = line_json(text, path, line_no)
     if kind is None:  # mixed files (tokenizer training): the keys say what the record is
         kind = detect_kind(obj)
         if kind is None:

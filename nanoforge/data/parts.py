@@ -19,7 +19,6 @@ Keep the parts where they are, next to the merged directory.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from nanoforge.data.columnar import is_columnar, num_rows
 from nanoforge.data.jsonl import MAX_RECORD_BYTES, record_too_long
 from nanoforge.data.shards import read_manifest
 from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import fsync_dir
+from nanoforge.fsutil import fsync_dir, write_json
 from nanoforge.tokenizer import PLAIN_TEXT_SUFFIXES
 
 SCAN_BYTES = 8 << 20
@@ -194,11 +193,7 @@ def _write_merged(out_dir: Path, manifest: dict, tokenizer_dir: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         shutil.copytree(tokenizer_dir, tmp / "tokenizer")
-        with open(tmp / "manifest.json", "w", encoding="utf-8") as f:
-            json.dump(manifest, f, ensure_ascii=False, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
+        write_json(tmp / "manifest.json", manifest)
         fsync_dir(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir) if out_dir.is_dir() else out_dir.unlink()

@@ -19,10 +19,9 @@ import torch
 
 from nanoforge.data.batches import IGNORE
 from nanoforge.data.jsonl import DataError, check_input_file
-from nanoforge.device import autocast_context
+from nanoforge.device import autocast_context, eval_mode
 from nanoforge.errors import NanoforgeError
 from nanoforge.eval.common import Progress, check_precision, context_length, format_table, load_run
-from nanoforge.infer.samples import eval_mode
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 Z95 = 1.959963984540054  # two-sided 95% normal quantile

@@ -24,6 +24,7 @@ from nanoforge.infer.defaults import (DEFAULT_DEVICE, DEFAULT_MAX_NEW_TOKENS, DE
                                      DEFAULT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P,
                                      PRECISION_CHOICES)
 from nanoforge.infer.generate import SamplingConfig, stream
+from nanoforge.infer.toolloop import stop_ids
 from nanoforge.infer.toolparse import THINK_OPEN, Reply, StreamParser, reply_from_events
 from nanoforge.infer.toolturn import assistant_message, parse_tool_names, tool_messages, tool_schemas
 from nanoforge.loader import load_model
@@ -102,9 +103,8 @@ class _Session:
         self.precision, self.on_prompt = precision, on_prompt
         self.system = system or None
         self.messages: list[dict] = self._fresh()
-        # <|im_start|> too: a model that opens a new turn has finished its own, and the user should not see
-        # it write the next user message.
-        self.stop_ids = [t for t in (tokenizer.eos_id, tokenizer.im_end_id, tokenizer.im_start_id) if t is not None]
+        # <|im_start|> too: the user should not see the model write the next user message
+        self.stop_ids = stop_ids(tokenizer)
         context = model.model.rotary_emb.n_positions
         # Keep room for a full reply, but never more than half the context: a tiny model with 128 positions
         # and the default 256 new tokens would otherwise have no room for the question.
@@ -309,7 +309,7 @@ def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, tempe
         print(f"note: the prompt has {len(ids)} tokens; the model sees at most {model.cfg.max_seq_len}, so it "
               f"continues from the last {room}", file=sys.stderr)
         ids = ids[-room:]
-    stop_ids = [t for t in (tokenizer.eos_id, tokenizer.im_start_id) if t is not None]
+    stops = [t for t in (tokenizer.eos_id, tokenizer.im_start_id) if t is not None]
     for i in range(num_samples):
         if num_samples > 1:
             out.write(f"--- sample {i + 1} of {num_samples}\n")
@@ -317,7 +317,7 @@ def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, tempe
                              repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens,
                              seed=None if seed is None else seed + i)
         out.write(prompt)
-        for piece in stream(model, tokenizer, ids, cfg, stop_ids, precision):
+        for piece in stream(model, tokenizer, ids, cfg, stops, precision):
             out.write(piece)
             out.flush()
         out.write("\n")

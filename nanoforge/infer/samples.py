@@ -4,12 +4,12 @@ the model has learnt so far. Sampling is fixed-seed, so successive samples diffe
 """
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 from typing import Sequence
 
 from nanoforge.data.jsonl import DataError, check_input_file
+from nanoforge.device import eval_mode
 from nanoforge.infer.generate import SamplingConfig, complete
 
 
@@ -45,17 +45,6 @@ def load_prompts(path) -> list[str]:
     if not prompts:
         raise DataError("has no prompts", path)
     return prompts
-
-
-@contextlib.contextmanager
-def eval_mode(model):
-    """model.eval() for the duration, then back to whatever mode it was in (a caller's training model)."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(was_training)
 
 
 def generate_samples(model, tokenizer, prompts: Sequence[str] | None = None, sampling=None, chat: bool = False,

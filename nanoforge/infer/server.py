@@ -53,6 +53,7 @@ from nanoforge.infer.chat_reply import ChatChunks, call_id_prefix, chat_body, fi
 from nanoforge.infer.chat_request import parse_chat_request
 from nanoforge.infer.generate import Completion, SamplingConfig, stream_completion
 from nanoforge.infer.protocol import APIError, GenerationRequest, Limits
+from nanoforge.infer.toolloop import stop_ids
 from nanoforge.loader import load_model
 from nanoforge.tools.calculator import BUILTIN_TOOLS, run_tool_call
 
@@ -274,8 +275,7 @@ def _add_model_routes(app, worker: _Worker, model_name: str, api_key: str | None
 def _add_generation_routes(app, worker: _Worker, tokenizer, limits: Limits, model_name: str,
                            api_key: str | None, max_body_bytes: int) -> None:
     """POST /v1/chat/completions and /v1/completions."""
-    # <|im_start|> too: a model that opens a new turn has finished its own (as in `nanoforge chat`).
-    chat_stop_ids = [t for t in (tokenizer.eos_id, tokenizer.im_end_id, tokenizer.im_start_id) if t is not None]
+    chat_stop_ids = stop_ids(tokenizer)  # as in `nanoforge chat`
     text_stop_ids = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
 
     @app.post("/v1/chat/completions")

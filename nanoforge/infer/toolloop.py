@@ -26,8 +26,6 @@ from nanoforge.infer.generate import Completion, SamplingConfig, complete
 from nanoforge.infer.toolparse import Reply, parse_reply
 from nanoforge.infer.toolturn import assistant_message, tool_messages, tool_schemas
 
-ENDS = ("answer", "length", "max_turns", "context")
-
 
 @dataclass
 class Rollout:

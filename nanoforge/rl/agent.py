@@ -52,13 +52,10 @@ from nanoforge.infer.generate import SamplingConfig, sample_with_logprobs
 from nanoforge.infer.toolloop import stop_ids
 from nanoforge.infer.toolparse import Reply, parse_reply
 from nanoforge.infer.toolturn import tool_messages, tool_schemas
-from nanoforge.rl.losses import group_advantages
 from nanoforge.rl.prompts import PromptRecord
 from nanoforge.rl.rewards import AgentTurns, agent_reward_parts
-from nanoforge.rl.rollout import Batch, RolloutConfig, check_fits, frozen_logps
+from nanoforge.rl.rollout import Batch, RolloutConfig, check_fits, policy_batch
 from nanoforge.tools.calculator import BUILTIN_TOOLS
-
-ENDS = ("answer", "length", "max_turns", "context")
 
 
 @dataclass
@@ -237,27 +234,18 @@ def agent_rollout(model, tokenizer, records: Sequence[PromptRecord], cfg: Rollou
                                   precision=cfg.precision)
     seconds = time.perf_counter() - start
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)  # (B,)
-    grouped = rewards.view(len(records), G)  # (P, G)
     input_ids, loss_mask = pack_trajectories(trajectories, tokenizer.pad_id if tokenizer.pad_id is not None else 0)
-    batch = {"input_ids": input_ids, "loss_mask": loss_mask,
-             "old_logp": frozen_logps(model, input_ids, cfg.temperature, cfg.precision, micro_rows),
-             "advantages": group_advantages(grouped, cfg.advantage).view(-1), "rewards": rewards}
-    if reference is not None:
-        batch["ref_logp"] = frozen_logps(reference, input_ids, cfg.temperature, cfg.precision, micro_rows)
-    batch.update({f"stat_{k}": torch.tensor(v, dtype=torch.float32)
-                  for k, v in agent_stats(trajectories, grouped, seconds).items()})
-    return batch
+    return policy_batch(model, reference, input_ids, loss_mask, rewards, cfg, micro_rows,
+                        agent_stats(trajectories, seconds))
 
 
-def agent_stats(trajectories: Sequence[Trajectory], grouped: torch.Tensor, seconds: float) -> dict[str, float]:
-    """A step's figures: rl/rollout.py's (reward, zero-variance groups, reply_len = sampled tokens per
-    trajectory, truncated, rollout tokens/s) and the agent's (turns, tool calls per trajectory, unfinished
+def agent_stats(trajectories: Sequence[Trajectory], seconds: float) -> dict[str, float]:
+    """A step's figures beside rl/rollout.py policy_batch's reward ones: reply_len (sampled tokens per
+    trajectory), truncated, rollout tokens/s, and the agent's (turns, tool calls per trajectory, unfinished
     share, the agent reward's parts)."""
     n = len(trajectories)
     new_tokens = sum(t.generated_tokens for t in trajectories)
-    stats = {"reward_mean": grouped.mean().item(), "reward_std": grouped.flatten().std().item(),
-             "zero_var_groups": (grouped.amax(1) == grouped.amin(1)).float().mean().item(),
-             "reply_len": new_tokens / n, "truncated": sum(t.end == "length" for t in trajectories) / n,
+    stats = {"reply_len": new_tokens / n, "truncated": sum(t.end == "length" for t in trajectories) / n,
              "rollout_tokens_per_s": new_tokens / max(seconds, 1e-9),
              "turns": sum(t.turns for t in trajectories) / n,
              "tool_calls": sum(len(t.tool_results) for t in trajectories) / n,

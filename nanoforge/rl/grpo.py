@@ -6,12 +6,12 @@ samples, report); --data is a prompts JSONL file (rl/prompts.py), read as it is,
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from nanoforge.config import MODEL_FIELDS, build_config, load_toml
+from nanoforge.config import MODEL_FIELDS, build_config
 from nanoforge.device import resolve_device
 from nanoforge.errors import NanoforgeError
 from nanoforge.infer.toolturn import parse_tool_names
@@ -28,8 +28,8 @@ from nanoforge.tokenizer import load_tokenizer
 from nanoforge.train import checkpoint as ckpt
 from nanoforge.train.distributed import setup, world
 from nanoforge.train.loop import Stage
-from nanoforge.train.rundir import (check_resume_options, check_same_origin, copy_tokenizer, fresh_run_guard,
-                                    open_run, write_run_config)
+from nanoforge.train.rundir import (check_same_origin, copy_tokenizer, fresh_run_guard, open_run, resolve_run_options,
+                                    write_run_config)
 from nanoforge.train.stages import make_sampler, sample_prompts, train_and_report
 
 # Training defaults under --config and the flags. RL moves a model that already answers: small steps (1e-6..1e-5
@@ -61,9 +61,6 @@ class RLOptions:
     think: bool | None = None
     tools: str | None = None
     max_turns: int | None = None
-
-    def given(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 # MiniMind's GRPO: 2 prompts x 6 replies, temperature 0.8, beta 0.1, clip 0.2, per-sequence mean
@@ -110,12 +107,7 @@ def check_tool_options(o: dict[str, Any]) -> None:
 
 def resolve_options(out: Path, options: RLOptions, resume: bool) -> dict[str, Any]:
     """The options this run trains with: on --resume the saved ones (a different value given is an error)."""
-    given = options.given()
-    saved: dict[str, Any] = {}
-    if resume and (out / "config.toml").is_file():
-        check_resume_options(out, {k: (FLAGS[k], v) for k, v in given.items()})
-        saved = {k: v for k, v in load_toml(out / "config.toml").get("run", {}).items() if k in FLAGS}
-    resolved = {**DEFAULTS, **saved, **given}
+    resolved = resolve_run_options(out, options, DEFAULTS, resume)
     if resolved.get("tools") is not None:
         resolved.setdefault("max_turns", MAX_TURNS)
     elif "reward" not in resolved and not resolved.get("reward_model"):
@@ -182,6 +174,13 @@ def reward_function(o: dict[str, Any], device):
     return combine(chosen, parse_weights(o.get("reward_weights"), len(chosen)))
 
 
+def frozen_reference(mcfg, init_path: Path, device) -> GPT:
+    """The --init model, frozen, whatever step a run resumes at: the reference of the KL term."""
+    reference = GPT(mcfg)
+    reference.load_weights(init_weights(init_path))
+    return reference.to(device).eval().requires_grad_(False)
+
+
 @fresh_run_guard
 def grpo(init: str | None, data: str | None, out: str | Path, options: RLOptions | None = None,
          config_file: str | None = None, overrides: dict[str, Any] | None = None, resume: bool = False,
@@ -199,11 +198,7 @@ def grpo(init: str | None, data: str | None, out: str | Path, options: RLOptions
     cfg = RolloutConfig(o["num_generations"], o["temperature"], o["max_new_tokens"], o["think"], o["advantage"],
                         tcfg.precision)
     cfg.validate()
-    reference = None
-    if o["beta"] > 0:  # the initial policy, frozen, whatever step we resume at
-        reference = GPT(mcfg)
-        reference.load_weights(init_weights(init_path))
-        reference.to(device).eval().requires_grad_(False)
+    reference = frozen_reference(mcfg, init_path, device) if o["beta"] > 0 else None
     model = GPT(mcfg)
     if not resume:
         model.load_weights(init_weights(init_path))

@@ -14,7 +14,7 @@ One batch of rollouts is trained in two parts:
      returns. They are constants of the batch: every PPO epoch and every micro-batch trains on the same ones,
      and the whitening sees the whole batch, not a micro-batch.
   2. each update (`--ppo-epochs` of them): `ppo_loss`, the loss the one loop calls, returning (sum, count,
-     extras). After an epoch the stage asks `should_stop_early(extras' approx_kl, target_kl)`.
+     extras). Before each further epoch rl/ppo_stage.py asks `should_stop_early(approx_kl, target_kl)`.
 """
 from __future__ import annotations
 

@@ -7,24 +7,23 @@ the loader drops the latter, so chat, eval and export read a PPO run as its poli
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from nanoforge.config import load_toml
 from nanoforge.device import resolve_device
 from nanoforge.errors import NanoforgeError
 from nanoforge.loader import init_weights
 from nanoforge.model.gpt import GPT
 from nanoforge.rl.critic import PolicyWithValue
-from nanoforge.rl.grpo import reward_function, rl_setup
+from nanoforge.rl.grpo import frozen_reference, reward_function, rl_setup
 from nanoforge.rl.ppo import PPOConfig
 from nanoforge.rl.ppo_stage import PPOBatches, ppo_objective, ppo_objective_count
 from nanoforge.rl.prompts import PromptIterator
 from nanoforge.rl.rollout import RolloutConfig, check_prompts
 from nanoforge.train.distributed import setup, world
 from nanoforge.train.loop import Stage
-from nanoforge.train.rundir import check_resume_options, fresh_run_guard
+from nanoforge.train.rundir import fresh_run_guard, resolve_run_options
 from nanoforge.train.stages import make_sampler, sample_prompts, train_and_report
 
 
@@ -50,9 +49,6 @@ class PPOOptions:
     trust_remote_code: bool | None = None
     think: bool | None = None
 
-    def given(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
-
 
 # MiniMind's PPO: 2 epochs per batch, clip 0.2, clipped value loss, GAE gamma 1 lambda 0.95, a KL penalty
 DEFAULTS = {"num_generations": 1, "prompts_per_step": 8, "temperature": 1.0, "max_new_tokens": 256,
@@ -63,12 +59,7 @@ FLAGS = {f.name: "--" + f.name.replace("_", "-") for f in fields(PPOOptions)}
 
 def resolve_options(out: Path, options: PPOOptions, resume: bool) -> dict[str, Any]:
     """The options this run trains with: on --resume the saved ones (a different value given is an error)."""
-    given = options.given()
-    saved: dict[str, Any] = {}
-    if resume and (out / "config.toml").is_file():
-        check_resume_options(out, {k: (FLAGS[k], v) for k, v in given.items()})
-        saved = {k: v for k, v in load_toml(out / "config.toml").get("run", {}).items() if k in FLAGS}
-    o = {**DEFAULTS, **saved, **given}
+    o = resolve_run_options(out, options, DEFAULTS, resume)
     if "reward" not in o and not o.get("reward_model"):
         o["reward"] = "math"
     for key in ("num_generations", "prompts_per_step", "ppo_epochs", "max_new_tokens"):
@@ -107,11 +98,7 @@ def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions
     # the group advantage of RolloutConfig is GRPO's and unused here: PPO's advantages come from GAE
     cfg = RolloutConfig(o["num_generations"], o["temperature"], o["max_new_tokens"], o["think"], "mean",
                         tcfg.precision)
-    reference = None
-    if cfg_ppo.beta > 0:  # the initial policy, frozen, whatever step we resume at
-        reference = GPT(mcfg)
-        reference.load_weights(init_weights(init_path))
-        reference.to(device).eval().requires_grad_(False)
+    reference = frozen_reference(mcfg, init_path, device) if cfg_ppo.beta > 0 else None
     if resume:  # the loop loads the checkpoint's policy and critic
         model = PolicyWithValue.from_config(mcfg)
     else:

@@ -18,18 +18,17 @@ the same one.
 """
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from nanoforge.device import autocast_context
+from nanoforge.device import autocast_context, eval_mode
 from nanoforge.rl.losses import approx_kl
-from nanoforge.rl.ppo import PPOConfig, forward_ppo, ppo_batch, ppo_count, ppo_loss, token_logprobs
+from nanoforge.rl.ppo import (PPOConfig, forward_ppo, ppo_batch, ppo_count, ppo_loss, should_stop_early,
+                              token_logprobs)
 from nanoforge.rl.prompts import PromptIterator
-from nanoforge.rl.rollout import (Batch, RewardFn, RolloutConfig, check_fits, pack, render_prompt,
-                                  sample_replies, score)
+from nanoforge.rl.rollout import Batch, RewardFn, RolloutConfig, sample_scored
 from nanoforge.rl.stage import RolloutBatches
 from nanoforge.train import distributed
 
@@ -70,7 +69,7 @@ class PPOBatches(RolloutBatches):
         kl = approx_kl(logp, batch["old_logp"], batch["mask"]).reshape(1).float()
         if self.prompts.world_size > 1:
             kl = distributed.all_reduce_sum(kl.to(next(self.model.parameters()).device)).cpu() / self.prompts.world_size
-        return kl.item() > self.ppo.target_kl
+        return should_stop_early(kl.item(), self.ppo.target_kl)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "early_stops": self.early_stops}
@@ -85,15 +84,10 @@ def gpt_logprobs(gpt, input_ids: torch.Tensor, temperature: float, precision: st
     """A plain GPT's per-token log-probs (rl/ppo.py token_logprobs, the very computation of the old ones) in eval
     mode without grad, `chunk` rows at a time: (B, L) on the CPU. The reference's, and the current policy's
     for --target-kl (equal weights give exactly the old log-probs)."""
-    was_training = gpt.training
-    gpt.eval()
-    try:
-        device = next(gpt.parameters()).device
-        with autocast_context(device, precision):
-            return torch.cat([token_logprobs(gpt(part.to(device)), part.to(device), temperature).cpu()
-                              for part in input_ids.split(chunk)])
-    finally:
-        gpt.train(was_training)
+    device = next(gpt.parameters()).device
+    with eval_mode(gpt), autocast_context(device, precision):
+        return torch.cat([token_logprobs(gpt(part.to(device)), part.to(device), temperature).cpu()
+                          for part in input_ids.split(chunk)])
 
 
 @torch.no_grad()
@@ -101,19 +95,14 @@ def old_outputs(model, input_ids: torch.Tensor, temperature: float, precision: s
                 chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """forward_ppo in eval mode without grad, `chunk` rows at a time (the loss's micro-batches, so the same
     shapes give the same numbers): (old_logp, old_values), (B, L) each on the CPU."""
-    was_training = model.training
-    model.eval()
-    try:
-        device = next(model.parameters()).device
-        logps, values = [], []
-        with autocast_context(device, precision):
-            for part in input_ids.split(chunk):
-                logp, value = forward_ppo(model, part.to(device), temperature)
-                logps.append(logp.cpu())
-                values.append(value.float().cpu())
-        return torch.cat(logps), torch.cat(values)
-    finally:
-        model.train(was_training)
+    device = next(model.parameters()).device
+    logps, values = [], []
+    with eval_mode(model), autocast_context(device, precision):
+        for part in input_ids.split(chunk):
+            logp, value = forward_ppo(model, part.to(device), temperature)
+            logps.append(logp.cpu())
+            values.append(value.float().cpu())
+    return torch.cat(logps), torch.cat(values)
 
 
 def ppo_rollout(model, tokenizer, records, cfg: RolloutConfig, ppo: PPOConfig, reward_fn: RewardFn, seed: int,
@@ -121,18 +110,8 @@ def ppo_rollout(model, tokenizer, records, cfg: RolloutConfig, ppo: PPOConfig, r
     """A rollout as rl/ppo.py's batch: P prompts x G replies sampled by model.policy, scored by reward_fn, the
     old log-probs and values of the combined model, the reference's log-probs when beta > 0, then ppo_batch
     (shaped rewards, GAE, whitening); its figures as stat_* scalars for the log."""
-    G = cfg.num_generations
-    rendered = [render_prompt(tokenizer, r, cfg.think) for r in records]
-    for (ids, _), record in zip(rendered, records):
-        check_fits(ids, record, model.policy.model.rotary_emb.n_positions)
-    prompts = [ids for ids, _ in rendered for _ in range(G)]
-    start = time.perf_counter()
-    replies = sample_replies(model.policy, tokenizer, prompts, cfg, seed)
-    seconds = time.perf_counter() - start
-    reward_records = [{**r.reward_record(), "thinking_open": open_} for r, (_, open_) in zip(records, rendered)
-                      for _ in range(G)]
-    scores, parts = score(replies, reward_records, reward_fn, cfg.max_new_tokens)
-    input_ids, loss_mask = pack(prompts, replies, tokenizer.pad_id if tokenizer.pad_id is not None else 0)
+    input_ids, loss_mask, scores, reply_stats = sample_scored(model.policy, tokenizer, records, cfg, reward_fn,
+                                                              seed)
     mask = F.pad(loss_mask, (1, 0)).bool()  # per token (rl/ppo.py's alignment): 1 on the reply's tokens
     chunk = micro_rows or len(input_ids)
     old_logp, old_values = old_outputs(model, input_ids, cfg.temperature, cfg.precision, chunk)
@@ -140,13 +119,8 @@ def ppo_rollout(model, tokenizer, records, cfg: RolloutConfig, ppo: PPOConfig, r
     if reference is not None and ppo.beta > 0:
         ref_logp = gpt_logprobs(reference, input_ids, cfg.temperature, cfg.precision, chunk)
     batch, stats = ppo_batch(input_ids, mask, old_logp, old_values, scores, ppo, ref_logp)
-    new_tokens = sum(len(r.token_ids) + (r.stop_id is not None) for r in replies)
     stats.update({"reward_mean": scores.mean().item(),
-                  "reward_std": scores.std().item() if len(scores) > 1 else 0.0,
-                  "reply_len": new_tokens / len(replies),
-                  "truncated": sum(r.finish_reason == "length" for r in replies) / len(replies),
-                  "rollout_tokens_per_s": new_tokens / max(seconds, 1e-9),
-                  **{f"reward_{k}": v for k, v in parts.items()}})
+                  "reward_std": scores.std().item() if len(scores) > 1 else 0.0, **reply_stats})
     batch.update({f"stat_{k}": torch.tensor(v, dtype=torch.float32) for k, v in stats.items()})
     return batch
 

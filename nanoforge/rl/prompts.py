@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from nanoforge.data.jsonl import (MAX_RECORD_BYTES, UTF8_BOM, DataError, RecordError, _keys, _type_name,
-                                  check_input_file, record_too_long, validate_record)
+from nanoforge.data.jsonl import (DataError, RecordError, _keys, _type_name, check_input_file, line_json, line_text,
+                                  validate_record)
 from nanoforge.errors import NanoforgeError
 
 _PLACEHOLDER = {"role": "assistant", "content": ""}
@@ -121,23 +121,6 @@ def _declared_tools(messages: list[dict]) -> list | None:
 # ---------------------------------------------------------------------------------------------- files
 
 
-def _decode_line(raw: bytes, path, line_no: int) -> Any:
-    """One raw line -> its JSON value (None for a blank line); DataError naming path:line otherwise."""
-    if line_no == 1 and raw.startswith(UTF8_BOM):
-        raw = raw[len(UTF8_BOM):]
-    if len(raw) > MAX_RECORD_BYTES:
-        raise record_too_long(len(raw), path, line_no)
-    if not raw.strip():
-        return None
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise DataError(f"invalid UTF-8 at byte {e.start} of the line; re-encode the file as UTF-8",
-                        path, line_no) from None
-    except json.JSONDecodeError as e:
-        raise DataError(f"invalid JSON: {e.msg} at column {e.colno}", path, line_no) from None
-
-
 def read_prompts(path: str | os.PathLike, limit: int | None = None) -> list[PromptRecord]:
     """Every prompt record of a JSONL file (the first `limit` with a limit), in file order; the first invalid
     record raises DataError `path:line: field: message`."""
@@ -147,7 +130,8 @@ def read_prompts(path: str | os.PathLike, limit: int | None = None) -> list[Prom
         for line_no, raw in enumerate(f, start=1):
             if limit is not None and len(records) >= limit:
                 break
-            obj = _decode_line(raw, path, line_no)
+            text = line_text(raw, path, line_no)
+            obj = None if text is None else line_json(text, path, line_no)
             if obj is None:
                 continue
             try:

@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from nanoforge.device import autocast_context
+from nanoforge.device import autocast_context, eval_mode
 from nanoforge.errors import NanoforgeError
 from nanoforge.infer.generate import Completion, SamplingConfig, complete
 from nanoforge.infer.toolparse import THINK_OPEN
@@ -109,15 +109,10 @@ def frozen_logps(model, input_ids: torch.Tensor, temperature: float, precision: 
     """token_logps in eval mode, no grad, under the run's autocast: the old policy's and the reference's.
     Computed `chunk` rows at a time, the micro-batches the loss will see: the same shapes give the same numbers
     (in fp32 the first update's ratio is exactly 1), and the logits of a whole rollout need not fit at once."""
-    was_training = model.training
-    model.eval()
-    try:
-        device = next(model.parameters()).device
-        with autocast_context(device, precision):
-            return torch.cat([token_logps(model, part.to(device), temperature).cpu()
-                              for part in input_ids.split(chunk or len(input_ids))])
-    finally:
-        model.train(was_training)
+    device = next(model.parameters()).device
+    with eval_mode(model), autocast_context(device, precision):
+        return torch.cat([token_logps(model, part.to(device), temperature).cpu()
+                          for part in input_ids.split(chunk or len(input_ids))])
 
 
 def pack(prompts: Sequence[list[int]], replies: Sequence[Completion], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,31 +147,47 @@ def rollout(model, tokenizer, records: Sequence[PromptRecord], cfg: RolloutConfi
             reference=None, micro_rows: int | None = None) -> Batch:
     """A step's rollout batch (see the module docstring) for `records`, each sampled num_generations times;
     micro_rows: the rows of the micro-batches the loss will take (all by default)."""
+    input_ids, loss_mask, rewards, stats = sample_scored(model, tokenizer, records, cfg, reward_fn, seed)
+    return policy_batch(model, reference, input_ids, loss_mask, rewards, cfg, micro_rows, stats)
+
+
+def sample_scored(policy, tokenizer, records: Sequence[PromptRecord], cfg: RolloutConfig, reward_fn: RewardFn,
+                  seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
+    """What every single-turn rollout (grpo's, ppo's) starts with: each record rendered, checked against the
+    context and sampled num_generations times by `policy`, the replies scored and packed. Returns (input_ids,
+    loss_mask, rewards (B,), the replies' figures and the mean of each reward's part, for the log)."""
     G = cfg.num_generations
     rendered = [render_prompt(tokenizer, r, cfg.think) for r in records]
     for (ids, _), record in zip(rendered, records):
-        check_fits(ids, record, model.model.rotary_emb.n_positions)
+        check_fits(ids, record, policy.model.rotary_emb.n_positions)
     prompts = [ids for ids, _ in rendered for _ in range(G)]
     start = time.perf_counter()
-    replies = sample_replies(model, tokenizer, prompts, cfg, seed)
+    replies = sample_replies(policy, tokenizer, prompts, cfg, seed)
     seconds = time.perf_counter() - start
     reward_records = [{**r.reward_record(), "thinking_open": open_} for r, (_, open_) in zip(records, rendered)
                       for _ in range(G)]
     rewards, parts = score(replies, reward_records, reward_fn, cfg.max_new_tokens)
-    grouped = rewards.view(len(records), G)  # (P, G)
     input_ids, loss_mask = pack(prompts, replies, tokenizer.pad_id if tokenizer.pad_id is not None else 0)
+    new_tokens = sum(len(r.token_ids) + (r.stop_id is not None) for r in replies)
+    stats = {"reply_len": new_tokens / len(replies),
+             "truncated": sum(r.finish_reason == "length" for r in replies) / len(replies),
+             "rollout_tokens_per_s": new_tokens / max(seconds, 1e-9),
+             **{f"reward_{k}": v for k, v in parts.items()}}
+    return input_ids, loss_mask, rewards, stats
+
+
+def policy_batch(model, reference, input_ids: torch.Tensor, loss_mask: torch.Tensor, rewards: torch.Tensor,
+                 cfg: RolloutConfig, micro_rows: int | None, stats: dict[str, float]) -> Batch:
+    """The rollout batch of packed rows (rollout's, rl/agent.py's): old (and reference) log-probs in the loss's
+    micro-batch chunks, group advantages of the rewards, and the reward figures and `stats` as stat_* scalars."""
+    grouped = rewards.view(-1, cfg.num_generations)  # (P, G)
     batch = {"input_ids": input_ids, "loss_mask": loss_mask,
              "old_logp": frozen_logps(model, input_ids, cfg.temperature, cfg.precision, micro_rows),
              "advantages": group_advantages(grouped, cfg.advantage).view(-1), "rewards": rewards}
     if reference is not None:
         batch["ref_logp"] = frozen_logps(reference, input_ids, cfg.temperature, cfg.precision, micro_rows)
-    new_tokens = sum(len(r.token_ids) + (r.stop_id is not None) for r in replies)
     stats = {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
-             "zero_var_groups": (grouped.amax(1) == grouped.amin(1)).float().mean().item(),
-             "reply_len": new_tokens / len(replies),
-             "truncated": sum(r.finish_reason == "length" for r in replies) / len(replies),
-             "rollout_tokens_per_s": new_tokens / max(seconds, 1e-9),
-             **{f"reward_{k}": v for k, v in parts.items()}}
+             "zero_var_groups": (grouped.amax(1) == grouped.amin(1)).float().mean().item(), **stats}
     batch.update({f"stat_{k}": torch.tensor(v, dtype=torch.float32) for k, v in stats.items()})
     return batch
 

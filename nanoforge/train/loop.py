@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from nanoforge.config import ModelConfig, TrainConfig, config_dicts
-from nanoforge.device import autocast_context, resolve_device
+from nanoforge.device import autocast_context, eval_mode, resolve_device
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.interface import TRAINABLE_INTERFACE, TrainableModel
 from nanoforge.train import checkpoint as ckpt
@@ -70,19 +70,17 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], loss_fn: LossFn, device
              precision: str) -> tuple[float, int, dict[str, float]]:
     """Mean loss per counted unit (token, or pair for DPO) over all batches, the count, and the objective's
     extra scalars averaged with the same weights."""
-    was_training = model.training
-    model.eval()
     total, count = torch.zeros((), device=device, dtype=torch.float64), 0
     extras: dict[str, torch.Tensor] = {}
-    for batch in batches:
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        with autocast_context(device, precision):
-            loss_sum, n, extra = loss_fn(model, batch)
-        total += loss_sum.double()
-        count += int(n)
-        for k, v in extra.items():
-            extras[k] = extras.get(k, 0) + v.detach().double() * int(n)
-    model.train(was_training)
+    with eval_mode(model):
+        for batch in batches:
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            with autocast_context(device, precision):
+                loss_sum, n, extra = loss_fn(model, batch)
+            total += loss_sum.double()
+            count += int(n)
+            for k, v in extra.items():
+                extras[k] = extras.get(k, 0) + v.detach().double() * int(n)
     return total.item() / max(count, 1), count, {k: v.item() / max(count, 1) for k, v in extras.items()}
 
 

@@ -160,6 +160,17 @@ def check_resume_options(run_dir: Path, requested: dict[str, tuple[str, Any]]) -
                              "its own: drop them (--resume alone uses the saved ones), or choose another --out")
 
 
+def resolve_run_options(out: Path, options, defaults: dict[str, Any], resume: bool) -> dict[str, Any]:
+    """A stage's own options (a dataclass of them, None where not given; saved under [run] in config.toml):
+    the given ones over, on --resume, the saved ones (a different value given is an error) over `defaults`."""
+    names = dataclasses.asdict(options)
+    given = {k: v for k, v in names.items() if v is not None}
+    saved: dict[str, Any] = {}
+    if resume and (out / "config.toml").is_file():
+        check_resume_options(out, {k: ("--" + k.replace("_", "-"), v) for k, v in given.items()})
+        saved = {k: v for k, v in load_toml(out / "config.toml").get("run", {}).items() if k in names}
+    return {**defaults, **saved, **given}
+
 def fit_vocab(mcfg: ModelConfig, tokenizer, explicit: set[str]) -> None:
     """The embedding is as large as the tokenizer unless the user sized it (never smaller)."""
     if "vocab_size" not in explicit:
