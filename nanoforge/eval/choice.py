@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -91,20 +92,12 @@ def read_choices_jsonl(path) -> list[Question]:
     return out
 
 
-def _subject_of(path: Path) -> str:
-    stem = path.stem
-    for suffix in ("_dev", "_val", "_test"):
-        if stem.endswith(suffix):
-            return stem[:-len(suffix)]
-    return stem
-
-
 def read_choices_csv(path) -> list[Question]:
     """One C-Eval / CMMLU subject file: a header naming question, A, B, C, D and answer (any case; other
     columns such as id or explanation are ignored), one question per row. Subject = file stem without a
     _dev/_val/_test suffix."""
     path = Path(path)
-    subject = _subject_of(path)
+    subject = re.sub(r"_(dev|val|test)$", "", path.stem)
     out = []
     try:
         f = open(path, encoding="utf-8-sig", newline="")
