@@ -168,9 +168,7 @@ def load_benchmark(bench_path, fmt: str = "auto", dev_path=None) -> tuple[list[Q
     if fmt == "jsonl":
         if bench_path.is_dir():
             raise NanoforgeError(f"{bench_path}: a directory; --format jsonl takes one .jsonl file")
-        questions = read_choices_jsonl(bench_path)
-        dev = read_choices_jsonl(dev_path) if dev_path else []
-        return questions, dev
+        return read_choices_jsonl(bench_path), (read_choices_jsonl(dev_path) if dev_path else [])
     if bench_path.is_file() or any(bench_path.glob("*.csv")):
         questions_dir, dev_dir = bench_path, None
     else:
@@ -181,10 +179,8 @@ def load_benchmark(bench_path, fmt: str = "auto", dev_path=None) -> tuple[list[Q
                                  f"subfolder (C-Eval: dev/ val/ test/; CMMLU: dev/ test/)")
         questions_dir = found[0]
         dev_dir = bench_path / "dev" if (bench_path / "dev").is_dir() else None
-    questions = read_any(questions_dir)
     dev_source = Path(dev_path) if dev_path else dev_dir
-    dev = read_any(dev_source) if dev_source else []
-    return questions, dev
+    return read_any(questions_dir), (read_any(dev_source) if dev_source else [])
 
 
 def build_prompt(question: str, shots: Sequence[Question] = ()) -> str:
@@ -315,9 +311,7 @@ def evaluate_choices(run, bench_path, fmt: str = "auto", shots: int = 0, dev_pat
         items.append({"where": q.where, "subject": q.subject, "answer": q.answer, "n_choices": len(q.choices),
                       "logprob": lp, "pred": pred_norm, "pred_sum": pred_sum,
                       "correct_norm": pred_norm == q.answer, "correct_sum": pred_sum == q.answer})
-    subjects = {}
-    for s in sorted({i["subject"] for i in items}):
-        subjects[s] = _summary([i for i in items if i["subject"] == s])
+    subjects = {s: _summary([i for i in items if i["subject"] == s]) for s in sorted({i["subject"] for i in items})}
     overall = _summary(items)
     result = {"benchmark": str(bench_path), "format": fmt, "shots": shots, "primary": "acc (log-likelihood per byte)",
               "checkpoint": str(ckpt) if ckpt else None, "overall": overall, "subjects": subjects,
