@@ -37,7 +37,6 @@ from nanoforge.eval.choice import evaluate_choices
 from nanoforge.eval.common import Progress, check_precision, context_length, format_table, load_run
 from nanoforge.eval.gsm8k import evaluate_gsm8k, read_gsm8k
 from nanoforge.eval.toolcall import evaluate_toolcall, read_toolcall
-from nanoforge.infer.generate import SamplingConfig
 from nanoforge.infer.samples import generate_samples, load_prompts, write_samples
 from nanoforge.infer.toolturn import parse_tool_names
 from nanoforge.train.checkpoint import load_state
@@ -341,8 +340,7 @@ def run_eval(run, data=None, bench=None, fmt: str = "auto", shots: int = 0, dev=
         out["toolcall"] = {"file": str(toolcall), **evaluate_toolcall(model, tokenizer, cases, **generation)}
     if samples:
         prompts = load_prompts(prompts_file) if prompts_file else None
-        got = generate_samples(model, tokenizer, prompts, SamplingConfig(temperature=0.8, top_p=0.95,
-                               max_new_tokens=64, seed=0), chat=chat, precision=precision)
+        got = generate_samples(model, tokenizer, prompts, chat=chat, precision=precision)  # its fixed-seed sampling
         for s in got:
             log(f"--- {s['prompt']!r}\n{s['prompt']}{s['text']}")
         out["samples"] = got
