@@ -97,16 +97,11 @@ def _rows_pretrain(shards, eos_id: int, seq_len: int) -> Iterator[tuple[np.ndarr
     of an end-of-text, which is how the model saw it in training) is scored exactly once. The last window
     is shorter."""
     n = shards.num_tokens
-    for start in range(0, n, seq_len):
+    for lo in range(0, n, seq_len):
+        hi = min(lo + seq_len, n)  # labels: split tokens [lo, hi); inputs: the hi-lo tokens before each
         # stream position p (with the leading eos at p=0) is split token p-1
-        lo, hi = start, min(start + seq_len, n)  # labels: split tokens [lo, hi)
-        ctx_lo = lo - 1
-        if ctx_lo < 0:
-            inputs = np.concatenate([[eos_id], shards.read(0, hi - 1)]) if hi > 1 else np.array([eos_id])
-        else:
-            inputs = shards.read(ctx_lo, hi - ctx_lo - 1)  # (hi-lo,)
-        labels = shards.read(lo, hi - lo)
-        yield inputs.astype(np.int64), labels.astype(np.int64)
+        inputs = shards.read(lo - 1, hi - lo) if lo else np.concatenate([[eos_id], shards.read(0, hi - 1)])
+        yield inputs.astype(np.int64), shards.read(lo, hi - lo).astype(np.int64)
 
 
 def _rows_sft(shards, seq_len: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
