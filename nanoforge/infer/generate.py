@@ -336,14 +336,11 @@ class _DecodeState:
         cache_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision) if device.type == "cuda" else None
         self.cache = model.new_cache(len(prompts), max_len=longest + self.n_new, dtype=cache_dtype) \
             if use_cache else None
-        vocab = model.cfg.vocab_size
         self.seen = None
         if cfg.repetition_penalty != 1.0:
             real = self.ids if self.mask is None else torch.where(self.mask.bool(), self.ids, -1)
-            self.seen = _token_presence(real, vocab)  # (B, V) bool
-        self.generator = None
-        if cfg.seed is not None:
-            self.generator = torch.Generator(device=device).manual_seed(cfg.seed)
+            self.seen = _token_presence(real, model.cfg.vocab_size)  # (B, V) bool
+        self.generator = None if cfg.seed is None else torch.Generator(device=device).manual_seed(cfg.seed)
         self.pending: torch.Tensor | None = None  # (B, 1): sampled last step, not yet fed to the model
 
     def step(self) -> list[int]:
