@@ -187,7 +187,6 @@ class _Session:
                 shown.show(parser.close())
         except KeyboardInterrupt:  # Ctrl-C during a reply stops the reply, not the chat
             interrupted = True
-        if interrupted:
             self.write(" (interrupted)")
         self.write("\n")
         if parser is None:
@@ -328,6 +327,5 @@ def resolve_precision(precision: str, device) -> str:
         raise NanoforgeError(f"--precision {precision!r} is not one of {', '.join(PRECISION_CHOICES)}")
     if precision != "auto":
         return precision
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:  # native bf16 (not emulated)
-        return "bf16"
-    return "fp32"
+    native_bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8  # not emulated
+    return "bf16" if native_bf16 else "fp32"
