@@ -14,11 +14,8 @@ from nanoforge.loader import load_model
 def load_run(run, device: str):
     """`run` is a run/checkpoint/HF directory, or an already loaded (model, tokenizer) pair (tests, training)."""
     dev = resolve_device(device)
-    if isinstance(run, tuple):
-        model, tokenizer = run
-        return model.to(dev), tokenizer, dev, None
-    model, tokenizer, ckpt = load_model(run, dev)
-    return model, tokenizer, dev, ckpt
+    model, tokenizer, ckpt = (*run, None) if isinstance(run, tuple) else load_model(run, dev)
+    return model.to(dev), tokenizer, dev, ckpt
 
 
 def check_precision(precision: str) -> None:
