@@ -34,7 +34,7 @@ from nanoforge.data.sources import data_kind, prepared_dir
 from nanoforge.device import autocast_context, eval_mode
 from nanoforge.errors import NanoforgeError
 from nanoforge.eval.choice import evaluate_choices
-from nanoforge.eval.common import Progress, check_precision, context_length, format_table, load_run
+from nanoforge.eval.common import Progress, check_precision, format_table, load_run
 from nanoforge.eval.gsm8k import evaluate_gsm8k, read_gsm8k
 from nanoforge.eval.toolcall import evaluate_toolcall, read_toolcall
 from nanoforge.infer.samples import generate_samples, load_prompts, write_samples
@@ -194,7 +194,7 @@ def evaluate_data(run, data_paths, batch_size: int = 8, seq_len: int | None = No
     paths = [data_paths] if isinstance(data_paths, (str, os.PathLike)) else list(data_paths)
     prepared = prepared_dir(paths)  # before the model loads: a wrong --data fails at once
     model, tokenizer, dev, ckpt = load_run(run, device)
-    window = context_length(model)
+    window = model.cfg.max_seq_len  # the most positions the model attends over
     seq_len = seq_len or window
     if not 1 <= seq_len <= window:
         raise NanoforgeError(f"--seq-len {seq_len} must be between 1 and the model's max_seq_len {window}")

@@ -22,7 +22,7 @@ from nanoforge.data.batches import IGNORE
 from nanoforge.data.jsonl import DataError, check_input_file
 from nanoforge.device import autocast_context, eval_mode
 from nanoforge.errors import NanoforgeError
-from nanoforge.eval.common import Progress, check_precision, context_length, format_table, load_run
+from nanoforge.eval.common import Progress, check_precision, format_table, load_run
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
@@ -212,7 +212,7 @@ def _option_logprobs(model, sequences: list[tuple[list[int], list[int]]], batch_
                      precision: str, progress: Progress) -> list[float]:
     """Sum of log p(option tokens | context) for each (context ids, option ids). Sequences longer than the
     model's window lose their oldest context tokens (the option is always kept whole when it fits)."""
-    window = context_length(model)
+    window = model.cfg.max_seq_len  # the most positions the model attends over
     prepared = []
     for ctx, opt in sequences:
         opt = opt[:window - 1]

@@ -1,5 +1,5 @@
-"""What the evaluations (evaluate.py, eval/choice.py) share: the model to score, the precision check, its
-window, a progress line and the printed table."""
+"""What the evaluations (evaluate.py, eval/choice.py) share: the model to score, the precision check, a progress
+line and the printed table."""
 from __future__ import annotations
 
 import sys
@@ -21,11 +21,6 @@ def load_run(run, device: str):
 def check_precision(precision: str) -> None:
     if precision not in ("fp32", "bf16", "fp16"):
         raise NanoforgeError(f"--precision {precision!r} must be one of fp32, bf16, fp16")
-
-
-def context_length(model) -> int:
-    """The most positions the model attends over (its trained max_seq_len)."""
-    return int(model.cfg.max_seq_len)
 
 
 class Progress:
