@@ -370,7 +370,6 @@ class _DecodeState:
 def _check_prompts(model, prompts) -> list[int]:
     """The length of each prompt, after checking it holds token ids the model has embeddings for."""
     vocab = model.cfg.vocab_size
-    lengths = []
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise NanoforgeError(f"prompt {i} is empty; a model needs at least one token to continue from "
@@ -379,8 +378,7 @@ def _check_prompts(model, prompts) -> list[int]:
         if bad:
             raise NanoforgeError(f"prompt {i} has token ids outside the model's vocabulary of {vocab}: "
                                  f"{bad[:5]}; was it encoded with this model's tokenizer?")
-        lengths.append(len(prompt))
-    return lengths
+    return [len(prompt) for prompt in prompts]
 
 
 # ----------------------------------------------------------------------------------------------------------
