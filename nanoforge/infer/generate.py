@@ -147,7 +147,6 @@ def stream_completion(model, tokenizer, prompt_ids: Sequence[int], cfg: Sampling
     The text is re-decoded from all new tokens each step (as HF's TextStreamer does) rather than token by
     token, because only whole byte sequences decode correctly; replies are short enough for that to be cheap.
     """
-    stops = list(cfg.stop_strings)
     stop_set = set(stop_ids or ())
     emitted, ids, reason = "", [], "length"
     for (token,) in _token_steps(model, [prompt_ids], cfg, True, precision):
@@ -156,13 +155,13 @@ def stream_completion(model, tokenizer, prompt_ids: Sequence[int], cfg: Sampling
             break
         ids.append(token)
         text = tokenizer.decode(ids)
-        cut = _stop_index(text, stops)
+        cut = _stop_index(text, cfg.stop_strings)
         if cut is not None:
             if cut > len(emitted) and text.startswith(emitted):
                 yield text[len(emitted):cut]
             yield Completion(text[:cut], ids, "stop")
             return
-        safe = _safe_prefix_length(text, stops)
+        safe = _safe_prefix_length(text, cfg.stop_strings)
         # Only ever extend what was shown: a decoder that rewrote earlier text would otherwise duplicate it.
         if safe > len(emitted) and text.startswith(emitted):
             yield text[len(emitted):safe]
