@@ -287,17 +287,14 @@ def evaluate_choices(run, bench_path, fmt: str = "auto", shots: int = 0, dev_pat
         questions = questions[:limit]
     model, tokenizer, dev_device, ckpt = load_run(run, device)
 
-    sequences, spans, prompts = [], [], []
-    for q in questions:
-        prompt = build_prompt(q.question, pick_shots(q, dev, shots))
-        prompts.append(prompt)
+    prompts = [build_prompt(q.question, pick_shots(q, dev, shots)) for q in questions]
+    sequences, spans = [], []  # (context ids, option ids) per option; each question's options' [start, end)
+    for q, prompt in zip(questions, prompts):
         ctx = tokenizer.encode(prompt)
-        start = len(sequences)
-        for c in q.choices:
-            # the separating space goes with the option: byte-level BPE attaches a space to the following
-            # word, so "Answer:" + " Paris" tokenizes as the model saw such text in training
-            sequences.append((ctx, tokenizer.encode(" " + c)))
-        spans.append((start, len(sequences)))
+        spans.append((len(sequences), len(sequences) + len(q.choices)))
+        # the separating space goes with the option: byte-level BPE attaches a space to the following
+        # word, so "Answer:" + " Paris" tokenizes as the model saw such text in training
+        sequences += [(ctx, tokenizer.encode(" " + c)) for c in q.choices]
     bar = Progress(progress, "options scored", len(sequences))
     with eval_mode(model):
         logprobs = _option_logprobs(model, sequences, batch_size, dev_device, precision, bar)
