@@ -34,10 +34,9 @@ from nanoforge.data.sources import data_kind, prepared_dir
 from nanoforge.device import autocast_context, eval_mode
 from nanoforge.errors import NanoforgeError
 from nanoforge.eval.choice import evaluate_choices
-from nanoforge.eval.common import Progress, check_precision, context_length, format_table, load_run
+from nanoforge.eval.common import Progress, check_precision, format_table, load_run
 from nanoforge.eval.gsm8k import evaluate_gsm8k, read_gsm8k
 from nanoforge.eval.toolcall import evaluate_toolcall, read_toolcall
-from nanoforge.infer.generate import SamplingConfig
 from nanoforge.infer.samples import generate_samples, load_prompts, write_samples
 from nanoforge.infer.toolturn import parse_tool_names
 from nanoforge.train.checkpoint import load_state
@@ -98,16 +97,11 @@ def _rows_pretrain(shards, eos_id: int, seq_len: int) -> Iterator[tuple[np.ndarr
     of an end-of-text, which is how the model saw it in training) is scored exactly once. The last window
     is shorter."""
     n = shards.num_tokens
-    for start in range(0, n, seq_len):
+    for lo in range(0, n, seq_len):
+        hi = min(lo + seq_len, n)  # labels: split tokens [lo, hi); inputs: the hi-lo tokens before each
         # stream position p (with the leading eos at p=0) is split token p-1
-        lo, hi = start, min(start + seq_len, n)  # labels: split tokens [lo, hi)
-        ctx_lo = lo - 1
-        if ctx_lo < 0:
-            inputs = np.concatenate([[eos_id], shards.read(0, hi - 1)]) if hi > 1 else np.array([eos_id])
-        else:
-            inputs = shards.read(ctx_lo, hi - ctx_lo - 1)  # (hi-lo,)
-        labels = shards.read(lo, hi - lo)
-        yield inputs.astype(np.int64), labels.astype(np.int64)
+        inputs = shards.read(lo - 1, hi - lo) if lo else np.concatenate([[eos_id], shards.read(0, hi - 1)])
+        yield inputs.astype(np.int64), shards.read(lo, hi - lo).astype(np.int64)
 
 
 def _rows_sft(shards, seq_len: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -200,7 +194,7 @@ def evaluate_data(run, data_paths, batch_size: int = 8, seq_len: int | None = No
     paths = [data_paths] if isinstance(data_paths, (str, os.PathLike)) else list(data_paths)
     prepared = prepared_dir(paths)  # before the model loads: a wrong --data fails at once
     model, tokenizer, dev, ckpt = load_run(run, device)
-    window = context_length(model)
+    window = model.cfg.max_seq_len  # the most positions the model attends over
     seq_len = seq_len or window
     if not 1 <= seq_len <= window:
         raise NanoforgeError(f"--seq-len {seq_len} must be between 1 and the model's max_seq_len {window}")
@@ -341,8 +335,7 @@ def run_eval(run, data=None, bench=None, fmt: str = "auto", shots: int = 0, dev=
         out["toolcall"] = {"file": str(toolcall), **evaluate_toolcall(model, tokenizer, cases, **generation)}
     if samples:
         prompts = load_prompts(prompts_file) if prompts_file else None
-        got = generate_samples(model, tokenizer, prompts, SamplingConfig(temperature=0.8, top_p=0.95,
-                               max_new_tokens=64, seed=0), chat=chat, precision=precision)
+        got = generate_samples(model, tokenizer, prompts, chat=chat, precision=precision)  # its fixed-seed sampling
         for s in got:
             log(f"--- {s['prompt']!r}\n{s['prompt']}{s['text']}")
         out["samples"] = got

@@ -79,8 +79,7 @@ def model_config_from_hf(config: dict[str, Any], where: str | os.PathLike = "con
         original = int(rope.get("original_max_position_embeddings") or 0)
         if factor < 1.0 or original <= 0:
             fail(rope_field, "YaRN needs factor >= 1 and original_max_position_embeddings")
-        expected = {"beta_fast": 32, "beta_slow": 1, "truncate": True}
-        for key, value in expected.items():
+        for key, value in {"beta_fast": 32, "beta_slow": 1, "truncate": True}.items():
             if rope.get(key) not in (None, value):
                 fail(rope_field, f"YaRN {key} must be {value} (nanoforge computes YaRN with the paper's defaults)")
         for key in ("attention_factor", "mscale", "mscale_all_dim"):

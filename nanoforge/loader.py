@@ -102,9 +102,7 @@ def load_adapter_checkpoint(path: str | Path, base: str | Path | None = None) ->
 def _base_file(base_checkpoint: str | Path) -> Path:
     """A model.safetensors file, a checkpoint directory or a run directory -> the weights file."""
     path = Path(base_checkpoint)
-    if path.is_file():
-        return path
-    return ckpt.resolve_checkpoint(path) / "model.safetensors"
+    return path if path.is_file() else ckpt.resolve_checkpoint(path) / "model.safetensors"
 
 
 def file_sha256(path: str | Path) -> str:
@@ -135,9 +133,7 @@ def check_base(meta: dict[str, Any], base_checkpoint: str | Path) -> None:
             raise NanoforgeError(f"the adapter's metadata has no {key}; cannot tell which base it was trained on")
     path = _base_file(base_checkpoint)
     sha = file_sha256(path)
-    if sha == meta["base_sha256"]:
-        return
-    if weights_fingerprint(ckpt.read_weights(path)) == meta["base_fingerprint"]:
+    if sha == meta["base_sha256"] or weights_fingerprint(ckpt.read_weights(path)) == meta["base_fingerprint"]:
         return
     raise NanoforgeError(f"adapter was trained on base {meta.get('base_checkpoint', '?')} "
                          f"(sha256 {meta['base_sha256'][:12]}), not {path} (sha256 {sha[:12]}); "

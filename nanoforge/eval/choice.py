@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -21,7 +22,7 @@ from nanoforge.data.batches import IGNORE
 from nanoforge.data.jsonl import DataError, check_input_file
 from nanoforge.device import autocast_context, eval_mode
 from nanoforge.errors import NanoforgeError
-from nanoforge.eval.common import Progress, check_precision, context_length, format_table, load_run
+from nanoforge.eval.common import Progress, check_precision, format_table, load_run
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
@@ -91,20 +92,12 @@ def read_choices_jsonl(path) -> list[Question]:
     return out
 
 
-def _subject_of(path: Path) -> str:
-    stem = path.stem
-    for suffix in ("_dev", "_val", "_test"):
-        if stem.endswith(suffix):
-            return stem[:-len(suffix)]
-    return stem
-
-
 def read_choices_csv(path) -> list[Question]:
     """One C-Eval / CMMLU subject file: a header naming question, A, B, C, D and answer (any case; other
     columns such as id or explanation are ignored), one question per row. Subject = file stem without a
     _dev/_val/_test suffix."""
     path = Path(path)
-    subject = _subject_of(path)
+    subject = re.sub(r"_(dev|val|test)$", "", path.stem)
     out = []
     try:
         f = open(path, encoding="utf-8-sig", newline="")
@@ -175,9 +168,7 @@ def load_benchmark(bench_path, fmt: str = "auto", dev_path=None) -> tuple[list[Q
     if fmt == "jsonl":
         if bench_path.is_dir():
             raise NanoforgeError(f"{bench_path}: a directory; --format jsonl takes one .jsonl file")
-        questions = read_choices_jsonl(bench_path)
-        dev = read_choices_jsonl(dev_path) if dev_path else []
-        return questions, dev
+        return read_choices_jsonl(bench_path), (read_choices_jsonl(dev_path) if dev_path else [])
     if bench_path.is_file() or any(bench_path.glob("*.csv")):
         questions_dir, dev_dir = bench_path, None
     else:
@@ -188,10 +179,8 @@ def load_benchmark(bench_path, fmt: str = "auto", dev_path=None) -> tuple[list[Q
                                  f"subfolder (C-Eval: dev/ val/ test/; CMMLU: dev/ test/)")
         questions_dir = found[0]
         dev_dir = bench_path / "dev" if (bench_path / "dev").is_dir() else None
-    questions = read_any(questions_dir)
     dev_source = Path(dev_path) if dev_path else dev_dir
-    dev = read_any(dev_source) if dev_source else []
-    return questions, dev
+    return read_any(questions_dir), (read_any(dev_source) if dev_source else [])
 
 
 def build_prompt(question: str, shots: Sequence[Question] = ()) -> str:
@@ -223,7 +212,7 @@ def _option_logprobs(model, sequences: list[tuple[list[int], list[int]]], batch_
                      precision: str, progress: Progress) -> list[float]:
     """Sum of log p(option tokens | context) for each (context ids, option ids). Sequences longer than the
     model's window lose their oldest context tokens (the option is always kept whole when it fits)."""
-    window = context_length(model)
+    window = model.cfg.max_seq_len  # the most positions the model attends over
     prepared = []
     for ctx, opt in sequences:
         opt = opt[:window - 1]
@@ -298,17 +287,14 @@ def evaluate_choices(run, bench_path, fmt: str = "auto", shots: int = 0, dev_pat
         questions = questions[:limit]
     model, tokenizer, dev_device, ckpt = load_run(run, device)
 
-    sequences, spans, prompts = [], [], []
-    for q in questions:
-        prompt = build_prompt(q.question, pick_shots(q, dev, shots))
-        prompts.append(prompt)
+    prompts = [build_prompt(q.question, pick_shots(q, dev, shots)) for q in questions]
+    sequences, spans = [], []  # (context ids, option ids) per option; each question's options' [start, end)
+    for q, prompt in zip(questions, prompts):
         ctx = tokenizer.encode(prompt)
-        start = len(sequences)
-        for c in q.choices:
-            # the separating space goes with the option: byte-level BPE attaches a space to the following
-            # word, so "Answer:" + " Paris" tokenizes as the model saw such text in training
-            sequences.append((ctx, tokenizer.encode(" " + c)))
-        spans.append((start, len(sequences)))
+        spans.append((len(sequences), len(sequences) + len(q.choices)))
+        # the separating space goes with the option: byte-level BPE attaches a space to the following
+        # word, so "Answer:" + " Paris" tokenizes as the model saw such text in training
+        sequences += [(ctx, tokenizer.encode(" " + c)) for c in q.choices]
     bar = Progress(progress, "options scored", len(sequences))
     with eval_mode(model):
         logprobs = _option_logprobs(model, sequences, batch_size, dev_device, precision, bar)
@@ -322,9 +308,7 @@ def evaluate_choices(run, bench_path, fmt: str = "auto", shots: int = 0, dev_pat
         items.append({"where": q.where, "subject": q.subject, "answer": q.answer, "n_choices": len(q.choices),
                       "logprob": lp, "pred": pred_norm, "pred_sum": pred_sum,
                       "correct_norm": pred_norm == q.answer, "correct_sum": pred_sum == q.answer})
-    subjects = {}
-    for s in sorted({i["subject"] for i in items}):
-        subjects[s] = _summary([i for i in items if i["subject"] == s])
+    subjects = {s: _summary([i for i in items if i["subject"] == s]) for s in sorted({i["subject"] for i in items})}
     overall = _summary(items)
     result = {"benchmark": str(bench_path), "format": fmt, "shots": shots, "primary": "acc (log-likelihood per byte)",
               "checkpoint": str(ckpt) if ckpt else None, "overall": overall, "subjects": subjects,

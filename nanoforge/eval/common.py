@@ -1,5 +1,5 @@
-"""What the evaluations (evaluate.py, eval/choice.py) share: the model to score, the precision check, its
-window, a progress line and the printed table."""
+"""What the evaluations (evaluate.py, eval/choice.py) share: the model to score, the precision check, a progress
+line and the printed table."""
 from __future__ import annotations
 
 import sys
@@ -14,21 +14,13 @@ from nanoforge.loader import load_model
 def load_run(run, device: str):
     """`run` is a run/checkpoint/HF directory, or an already loaded (model, tokenizer) pair (tests, training)."""
     dev = resolve_device(device)
-    if isinstance(run, tuple):
-        model, tokenizer = run
-        return model.to(dev), tokenizer, dev, None
-    model, tokenizer, ckpt = load_model(run, dev)
-    return model, tokenizer, dev, ckpt
+    model, tokenizer, ckpt = (*run, None) if isinstance(run, tuple) else load_model(run, dev)
+    return model.to(dev), tokenizer, dev, ckpt
 
 
 def check_precision(precision: str) -> None:
     if precision not in ("fp32", "bf16", "fp16"):
         raise NanoforgeError(f"--precision {precision!r} must be one of fp32, bf16, fp16")
-
-
-def context_length(model) -> int:
-    """The most positions the model attends over (its trained max_seq_len)."""
-    return int(model.cfg.max_seq_len)
 
 
 class Progress:

@@ -50,8 +50,8 @@ def chat_loop(model, tokenizer, cfg: SamplingConfig, system: str | None, input_s
     use it to see what the model was given). `tools`: names of built-in tools to offer and run; `think`: open
     the think block of every reply.
     """
-    session = _Session(model, tokenizer, cfg, system, output_stream, interactive, precision, on_prompt)
-    session.enable(list(tools), think, max_tool_turns)
+    session = _Session(model, tokenizer, cfg, system, output_stream, interactive, precision, on_prompt, list(tools),
+                       think, max_tool_turns)
     if not interactive:
         text = input_stream.read().strip()
         if not text:
@@ -97,7 +97,8 @@ class _Session:
     """One conversation: its messages, how to render them within the model's context, and its output."""
 
     def __init__(self, model, tokenizer, cfg: SamplingConfig, system: str | None, out: TextIO, interactive: bool,
-                 precision: str, on_prompt: Callable[[list[int]], None] | None):
+                 precision: str, on_prompt: Callable[[list[int]], None] | None, tools: list[str], think: bool,
+                 max_tool_turns: int):
         self.model, self.tokenizer, self.cfg, self.out = model, tokenizer, cfg, out
         self.interactive = interactive
         self.precision, self.on_prompt = precision, on_prompt
@@ -112,7 +113,14 @@ class _Session:
         self.prompt_budget = context - self.reply_room
         self.said_dropping = False
         self.turns = 0
-        self.tools, self.think, self.max_tool_turns = [], False, DEFAULT_MAX_TOOL_TURNS
+        # the named built-in tools offered and run, and thinking opened: both need MiniMind-3's template format
+        if (tools or think) and not tokenizer.supports_tools:
+            raise NanoforgeError(f"{'--tools' if tools else '--think'} needs a chat template with thinking and tool "
+                                 "calls (MiniMind-3's format, written by `nanoforge tokenizer train`); this "
+                                 "model's tokenizer has plain ChatML")
+        if max_tool_turns < 1:
+            raise NanoforgeError(f"--max-tool-turns must be >= 1, got {max_tool_turns}")
+        self.tools, self.think, self.max_tool_turns = tools, think, max_tool_turns
 
     def _fresh(self) -> list[dict]:
         return [{"role": "system", "content": self.system}] if self.system else []
@@ -139,16 +147,6 @@ class _Session:
         else:
             self.write(f"unknown command {name}; /help lists the commands\n")
         return True
-
-    def enable(self, tools: list[str], think: bool, max_tool_turns: int) -> None:
-        """Offer and run the named built-in tools, open thinking; both need MiniMind-3's template format."""
-        if (tools or think) and not self.tokenizer.supports_tools:
-            raise NanoforgeError(f"{'--tools' if tools else '--think'} needs a chat template with thinking and tool "
-                                 "calls (MiniMind-3's format, written by `nanoforge tokenizer train`); this "
-                                 "model's tokenizer has plain ChatML")
-        if max_tool_turns < 1:
-            raise NanoforgeError(f"--max-tool-turns must be >= 1, got {max_tool_turns}")
-        self.tools, self.think, self.max_tool_turns = tools, think, max_tool_turns
 
     def reply(self, text: str, prefix: str) -> None:
         """Add the user's message; generate, print and keep the reply, and while it calls tools (enabled with
@@ -189,7 +187,6 @@ class _Session:
                 shown.show(parser.close())
         except KeyboardInterrupt:  # Ctrl-C during a reply stops the reply, not the chat
             interrupted = True
-        if interrupted:
             self.write(" (interrupted)")
         self.write("\n")
         if parser is None:
@@ -330,6 +327,5 @@ def resolve_precision(precision: str, device) -> str:
         raise NanoforgeError(f"--precision {precision!r} is not one of {', '.join(PRECISION_CHOICES)}")
     if precision != "auto":
         return precision
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:  # native bf16 (not emulated)
-        return "bf16"
-    return "fp32"
+    native_bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8  # not emulated
+    return "bf16" if native_bf16 else "fp32"

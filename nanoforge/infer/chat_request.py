@@ -153,8 +153,7 @@ def _message(i: int, message) -> dict:
     if not isinstance(message, dict):
         raise bad_request(f"messages[{i}] must be an object with role and content", param=f"messages[{i}]")
     role = message.get("role")
-    if role == "developer":  # OpenAI's newer name for the system role
-        role = "system"
+    role = "system" if role == "developer" else role  # "developer": OpenAI's newer name for the system role
     if role not in ROLES:
         raise bad_request(f"messages[{i}].role {json.dumps(role)[:40]} is not one of {', '.join(ROLES)}",
                           param=f"messages[{i}].role")

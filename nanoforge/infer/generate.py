@@ -147,7 +147,6 @@ def stream_completion(model, tokenizer, prompt_ids: Sequence[int], cfg: Sampling
     The text is re-decoded from all new tokens each step (as HF's TextStreamer does) rather than token by
     token, because only whole byte sequences decode correctly; replies are short enough for that to be cheap.
     """
-    stops = list(cfg.stop_strings)
     stop_set = set(stop_ids or ())
     emitted, ids, reason = "", [], "length"
     for (token,) in _token_steps(model, [prompt_ids], cfg, True, precision):
@@ -156,13 +155,13 @@ def stream_completion(model, tokenizer, prompt_ids: Sequence[int], cfg: Sampling
             break
         ids.append(token)
         text = tokenizer.decode(ids)
-        cut = _stop_index(text, stops)
+        cut = _stop_index(text, cfg.stop_strings)
         if cut is not None:
             if cut > len(emitted) and text.startswith(emitted):
                 yield text[len(emitted):cut]
             yield Completion(text[:cut], ids, "stop")
             return
-        safe = _safe_prefix_length(text, stops)
+        safe = _safe_prefix_length(text, cfg.stop_strings)
         # Only ever extend what was shown: a decoder that rewrote earlier text would otherwise duplicate it.
         if safe > len(emitted) and text.startswith(emitted):
             yield text[len(emitted):safe]
@@ -336,14 +335,11 @@ class _DecodeState:
         cache_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision) if device.type == "cuda" else None
         self.cache = model.new_cache(len(prompts), max_len=longest + self.n_new, dtype=cache_dtype) \
             if use_cache else None
-        vocab = model.cfg.vocab_size
         self.seen = None
         if cfg.repetition_penalty != 1.0:
             real = self.ids if self.mask is None else torch.where(self.mask.bool(), self.ids, -1)
-            self.seen = _token_presence(real, vocab)  # (B, V) bool
-        self.generator = None
-        if cfg.seed is not None:
-            self.generator = torch.Generator(device=device).manual_seed(cfg.seed)
+            self.seen = _token_presence(real, model.cfg.vocab_size)  # (B, V) bool
+        self.generator = None if cfg.seed is None else torch.Generator(device=device).manual_seed(cfg.seed)
         self.pending: torch.Tensor | None = None  # (B, 1): sampled last step, not yet fed to the model
 
     def step(self) -> list[int]:
@@ -373,7 +369,6 @@ class _DecodeState:
 def _check_prompts(model, prompts) -> list[int]:
     """The length of each prompt, after checking it holds token ids the model has embeddings for."""
     vocab = model.cfg.vocab_size
-    lengths = []
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise NanoforgeError(f"prompt {i} is empty; a model needs at least one token to continue from "
@@ -382,8 +377,7 @@ def _check_prompts(model, prompts) -> list[int]:
         if bad:
             raise NanoforgeError(f"prompt {i} has token ids outside the model's vocabulary of {vocab}: "
                                  f"{bad[:5]}; was it encoded with this model's tokenizer?")
-        lengths.append(len(prompt))
-    return lengths
+    return [len(prompt) for prompt in prompts]
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -139,11 +139,8 @@ def sampling(body: dict, limits: Limits) -> tuple[SamplingConfig, bool, bool]:
             raise bad_request(f"{name} is not supported; use repetition_penalty (> 1 discourages repeats)", param=name)
     if field(body, "logprobs", (bool, int), "a boolean", False):
         raise bad_request("logprobs are not supported by this server", param="logprobs")
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
+    stop = body.get("stop")  # absent or null: none; a string: that one
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
         raise bad_request("stop must be a non-empty string or a list of non-empty strings", param="stop")
     if len(stop) > MAX_STOP_STRINGS:

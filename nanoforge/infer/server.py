@@ -100,16 +100,12 @@ class _Worker:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoforge-generate")
         self.live: set[threading.Event] = set()
         self._lock = threading.Lock()
-        self._pending = 0  # jobs submitted and not yet finished, the running one included
-
-    @property
-    def pending(self) -> int:
-        return self._pending
+        self.pending = 0  # jobs submitted and not yet finished, the running one included
 
     def check_room(self) -> None:
         """503 when too many requests wait already. A soft bound: checked here, counted when submitted."""
-        if self._pending >= self.max_pending:
-            raise APIError(503, f"the server is busy: {self._pending} requests are already waiting; retry later",
+        if self.pending >= self.max_pending:
+            raise APIError(503, f"the server is busy: {self.pending} requests are already waiting; retry later",
                            code="server_busy", type="server_error")
 
     def _submit(self, fn: Callable):
@@ -118,10 +114,10 @@ class _Worker:
                 return fn()
             finally:
                 with self._lock:
-                    self._pending -= 1
+                    self.pending -= 1
 
         with self._lock:
-            self._pending += 1
+            self.pending += 1
         return asyncio.get_running_loop().run_in_executor(self.executor, job)
 
     def deadline(self) -> float | None:

@@ -122,9 +122,7 @@ class StreamParser:
             self.buf = self.buf[len(THINK_OPEN):]
             self.state, self.saw_think, self.started = "reasoning", True, False
             return True
-        if self.buf and THINK_OPEN.startswith(self.buf) and not final:
-            return False
-        if not self.buf and not final:
+        if THINK_OPEN.startswith(self.buf) and not final:  # nothing yet, or what may still become <think>
             return False
         self.state, self.started = "content", True
         return True

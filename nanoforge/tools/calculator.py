@@ -122,10 +122,8 @@ def _divide(a, b):
 def _power(a, b):
     if a == 0 and b < 0:
         raise ZeroDivisionError
-    if a != 0 and abs(a) != 1:
-        digits = b * math.log10(abs(a))  # the result's size, from logarithms, before computing it
-        if digits > MAX_DIGITS:
-            raise CalculatorError(f"the power has more than {MAX_DIGITS} digits")
+    if a != 0 and abs(a) != 1 and b * math.log10(abs(a)) > MAX_DIGITS:  # size from logs, before computing
+        raise CalculatorError(f"the power has more than {MAX_DIGITS} digits")
     if isinstance(b, float) and a < 0 and not b.is_integer():
         raise CalculatorError("a negative number to a fractional power is not a real number")
     return a ** b
