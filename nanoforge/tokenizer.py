@@ -96,10 +96,7 @@ class Tokenizer:
 
     def __getstate__(self):
         # Sent to worker processes by `prepare`; the compiled Jinja template does not pickle.
-        state = dict(self.__dict__)
-        state["_compiled_template"] = None
-        state["_plain_tok"] = None
-        return state
+        return {**self.__dict__, "_compiled_template": None, "_plain_tok": None}
 
     @property
     def supports_tools(self) -> bool:
@@ -335,13 +332,10 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         inner = HFTokenizer.from_file(str(file))
     except Exception as e:  # the Rust side raises a bare Exception for any parse problem
         raise NanoforgeError(f"{file}: not a valid tokenizer.json ({e})") from None
-    config = _read_config(file.parent / "tokenizer_config.json")
+    config_file = file.parent / "tokenizer_config.json"
+    config = read_json(config_file, "tokenizer_config.json") if config_file.is_file() else {}
     template = _read_chat_template(file.parent, config)
     return Tokenizer(inner, chat_template=template, config=config)
-
-
-def _read_config(path: Path) -> dict:
-    return read_json(path, "tokenizer_config.json") if path.is_file() else {}
 
 
 def _read_chat_template(directory: Path, config: dict) -> str | None:
@@ -398,10 +392,7 @@ def train_tokenizer(files, vocab_size: int = 6400, out_dir: str | os.PathLike | 
 
 def _training_texts(paths: list[Path]) -> Iterator[str]:
     for path in paths:
-        if path.suffix.lower() in PLAIN_TEXT_SUFFIXES:
-            yield from _plain_text_blocks(path)
-        else:
-            yield from _jsonl_texts(path)
+        yield from (_plain_text_blocks if path.suffix.lower() in PLAIN_TEXT_SUFFIXES else _jsonl_texts)(path)
 
 
 def _jsonl_texts(path: Path) -> Iterator[str]:
@@ -414,8 +405,7 @@ def _jsonl_texts(path: Path) -> Iterator[str]:
             for message in record["conversations"]:
                 yield from (message.get(k) for k in ("content", "reasoning_content") if isinstance(message.get(k), str))
         else:  # dpo: the shared prefix once, then both final answers
-            for message in record["chosen"]:
-                yield message["content"]
+            yield from (message["content"] for message in record["chosen"])
             yield record["rejected"][-1]["content"]
 
 
