@@ -65,8 +65,6 @@ class Tokenizer:
         self.model_max_length = int(self.config.get("model_max_length") or DEFAULT_MODEL_MAX_LENGTH)
         self.sha256 = hashlib.sha256(_canonical_json(inner.to_str()).encode("utf-8")).hexdigest()
         self._compiled_template = None
-        self._names = None
-        self._specials = None  # (ids, texts) of the added tokens marked special
         self._plain_tok = None  # a copy that encodes special-token text as plain text, made on first need
 
     def _find_eos_id(self) -> int | None:
@@ -178,20 +176,18 @@ class Tokenizer:
             self._compiled_template = compile_template(self.chat_template)
         try:  # with the special-token names HF passes to templates (bos_token, eos_token, ...)
             text = self._compiled_template.render(**template_kwargs, messages=messages, tools=tools,
-                                                  add_generation_prompt=add_generation_prompt, **self._template_names())
+                                                  add_generation_prompt=add_generation_prompt, **self._template_names)
         except NanoforgeError:
             raise
         except Exception as e:  # jinja2 errors and whatever the template's own expressions raise
             raise ChatTemplateError(f"the chat template could not render this conversation: {e}") from e
         return without_empty_think(text) if drop_empty_think else text
 
+    @functools.cached_property
     def _template_names(self) -> dict:
         """The special-token names HF passes to templates (bos_token, eos_token, ...); computed once."""
-        if self._names is None:
-            config = self.hf_config()
-            self._names = {k: config[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token",
-                                                  "additional_special_tokens")}
-        return self._names
+        config = self.hf_config()
+        return {k: config[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token", "additional_special_tokens")}
 
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = False, tools=None,
                     **template_kwargs) -> tuple[list[int], list[int]]:
@@ -232,17 +228,16 @@ class Tokenizer:
 
     # ---- chat: keeping the text of messages plain
 
+    @functools.cached_property
     def _special_tokens(self) -> tuple[frozenset, tuple]:
         """Ids and texts of the added tokens marked special (<|im_start|>, <|im_end|>, <|endoftext|>, ...).
         Added tokens with special=False (MiniMind's <think>, <tool_call>) are ordinary vocabulary: a message
         may use them, and HF encodes them as the same single tokens inside any text."""
-        if self._specials is None:
-            added = {i: t for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
-            self._specials = (frozenset(added), tuple(t.content for t in added.values() if t.content))
-        return self._specials
+        added = {i: t for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        return frozenset(added), tuple(t.content for t in added.values() if t.content)
 
     def _specials_of(self, ids, offsets) -> list[tuple[int, int, int]]:
-        special_ids = self._special_tokens()[0]
+        special_ids = self._special_tokens[0]
         return [(start, end, token) for token, (start, end) in zip(ids, offsets) if token in special_ids]
 
     def _structural_tokens(self, text, found, messages, tools, add_generation_prompt, template_kwargs):
@@ -252,7 +247,7 @@ class Tokenizer:
         one normal encoding. Otherwise the conversation is rendered again with every such text replaced by as
         many filler characters (same length, no control token), which must give the same text but for those
         places; the special tokens of that render's encoding are the template's own."""
-        strings = self._special_tokens()[1]
+        strings = self._special_tokens[1]
         fill = next((c for c in "#~@%^" if not any(c in s for s in strings)), "#")
         (hidden, hidden_tools), changed = disguise((messages, tools), strings, fill)
         if not changed:
