@@ -117,8 +117,7 @@ class _Clock:
 
     def __init__(self, total_stages: int, quiet: bool):
         self.start = self.stage_start = time.perf_counter()
-        self.total, self.index, self.quiet = total_stages, 0, quiet
-        self.key = ""
+        self.total, self.index, self.quiet, self.key = total_stages, 0, quiet, ""
         self.timings: dict[str, float] = {}  # seconds per stage, by short name
 
     def stage(self, key: str, title: str) -> None:
