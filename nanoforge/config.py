@@ -336,13 +336,8 @@ def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
 def config_to_toml(model: ModelConfig, train: TrainConfig, extra: dict[str, dict[str, Any]] | None = None) -> str:
     """Write the config as TOML (flat sections of scalars, so a tiny writer is enough)."""
     sections = {"model": dataclasses.asdict(model), "train": dataclasses.asdict(train), **(extra or {})}
-    out = []
-    for name, values in sections.items():
-        out.append(f"[{name}]")
-        for key, value in values.items():
-            out.append(f"{key} = {_toml_scalar(value)}")
-        out.append("")
-    return "\n".join(out)
+    return "\n".join(f"[{name}]\n" + "".join(f"{key} = {_toml_scalar(value)}\n" for key, value in values.items())
+                     for name, values in sections.items())
 
 
 def _toml_scalar(value: Any) -> str:

@@ -117,8 +117,7 @@ class _Clock:
 
     def __init__(self, total_stages: int, quiet: bool):
         self.start = self.stage_start = time.perf_counter()
-        self.total, self.index, self.quiet = total_stages, 0, quiet
-        self.key = ""
+        self.total, self.index, self.quiet, self.key = total_stages, 0, quiet, ""
         self.timings: dict[str, float] = {}  # seconds per stage, by short name
 
     def stage(self, key: str, title: str) -> None:
@@ -246,8 +245,7 @@ def sft_val_loss_before(pre_run: Path, data_dir: Path, tcfg, precision: str) -> 
 
 
 def _mean_loss(model, batches, precision: str) -> float:
-    loss, _, _ = evaluate(model, batches, causal_lm_loss, torch.device("cpu"), precision)
-    return loss
+    return evaluate(model, batches, causal_lm_loss, torch.device("cpu"), precision)[0]
 
 
 def ask(run_dir: Path, questions: list[dict], max_new_tokens: int) -> list[dict]:
@@ -265,16 +263,13 @@ def ask(run_dir: Path, questions: list[dict], max_new_tokens: int) -> list[dict]
 
 def _print_replies(samples: list[dict], quiet: bool) -> None:
     for s in samples:
+        named = [k for k in s["keywords"] if held_out_hit(s["reply"], [k])]
         if s["held_out"]:
-            verdict = "held out of SFT: " + ("names " + ", ".join(_named(s)) if _named(s) else "names nothing asked")
+            verdict = "held out of SFT: " + ("names " + ", ".join(named) if named else "names nothing asked")
         else:
             verdict = "in the SFT set: " + ("exact" if s["reply"] == s["expected"] else "not exact")
         _say(f"\n  Q ({verdict}): {s['question']}\n  A: {s['reply']}\n     [{s['finish_reason']}, "
              f"{s['tokens']} tokens]  expected: {s['expected']}", quiet)
-
-
-def _named(sample: dict) -> list[str]:
-    return [k for k in sample["keywords"] if held_out_hit(sample["reply"], [k])]
 
 
 def _losses(run_dir: Path, start: float) -> dict:
@@ -390,7 +385,8 @@ def _sft_stage(clock: _Clock, work_dir: Path, s: dict, pre_run: Path, mcfg, tcfg
     """Fine-tune with pretraining's optimizer, schedule and batch shape, for the time that is left."""
     sft_data, sft_run = work_dir / "data" / "sft", work_dir / "sft"
     start = sft_val_loss_before(pre_run, sft_data, tcfg, plan.precision)
-    steps, rows = s["sft_steps"], _sft_rows(sft_data, tcfg)
+    steps = s["sft_steps"]
+    rows = SFTBatches(TokenShards(sft_data, "train"), tcfg.batch_size, tcfg.seq_len).sequences_per_epoch
     measured = ""
     if steps is None:
         # SFT gets the time that is left. Its pace: a fresh measurement (the thread count chosen again, since a
@@ -417,11 +413,6 @@ def _sft_stage(clock: _Clock, work_dir: Path, s: dict, pre_run: Path, mcfg, tcfg
     facts["sft_measured"] = measured
     clock.done(f"validation loss on the answers {_loss_note(facts['sft_loss'])}")
     return sft_run
-
-
-def _sft_rows(data_dir: Path, tcfg) -> int:
-    """Packed rows in one epoch of the SFT set's training split."""
-    return SFTBatches(TokenShards(data_dir, "train"), tcfg.batch_size, tcfg.seq_len).sequences_per_epoch
 
 
 def _write_demo_report(work_dir: Path, runs: list[Path], samples: list[dict], mcfg, plan: Plan, s: dict,

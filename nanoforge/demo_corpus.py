@@ -86,10 +86,8 @@ def module_docs(module: str, source: str) -> list[DocEntry]:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):  # e.g. files written for another Python version
         return []
-    out = []
     doc = ast.get_docstring(tree)
-    if doc:
-        out.append(DocEntry(module, "module", "", doc))
+    out = [DocEntry(module, "module", "", doc)] if doc else []
     for node in tree.body:
         out.extend(_definition_docs(node, module, in_class=False))
     return out
@@ -243,6 +241,5 @@ def asked_questions(by_name: dict[str, DocEntry]) -> list[dict]:
 
 def _write_jsonl(path: Path, records: list[dict]) -> None:
     with open(path, "w", encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        f.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
 

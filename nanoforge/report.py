@@ -335,9 +335,6 @@ def _comparison(runs: list[RunMetrics], out_path: Path, Figure) -> list[str]:
         values = [r[key] for r in records if key in r]
         return fmt_number(values[-1]) if values else "-"
 
-    def best(run):
-        return fmt_number(min(r["val_loss"] for r in run.val)) if run.val else "-"
-
     rows = [
         ("stage", [str(r.config.get("run", {}).get("stage", "-")) for r in runs]),
         ("parameters", [_millions(count_params(r.config["model"])) if r.config.get("model") else "-"
@@ -345,7 +342,7 @@ def _comparison(runs: list[RunMetrics], out_path: Path, Figure) -> list[str]:
         ("last step", [str(max([x["step"] for x in r.train + r.val] or [0])) for r in runs]),
         ("final training loss", [last(r.train, "loss") for r in runs]),
         ("final validation loss", [last(r.val, "val_loss") for r in runs]),
-        ("best validation loss", [best(r) for r in runs]),
+        ("best validation loss", [fmt_number(min(x["val_loss"] for x in r.val)) if r.val else "-" for r in runs]),
         ("final val bits per byte", [last(r.val, "val_bpb") for r in runs]),
         ("tokens/s (last log)", [last(r.train, "tokens_per_s") for r in runs]),
         ("peak memory GB", [last(r.train, "peak_mem_gb") for r in runs]),

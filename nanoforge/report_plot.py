@@ -52,9 +52,7 @@ def plot_runs(runs: Sequence[Any], path: Path, Figure, title: str) -> Path:
                 ax.plot([p[0] for p in points], [p[1] for p in points], color=color, linewidth=1.3,
                         label=name, **style)
                 drawn = True
-        ax.set_title(panel)
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
+        ax.set(title=panel, xlabel="step", ylabel=ylabel)
         ax.grid(alpha=0.3)
         if drawn and ax.get_legend_handles_labels()[1]:
             ax.legend(fontsize=8)

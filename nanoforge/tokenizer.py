@@ -65,8 +65,6 @@ class Tokenizer:
         self.model_max_length = int(self.config.get("model_max_length") or DEFAULT_MODEL_MAX_LENGTH)
         self.sha256 = hashlib.sha256(_canonical_json(inner.to_str()).encode("utf-8")).hexdigest()
         self._compiled_template = None
-        self._names = None
-        self._specials = None  # (ids, texts) of the added tokens marked special
         self._plain_tok = None  # a copy that encodes special-token text as plain text, made on first need
 
     def _find_eos_id(self) -> int | None:
@@ -96,10 +94,7 @@ class Tokenizer:
 
     def __getstate__(self):
         # Sent to worker processes by `prepare`; the compiled Jinja template does not pickle.
-        state = dict(self.__dict__)
-        state["_compiled_template"] = None
-        state["_plain_tok"] = None
-        return state
+        return {**self.__dict__, "_compiled_template": None, "_plain_tok": None}
 
     @property
     def supports_tools(self) -> bool:
@@ -181,20 +176,18 @@ class Tokenizer:
             self._compiled_template = compile_template(self.chat_template)
         try:  # with the special-token names HF passes to templates (bos_token, eos_token, ...)
             text = self._compiled_template.render(**template_kwargs, messages=messages, tools=tools,
-                                                  add_generation_prompt=add_generation_prompt, **self._template_names())
+                                                  add_generation_prompt=add_generation_prompt, **self._template_names)
         except NanoforgeError:
             raise
         except Exception as e:  # jinja2 errors and whatever the template's own expressions raise
             raise ChatTemplateError(f"the chat template could not render this conversation: {e}") from e
         return without_empty_think(text) if drop_empty_think else text
 
+    @functools.cached_property
     def _template_names(self) -> dict:
         """The special-token names HF passes to templates (bos_token, eos_token, ...); computed once."""
-        if self._names is None:
-            config = self.hf_config()
-            self._names = {k: config[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token",
-                                                  "additional_special_tokens")}
-        return self._names
+        config = self.hf_config()
+        return {k: config[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token", "additional_special_tokens")}
 
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = False, tools=None,
                     **template_kwargs) -> tuple[list[int], list[int]]:
@@ -235,17 +228,16 @@ class Tokenizer:
 
     # ---- chat: keeping the text of messages plain
 
+    @functools.cached_property
     def _special_tokens(self) -> tuple[frozenset, tuple]:
         """Ids and texts of the added tokens marked special (<|im_start|>, <|im_end|>, <|endoftext|>, ...).
         Added tokens with special=False (MiniMind's <think>, <tool_call>) are ordinary vocabulary: a message
         may use them, and HF encodes them as the same single tokens inside any text."""
-        if self._specials is None:
-            added = {i: t for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
-            self._specials = (frozenset(added), tuple(t.content for t in added.values() if t.content))
-        return self._specials
+        added = {i: t for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        return frozenset(added), tuple(t.content for t in added.values() if t.content)
 
     def _specials_of(self, ids, offsets) -> list[tuple[int, int, int]]:
-        special_ids = self._special_tokens()[0]
+        special_ids = self._special_tokens[0]
         return [(start, end, token) for token, (start, end) in zip(ids, offsets) if token in special_ids]
 
     def _structural_tokens(self, text, found, messages, tools, add_generation_prompt, template_kwargs):
@@ -255,7 +247,7 @@ class Tokenizer:
         one normal encoding. Otherwise the conversation is rendered again with every such text replaced by as
         many filler characters (same length, no control token), which must give the same text but for those
         places; the special tokens of that render's encoding are the template's own."""
-        strings = self._special_tokens()[1]
+        strings = self._special_tokens[1]
         fill = next((c for c in "#~@%^" if not any(c in s for s in strings)), "#")
         (hidden, hidden_tools), changed = disguise((messages, tools), strings, fill)
         if not changed:
@@ -335,13 +327,10 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         inner = HFTokenizer.from_file(str(file))
     except Exception as e:  # the Rust side raises a bare Exception for any parse problem
         raise NanoforgeError(f"{file}: not a valid tokenizer.json ({e})") from None
-    config = _read_config(file.parent / "tokenizer_config.json")
+    config_file = file.parent / "tokenizer_config.json"
+    config = read_json(config_file, "tokenizer_config.json") if config_file.is_file() else {}
     template = _read_chat_template(file.parent, config)
     return Tokenizer(inner, chat_template=template, config=config)
-
-
-def _read_config(path: Path) -> dict:
-    return read_json(path, "tokenizer_config.json") if path.is_file() else {}
 
 
 def _read_chat_template(directory: Path, config: dict) -> str | None:
@@ -398,10 +387,7 @@ def train_tokenizer(files, vocab_size: int = 6400, out_dir: str | os.PathLike | 
 
 def _training_texts(paths: list[Path]) -> Iterator[str]:
     for path in paths:
-        if path.suffix.lower() in PLAIN_TEXT_SUFFIXES:
-            yield from _plain_text_blocks(path)
-        else:
-            yield from _jsonl_texts(path)
+        yield from (_plain_text_blocks if path.suffix.lower() in PLAIN_TEXT_SUFFIXES else _jsonl_texts)(path)
 
 
 def _jsonl_texts(path: Path) -> Iterator[str]:
@@ -414,8 +400,7 @@ def _jsonl_texts(path: Path) -> Iterator[str]:
             for message in record["conversations"]:
                 yield from (message.get(k) for k in ("content", "reasoning_content") if isinstance(message.get(k), str))
         else:  # dpo: the shared prefix once, then both final answers
-            for message in record["chosen"]:
-                yield message["content"]
+            yield from (message["content"] for message in record["chosen"])
             yield record["rejected"][-1]["content"]
 
 

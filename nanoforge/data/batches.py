@@ -297,10 +297,9 @@ class SFTBatches(EpochOrder):
         return ids, labels, segments
 
     def _batch(self, rows: list[list[int]]) -> dict[str, torch.Tensor]:
-        built = [self._row(r) for r in rows]
-        return {"input_ids": torch.from_numpy(np.stack([b[0] for b in built])),
-                "labels": torch.from_numpy(np.stack([b[1] for b in built])),
-                "segment_ids": torch.from_numpy(np.stack([b[2] for b in built]))}  # (B, T) each
+        columns = zip(*(self._row(r) for r in rows))  # ids, labels, segments: B rows each
+        return {key: torch.from_numpy(np.stack(column))  # (B, T) each
+                for key, column in zip(("input_ids", "labels", "segment_ids"), columns)}
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         return self._batch(self._step_items())

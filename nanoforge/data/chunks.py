@@ -135,12 +135,7 @@ def _text_cut(data: bytes, split_pattern: str | None = "gpt-2") -> int:
     if split_pattern == "qwen2":
         return _cut_after_line_break(data)
     newline = data.rfind(b"\n")
-    while newline > 0:
-        cut = len(data[:newline].rstrip(_WHITESPACE))
-        if cut > 0:
-            return cut
-        newline = -1  # everything before is whitespace
-    return 0
+    return len(data[:newline].rstrip(_WHITESPACE)) if newline > 0 else 0  # 0 also when all before is whitespace
 
 
 def _cut_after_line_break(data: bytes) -> int:
@@ -221,10 +216,7 @@ def _line_chunks(source: SourceStats, chunk_bytes: int) -> Iterator[tuple[int, b
     """(first line number, bytes) chunks of whole lines; hashes and sizes the file on the way."""
     line_no, pending = 1, []  # pending: blocks of a line longer than one block, joined once it ends
     with open(source.path, "rb") as f:
-        while True:
-            block = f.read(chunk_bytes)
-            if not block:
-                break
+        while block := f.read(chunk_bytes):
             source.hasher.update(block)
             source.size += len(block)
             cut = block.rfind(b"\n") + 1

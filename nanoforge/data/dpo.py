@@ -73,9 +73,8 @@ def _row(shards: TokenShards, offsets: np.ndarray, doc: int, length: int, pad_id
 def _rows(shards: TokenShards, offsets: np.ndarray, docs: list[int], pad_id: int) -> dict[str, torch.Tensor]:
     """input_ids/labels (len(docs), longest-1) for the given documents, right-padded."""
     length = max(int(offsets[d + 1] - offsets[d]) for d in docs) - 1
-    built = [_row(shards, offsets, d, length, pad_id) for d in docs]
-    return {"input_ids": torch.from_numpy(np.stack([b[0] for b in built])),
-            "labels": torch.from_numpy(np.stack([b[1] for b in built]))}
+    ids, labels = zip(*(_row(shards, offsets, d, length, pad_id) for d in docs))
+    return {"input_ids": torch.from_numpy(np.stack(ids)), "labels": torch.from_numpy(np.stack(labels))}
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

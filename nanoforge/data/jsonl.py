@@ -37,19 +37,15 @@ class DataError(NanoforgeError):
 
     def __init__(self, message: str, path: str | os.PathLike | None = None, line: int | None = None,
                  field: str | None = None):
-        self.message = message
+        self.message, self.line, self.field = message, line, field
         self.path = None if path is None else str(path)
-        self.line = line
-        self.field = field
         super().__init__(self._format())
 
     def _format(self) -> str:
         where = self.path if self.path is not None else "<record>"
-        if self.line is not None:
-            where = f"{where}:{self.line}"
-        if self.field is not None:
-            return f"{where}: {self.field}: {self.message}"
-        return f"{where}: {self.message}"
+        line = f":{self.line}" if self.line is not None else ""
+        field = f" {self.field}:" if self.field is not None else ""
+        return f"{where}{line}:{field} {self.message}"
 
     def __reduce__(self):
         # Errors raised in worker processes are pickled back to the parent; keep every attribute.
@@ -61,8 +57,7 @@ class RecordError(NanoforgeError, ValueError):
 
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message if field is None else f"{field}: {message}")
-        self.message = message
-        self.field = field
+        self.message, self.field = message, field
 
 
 @dataclass
@@ -83,9 +78,7 @@ class SkipCounter:
 
     def merge(self, other: "SkipCounter") -> None:
         self.skipped += other.skipped
-        for message in other.examples:
-            if len(self.examples) < self.keep:
-                self.examples.append(message)
+        self.examples += other.examples[:max(0, self.keep - len(self.examples))]
 
     def summary(self) -> str:
         if not self.skipped:

@@ -110,16 +110,14 @@ def _line_start_at(path: Path, offset: int) -> int:
     with open(path, "rb") as f:
         f.seek(offset - 1)
         pos = offset - 1
-        while True:
-            block = f.read(SCAN_BYTES)
-            if not block:
-                return size
+        while block := f.read(SCAN_BYTES):
             newline = block.find(b"\n")
             if newline >= 0:
                 return pos + newline + 1
             pos += len(block)
             if pos - offset > MAX_RECORD_BYTES:
                 raise record_too_long(pos - offset, path, None)
+    return size
 
 
 def range_line_chunks(source, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
@@ -129,10 +127,7 @@ def range_line_chunks(source, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
     with open(source.path, "rb") as f:
         f.seek(start)
         left, pending = end - start, b""
-        while left > 0:
-            block = f.read(min(chunk_bytes, left))
-            if not block:
-                break
+        while left > 0 and (block := f.read(min(chunk_bytes, left))):
             left -= len(block)
             source.hasher.update(block)
             source.size += len(block)

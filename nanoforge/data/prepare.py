@@ -25,7 +25,7 @@ from nanoforge.data.parts import PartInput, parse_part, plan_part
 from nanoforge.data.sft_records import DROP_THINK_SEED
 from nanoforge.data.shards import FORMAT, FORMAT_VERSION, MASKED_KINDS
 from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import fsync_dir, replace_dir, write_json
+from nanoforge.fsutil import fsync_dir, fsync_file, replace_dir, write_json
 from nanoforge.tokenizer import Tokenizer, load_tokenizer
 
 SPLITS = ("train", "val")
@@ -266,8 +266,7 @@ def _fsync_tree(directory: Path) -> None:
     """Flush every file and directory under `directory` to disk before it is renamed into place."""
     for root, _, names in os.walk(directory):
         for name in names:
-            with open(os.path.join(root, name), "rb") as f:
-                os.fsync(f.fileno())
+            fsync_file(os.path.join(root, name))
         fsync_dir(Path(root))
 
 

@@ -61,18 +61,14 @@ class TokenShards:
     """Read-only memmap view of one split of a prepared directory, as one flat token stream."""
 
     def __init__(self, directory, split: str):
-        self.directory = Path(directory)
-        self.split = split
+        self.directory, self.split = Path(directory), split
         self.manifest = read_manifest(self.directory)
         splits = self.manifest.get("splits", {})
         if split not in splits:
             raise NanoforgeError(f"{self.directory}: no split {split!r} (have {', '.join(splits)})")
         entry = splits[split]
-        self.dtype = np.dtype(self.manifest["dtype"])
-        self.kind = self.manifest["kind"]
-        self.num_tokens = int(entry["tokens"])
-        self.num_docs = int(entry["docs"])
-        self.num_bytes = int(entry["bytes"])
+        self.dtype, self.kind = np.dtype(self.manifest["dtype"]), self.manifest["kind"]
+        self.num_tokens, self.num_docs, self.num_bytes = (int(entry[k]) for k in ("tokens", "docs", "bytes"))
         self._tokens, self._idx, self._masks = [], [], []
         for shard in entry["shards"]:
             self._open_shard(shard)
