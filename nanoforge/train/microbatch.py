@@ -38,10 +38,8 @@ def fit_micro_batch(mcfg: ModelConfig, tcfg: TrainConfig, log=print, rows_per_it
         why = "as given by --micro-batch"
     else:
         device = distributed.setup(resolve_device(tcfg.device))  # under torchrun: this rank's GPU
-        if device.type == "cuda":
-            micro, why = probe_cuda(mcfg, tcfg, device, global_batch, rows_per_item, loss_fn)
-        else:
-            micro, why = probe_cpu(mcfg, tcfg, device, global_batch, rows_per_item, loss_fn)
+        probe = probe_cuda if device.type == "cuda" else probe_cpu
+        micro, why = probe(mcfg, tcfg, device, global_batch, rows_per_item, loss_fn)
         micro = _agree_on_min(micro, device)
     tcfg.batch_size, tcfg.grad_accum = micro, global_batch // micro
     text = (f"micro-batch {micro} x grad-accum {tcfg.grad_accum} = global batch {global_batch} sequences of "
@@ -115,12 +113,9 @@ def probe_cuda(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device, globa
 def _proc_status_kib(field: str) -> int | None:
     try:
         with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
+            return next((int(line.split()[1]) for line in f if line.startswith(field + ":")), None)
     except OSError:
-        pass
-    return None
+        return None
 
 
 def _reset_peak_rss() -> bool:
