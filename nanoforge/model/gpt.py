@@ -156,9 +156,7 @@ class KVCache:
         shape = (batch_size, n_kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.batch_size = batch_size
-        self.max_len = max_len
-        self.length = 0
+        self.batch_size, self.max_len, self.length = batch_size, max_len, 0
 
     def check_room(self, n_new: int) -> None:
         if self.length + n_new > self.max_len:
