@@ -70,12 +70,6 @@ def resolve_options(out: Path, options: PPOOptions, resume: bool) -> dict[str, A
     return o
 
 
-def ppo_config(o: dict[str, Any]) -> PPOConfig:
-    """The options as rl/ppo.py's PPOConfig (its checks name the flag's field)."""
-    return PPOConfig(epsilon=o["epsilon"], vf_coef=o["vf_coef"], value_clip=o["value_clip"], beta=o["beta"],
-                     gamma=o["gamma"], lam=o["lam"], temperature=o["temperature"], target_kl=o.get("target_kl"))
-
-
 @fresh_run_guard
 def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions | None = None,
         config_file: str | None = None, overrides: dict[str, Any] | None = None, resume: bool = False,
@@ -85,7 +79,8 @@ def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions
     model in the rewards when --beta > 0, GAE advantages), --ppo-epochs updates per rollout."""
     out = Path(out)
     o = resolve_options(out, options or PPOOptions(), resume)
-    cfg_ppo = ppo_config(o)
+    cfg_ppo = PPOConfig(epsilon=o["epsilon"], vf_coef=o["vf_coef"], value_clip=o["value_clip"], beta=o["beta"],
+                        gamma=o["gamma"], lam=o["lam"], temperature=o["temperature"], target_kl=o.get("target_kl"))
     run_dir, mcfg, tcfg, run_info, init_path, tok, records = rl_setup(
         "ppo", init, data, out, config_file, dict(overrides or {}), resume, o)
     if tcfg.optimizer == "muon":
