@@ -115,9 +115,8 @@ def ppo_rollout(model, tokenizer, records, cfg: RolloutConfig, ppo: PPOConfig, r
     mask = F.pad(loss_mask, (1, 0)).bool()  # per token (rl/ppo.py's alignment): 1 on the reply's tokens
     chunk = micro_rows or len(input_ids)
     old_logp, old_values = old_outputs(model, input_ids, cfg.temperature, cfg.precision, chunk)
-    ref_logp = None
-    if reference is not None and ppo.beta > 0:
-        ref_logp = gpt_logprobs(reference, input_ids, cfg.temperature, cfg.precision, chunk)
+    ref_logp = (gpt_logprobs(reference, input_ids, cfg.temperature, cfg.precision, chunk)
+                if reference is not None and ppo.beta > 0 else None)
     batch, stats = ppo_batch(input_ids, mask, old_logp, old_values, scores, ppo, ref_logp)
     stats.update({"reward_mean": scores.mean().item(),
                   "reward_std": scores.std().item() if len(scores) > 1 else 0.0, **reply_stats})
