@@ -17,8 +17,8 @@ from nanoforge.loader import init_weights
 from nanoforge.model.gpt import GPT
 from nanoforge.rl.critic import PolicyWithValue
 from nanoforge.rl.grpo import frozen_reference, reward_function, rl_setup
-from nanoforge.rl.ppo import PPOConfig
-from nanoforge.rl.ppo_stage import PPOBatches, ppo_objective, ppo_objective_count
+from nanoforge.rl.ppo import PPOConfig, ppo_count
+from nanoforge.rl.ppo_stage import PPOBatches, ppo_objective
 from nanoforge.rl.prompts import PromptIterator
 from nanoforge.rl.rollout import RolloutConfig, check_prompts
 from nanoforge.train.distributed import setup, world
@@ -106,7 +106,7 @@ def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions
     tcfg.batch_size = batches.micro_rows
     sampler = make_sampler(run_dir, tcfg, tok, prompts, chat=True)
     stage = Stage("ppo", batches, ppo_objective(cfg_ppo), None, None, run_info,
-                  count_fn=ppo_objective_count(cfg_ppo),
+                  count_fn=lambda batch: ppo_count(batch, cfg_ppo.norm),
                   sampler=(lambda m, step, log: sampler(m.policy, step, log)) if sampler else None)
     if not quiet:
         print(f"ppo: {len(records)} prompts, {o['prompts_per_step']} x {o['num_generations']} replies per rollout"

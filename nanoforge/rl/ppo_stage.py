@@ -25,8 +25,7 @@ import torch.nn.functional as F
 
 from nanoforge.device import autocast_context, eval_mode
 from nanoforge.rl.losses import approx_kl
-from nanoforge.rl.ppo import (PPOConfig, forward_ppo, ppo_batch, ppo_count, ppo_loss, should_stop_early,
-                              token_logprobs)
+from nanoforge.rl.ppo import PPOConfig, forward_ppo, ppo_batch, ppo_loss, should_stop_early, token_logprobs
 from nanoforge.rl.prompts import PromptIterator
 from nanoforge.rl.rollout import Batch, RewardFn, RolloutConfig, sample_scored
 from nanoforge.rl.stage import RolloutBatches
@@ -131,8 +130,3 @@ def ppo_objective(cfg: PPOConfig):
         extras.update({k[5:]: v for k, v in batch.items() if k.startswith("stat_")})
         return total, count, extras
     return loss_fn
-
-
-def ppo_objective_count(cfg: PPOConfig):
-    """Stage.count_fn: what the step divides by (rl/ppo.py ppo_count)."""
-    return lambda batch: ppo_count(batch, cfg.norm)
