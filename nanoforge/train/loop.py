@@ -87,14 +87,10 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], loss_fn: LossFn, device
 class _NoLog:
     """What ranks other than 0 log: nothing (rank 0 writes metrics.jsonl, TensorBoard and the console)."""
 
-    def log(self, step: int, values: dict[str, Any]) -> None:
+    def _nothing(self, *args) -> None:
         pass
 
-    def print(self, text: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+    log = print = close = _nothing
 
 
 class _SignalFlag:
