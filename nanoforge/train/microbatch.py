@@ -57,10 +57,6 @@ def divisors_doubling(n: int) -> list[int]:
     return out
 
 
-def largest_divisor_at_most(n: int, limit: int) -> int:
-    return max(d for d in range(1, n + 1) if n % d == 0 and d <= max(limit, 1))
-
-
 def _probe_step(model, optimizer, tcfg: TrainConfig, device: torch.device, batch: int, loss_fn=None) -> None:
     """One real training step at `batch`: forward under the run's precision, backward, optimizer step."""
     ids = torch.randint(0, model.cfg.vocab_size, (batch, tcfg.seq_len + 1), device=device)  # (B, T+1)
@@ -173,7 +169,7 @@ def probe_cpu(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device, global
                                      + (" (the probe's growth was hidden by reused memory)" if measured is not None
                                         else " (no peak-memory reset on this system)"))
     fits = int((budget - 16 * n) // (per_sample * rows_per_item))
-    micro = largest_divisor_at_most(global_batch, fits)
+    micro = max(d for d in range(1, global_batch + 1) if global_batch % d == 0 and d <= max(fits, 1))
     why = (f"{how} + {16 * n / 2**20:,.0f} MiB weights, gradients and AdamW state, against a budget of "
            f"{budget / GiB:.2f} GiB ({budget_why}) -> up to {max(fits, 0)} "
            + ("sequences" if rows_per_item == 1 else f"items of {rows_per_item} sequences"))
