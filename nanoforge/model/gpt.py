@@ -437,9 +437,7 @@ class GPT(nn.Module):
 
     def aux_loss(self) -> torch.Tensor | None:
         """Mean load-balancing loss of the MoE layers from the last forward; None for a dense model."""
-        if not self.cfg.n_experts:
-            return None
-        return torch.stack([block.mlp.aux_loss for block in self.model.layers]).mean()
+        return torch.stack([block.mlp.aux_loss for block in self.model.layers]).mean() if self.cfg.n_experts else None
 
     def state_dict_for_save(self) -> dict[str, torch.Tensor]:
         """The weights to write to a checkpoint: the state dict without `lm_head.weight` when it is tied
