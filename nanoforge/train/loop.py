@@ -341,11 +341,8 @@ def _early_stop(run: Run) -> bool:
 
 def _sample(run: Run) -> None:
     """The stage's text samples, from the plain model in eval mode."""
-    run.raw.eval()
-    try:
+    with eval_mode(run.raw):
         run.stage.sampler(run.raw, run.state.step, run.log)
-    finally:
-        run.raw.train()
 
 
 def _start(stage: Stage, model: TrainableModel, mcfg: ModelConfig, tcfg: TrainConfig, run_dir: Path,
