@@ -156,9 +156,7 @@ class KVCache:
         shape = (batch_size, n_kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.batch_size = batch_size
-        self.max_len = max_len
-        self.length = 0
+        self.batch_size, self.max_len, self.length = batch_size, max_len, 0
 
     def check_room(self, n_new: int) -> None:
         if self.length + n_new > self.max_len:
@@ -439,9 +437,7 @@ class GPT(nn.Module):
 
     def aux_loss(self) -> torch.Tensor | None:
         """Mean load-balancing loss of the MoE layers from the last forward; None for a dense model."""
-        if not self.cfg.n_experts:
-            return None
-        return torch.stack([block.mlp.aux_loss for block in self.model.layers]).mean()
+        return torch.stack([block.mlp.aux_loss for block in self.model.layers]).mean() if self.cfg.n_experts else None
 
     def state_dict_for_save(self) -> dict[str, torch.Tensor]:
         """The weights to write to a checkpoint: the state dict without `lm_head.weight` when it is tied

@@ -239,9 +239,8 @@ def weights_fingerprint(weights: dict[str, torch.Tensor] | nn.Module, samples: i
             continue
         t = weights[name].detach().reshape(-1)
         idx = torch.linspace(0, max(t.numel() - 1, 0), min(samples, t.numel())).round().long().to(t.device)
-        values = t[idx].to("cpu", torch.float32).numpy().tobytes()
         h.update(f"{name}:{tuple(weights[name].shape)}:".encode())
-        h.update(values)
+        h.update(t[idx].to("cpu", torch.float32).numpy().tobytes())
     return h.hexdigest()
 
 

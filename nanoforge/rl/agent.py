@@ -127,12 +127,10 @@ def agent_rollouts(model, tokenizer, prompts: Sequence[Sequence[int]], records: 
     context = model.model.rotary_emb.n_positions
     stops = set(stop_ids(tokenizer))
     trajectories = [Trajectory(list(p), [0] * len(p), [0.0] * len(p), len(p)) for p in prompts]
-    live = []
-    for i, trajectory in enumerate(trajectories):
+    for trajectory in trajectories:
         if len(trajectory.ids) + cfg.max_new_tokens > context:
             trajectory.end = "context"
-        else:
-            live.append(i)
+    live = [i for i, trajectory in enumerate(trajectories) if not trajectory.end]
     for turn in range(max_turns):
         if not live:
             break

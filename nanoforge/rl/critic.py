@@ -104,8 +104,7 @@ class PolicyWithValue(nn.Module):
 
     def __init__(self, policy: GPT, critic: ValueModel):
         super().__init__()
-        self.policy = policy
-        self.critic = critic
+        self.policy, self.critic = policy, critic
 
     @classmethod
     def from_policy(cls, policy: GPT) -> PolicyWithValue:

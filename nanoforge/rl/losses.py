@@ -154,8 +154,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     """
     r, v, m = rewards.float(), values.float(), mask.bool()
     adv = torch.zeros_like(v)  # (B, T)
-    next_value = torch.zeros_like(v[:, 0])  # (B,)
-    next_adv = torch.zeros_like(v[:, 0])  # (B,)
+    next_value = next_adv = torch.zeros_like(v[:, 0])  # (B,) each; never written in place
     for t in reversed(range(v.shape[1])):
         a = r[:, t] + gamma * next_value - v[:, t] + gamma * lam * next_adv  # (B,)
         step = m[:, t]

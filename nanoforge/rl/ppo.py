@@ -67,17 +67,13 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     return F.pad(picked, (1, 0))  # (B, T)
 
 
-def state_values(values: torch.Tensor) -> torch.Tensor:
-    """Critic outputs per position (B, T) -> per token (B, T): entry t = V(ids[:t]) = values[:, t-1], entry 0 = 0."""
-    return F.pad(values[:, :-1].float(), (1, 0))
-
-
 def forward_ppo(model: nn.Module, input_ids: torch.Tensor, temperature: float = 1.0,
                 attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A PolicyWithValue's (logp, values), each (B, T) per token (see the module docstring). Used both at
     rollout time (under no_grad: old_logp, old_values) and in the loss, so the two are computed alike."""
-    logits, values = model(input_ids, attention_mask=attention_mask)  # (B, T, V), (B, T)
-    return token_logprobs(logits, input_ids, temperature), state_values(values)
+    logits, values = model(input_ids, attention_mask=attention_mask)  # (B, T, V), (B, T) per position
+    # values per token: entry t = V(ids[:t]) = values[:, t-1], entry 0 = 0
+    return token_logprobs(logits, input_ids, temperature), F.pad(values[:, :-1].float(), (1, 0))
 
 
 # --------------------------------------------------------------------------------- rewards, advantages, returns

@@ -17,8 +17,8 @@ from nanoforge.loader import init_weights
 from nanoforge.model.gpt import GPT
 from nanoforge.rl.critic import PolicyWithValue
 from nanoforge.rl.grpo import frozen_reference, reward_function, rl_setup
-from nanoforge.rl.ppo import PPOConfig
-from nanoforge.rl.ppo_stage import PPOBatches, ppo_objective, ppo_objective_count
+from nanoforge.rl.ppo import PPOConfig, ppo_count
+from nanoforge.rl.ppo_stage import PPOBatches, ppo_objective
 from nanoforge.rl.prompts import PromptIterator
 from nanoforge.rl.rollout import RolloutConfig, check_prompts
 from nanoforge.train.distributed import setup, world
@@ -70,12 +70,6 @@ def resolve_options(out: Path, options: PPOOptions, resume: bool) -> dict[str, A
     return o
 
 
-def ppo_config(o: dict[str, Any]) -> PPOConfig:
-    """The options as rl/ppo.py's PPOConfig (its checks name the flag's field)."""
-    return PPOConfig(epsilon=o["epsilon"], vf_coef=o["vf_coef"], value_clip=o["value_clip"], beta=o["beta"],
-                     gamma=o["gamma"], lam=o["lam"], temperature=o["temperature"], target_kl=o.get("target_kl"))
-
-
 @fresh_run_guard
 def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions | None = None,
         config_file: str | None = None, overrides: dict[str, Any] | None = None, resume: bool = False,
@@ -85,7 +79,8 @@ def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions
     model in the rewards when --beta > 0, GAE advantages), --ppo-epochs updates per rollout."""
     out = Path(out)
     o = resolve_options(out, options or PPOOptions(), resume)
-    cfg_ppo = ppo_config(o)
+    cfg_ppo = PPOConfig(epsilon=o["epsilon"], vf_coef=o["vf_coef"], value_clip=o["value_clip"], beta=o["beta"],
+                        gamma=o["gamma"], lam=o["lam"], temperature=o["temperature"], target_kl=o.get("target_kl"))
     run_dir, mcfg, tcfg, run_info, init_path, tok, records = rl_setup(
         "ppo", init, data, out, config_file, dict(overrides or {}), resume, o)
     if tcfg.optimizer == "muon":
@@ -111,7 +106,7 @@ def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions
     tcfg.batch_size = batches.micro_rows
     sampler = make_sampler(run_dir, tcfg, tok, prompts, chat=True)
     stage = Stage("ppo", batches, ppo_objective(cfg_ppo), None, None, run_info,
-                  count_fn=ppo_objective_count(cfg_ppo),
+                  count_fn=lambda batch: ppo_count(batch, cfg_ppo.norm),
                   sampler=(lambda m, step, log: sampler(m.policy, step, log)) if sampler else None)
     if not quiet:
         print(f"ppo: {len(records)} prompts, {o['prompts_per_step']} x {o['num_generations']} replies per rollout"

@@ -25,8 +25,7 @@ import torch.nn.functional as F
 
 from nanoforge.device import autocast_context, eval_mode
 from nanoforge.rl.losses import approx_kl
-from nanoforge.rl.ppo import (PPOConfig, forward_ppo, ppo_batch, ppo_count, ppo_loss, should_stop_early,
-                              token_logprobs)
+from nanoforge.rl.ppo import PPOConfig, forward_ppo, ppo_batch, ppo_loss, should_stop_early, token_logprobs
 from nanoforge.rl.prompts import PromptIterator
 from nanoforge.rl.rollout import Batch, RewardFn, RolloutConfig, sample_scored
 from nanoforge.rl.stage import RolloutBatches
@@ -115,9 +114,8 @@ def ppo_rollout(model, tokenizer, records, cfg: RolloutConfig, ppo: PPOConfig, r
     mask = F.pad(loss_mask, (1, 0)).bool()  # per token (rl/ppo.py's alignment): 1 on the reply's tokens
     chunk = micro_rows or len(input_ids)
     old_logp, old_values = old_outputs(model, input_ids, cfg.temperature, cfg.precision, chunk)
-    ref_logp = None
-    if reference is not None and ppo.beta > 0:
-        ref_logp = gpt_logprobs(reference, input_ids, cfg.temperature, cfg.precision, chunk)
+    ref_logp = (gpt_logprobs(reference, input_ids, cfg.temperature, cfg.precision, chunk)
+                if reference is not None and ppo.beta > 0 else None)
     batch, stats = ppo_batch(input_ids, mask, old_logp, old_values, scores, ppo, ref_logp)
     stats.update({"reward_mean": scores.mean().item(),
                   "reward_std": scores.std().item() if len(scores) > 1 else 0.0, **reply_stats})
@@ -132,8 +130,3 @@ def ppo_objective(cfg: PPOConfig):
         extras.update({k[5:]: v for k, v in batch.items() if k.startswith("stat_")})
         return total, count, extras
     return loss_fn
-
-
-def ppo_objective_count(cfg: PPOConfig):
-    """Stage.count_fn: what the step divides by (rl/ppo.py ppo_count)."""
-    return lambda batch: ppo_count(batch, cfg.norm)

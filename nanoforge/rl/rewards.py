@@ -37,11 +37,6 @@ _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _UNITS = re.compile(r"[A-Za-z0-9]+|[^\sA-Za-z0-9]")
 
 
-def _reply_content(completion: str, record: dict) -> str:
-    """The reply without its thinking and tool-call blocks (the one parser, infer/toolparse.py)."""
-    return parse_reply(completion, bool(record.get("thinking_open"))).content
-
-
 def answer_number(text: str) -> Decimal | None:
     """The answer a text gives: the first number after its last "####" (GSM8K's convention), else its last
     number; commas removed, compared as decimals (18 == 18.0). None when there is none."""
@@ -65,7 +60,8 @@ def math_reward(completion: str, record: dict) -> float:
     gold = answer_number(str(record["answer"]))
     if gold is None:
         raise NanoforgeError(f'the math reward needs a number as the answer; {where} has {record["answer"]!r}')
-    return 1.0 if answer_number(_reply_content(completion, record)) == gold else 0.0
+    content = parse_reply(completion, bool(record.get("thinking_open"))).content  # without thinking and tool calls
+    return 1.0 if answer_number(content) == gold else 0.0
 
 
 def format_reward(completion: str, record: dict) -> float:

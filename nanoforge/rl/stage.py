@@ -118,11 +118,8 @@ def encode_batch(batch: Batch) -> dict[str, Any]:
 
 
 def decode_batch(encoded: dict[str, Any]) -> Batch:
-    out = {}
-    for key, (dtype, shape, data) in encoded.items():
-        flat = torch.frombuffer(bytearray(base64.b64decode(data)), dtype=getattr(torch, dtype))
-        out[key] = flat.reshape(shape).clone()
-    return out
+    return {key: torch.frombuffer(bytearray(base64.b64decode(data)), dtype=getattr(torch, dtype)).reshape(shape).clone()
+            for key, (dtype, shape, data) in encoded.items()}
 
 
 def policy_objective(loss: str, epsilon: float, epsilon_high: float | None, beta: float, norm: str,

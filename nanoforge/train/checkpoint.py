@@ -72,13 +72,12 @@ def rng_states() -> dict[str, Any]:
 
 def set_rng_states(states: dict[str, Any]) -> None:
     torch.set_rng_state(states["cpu"])
-    if "cuda" in states and torch.cuda.is_available():
+    cuda = list(states.get("cuda", []))
+    if cuda and torch.cuda.is_available():
         # Older checkpoints hold every visible GPU's state (get_rng_state_all); restoring all of them fails with
         # IndexError on a machine with fewer GPUs. Take the one for the current device when there, else the first.
-        cuda = list(states["cuda"])
-        if cuda:
-            i = torch.cuda.current_device()
-            torch.cuda.set_rng_state(cuda[i] if i < len(cuda) else cuda[0])
+        i = torch.cuda.current_device()
+        torch.cuda.set_rng_state(cuda[i] if i < len(cuda) else cuda[0])
 
 
 def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Tensor], trainer: dict[str, Any],

@@ -216,13 +216,8 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not is_main():
         return {}
-    index, groups = {}, []
-    for group in osd["param_groups"]:
-        ids = []
-        for fqn in group["params"]:
-            index[fqn] = len(index)
-            ids.append(index[fqn])
-        groups.append({**group, "params": ids})
+    index = {fqn: i for i, fqn in enumerate(fqn for group in osd["param_groups"] for fqn in group["params"])}
+    groups = [{**group, "params": [index[fqn] for fqn in group["params"]]} for group in osd["param_groups"]]
     return {"state": {index[fqn]: s for fqn, s in osd["state"].items()}, "param_groups": groups}
 
 

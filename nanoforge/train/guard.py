@@ -101,9 +101,7 @@ class _DeviceCounters:
     """Skipped steps and the longest run of consecutive ones, kept on the device between reads."""
 
     def __init__(self, device: torch.device):
-        self.skipped = torch.zeros((), dtype=torch.int64, device=device)
-        self.run = torch.zeros((), dtype=torch.int64, device=device)
-        self.longest = torch.zeros((), dtype=torch.int64, device=device)
+        self.skipped, self.run, self.longest = (torch.zeros((), dtype=torch.int64, device=device) for _ in range(3))
         self.pending = False
 
     def add(self, bad: torch.Tensor) -> None:

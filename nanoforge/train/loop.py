@@ -87,14 +87,10 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], loss_fn: LossFn, device
 class _NoLog:
     """What ranks other than 0 log: nothing (rank 0 writes metrics.jsonl, TensorBoard and the console)."""
 
-    def log(self, step: int, values: dict[str, Any]) -> None:
+    def _nothing(self, *args) -> None:
         pass
 
-    def print(self, text: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+    log = print = close = _nothing
 
 
 class _SignalFlag:
@@ -345,11 +341,8 @@ def _early_stop(run: Run) -> bool:
 
 def _sample(run: Run) -> None:
     """The stage's text samples, from the plain model in eval mode."""
-    run.raw.eval()
-    try:
+    with eval_mode(run.raw):
         run.stage.sampler(run.raw, run.state.step, run.log)
-    finally:
-        run.raw.train()
 
 
 def _start(stage: Stage, model: TrainableModel, mcfg: ModelConfig, tcfg: TrainConfig, run_dir: Path,

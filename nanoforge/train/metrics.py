@@ -75,10 +75,7 @@ def cpu_peak_flops(precision: str) -> float:
     key = cpu_peak_key(precision)
     if key not in _cpu_peak_cache:
         cached = _read_peaks(cpu_peak_cache_dir() / CPU_PEAK_FILE).get(key)
-        if cached is not None:
-            _cpu_peak_cache[key] = cached
-        else:
-            _cpu_peak_cache[key] = _write_peak(key, measure_cpu_matmul_flops(precision))
+        _cpu_peak_cache[key] = _write_peak(key, measure_cpu_matmul_flops(precision)) if cached is None else cached
     return _cpu_peak_cache[key]
 
 
@@ -184,9 +181,9 @@ class MetricsLog:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.quiet = quiet
-        truncate_metrics(self.path, resume_step if resume_step is not None else 0)
-        # samples written during training (see train/stages.py) are cut back to the same step
-        truncate_metrics(self.run_dir / "samples.jsonl", resume_step if resume_step is not None else 0)
+        # samples written during training (see train/stages.py) are cut back to the same step as the metrics
+        for path in (self.path, self.run_dir / "samples.jsonl"):
+            truncate_metrics(path, resume_step or 0)
         self.file = open(self.path, "a", encoding="utf-8")
         self.tb = None
         if tensorboard:

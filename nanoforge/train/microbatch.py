@@ -38,10 +38,8 @@ def fit_micro_batch(mcfg: ModelConfig, tcfg: TrainConfig, log=print, rows_per_it
         why = "as given by --micro-batch"
     else:
         device = distributed.setup(resolve_device(tcfg.device))  # under torchrun: this rank's GPU
-        if device.type == "cuda":
-            micro, why = probe_cuda(mcfg, tcfg, device, global_batch, rows_per_item, loss_fn)
-        else:
-            micro, why = probe_cpu(mcfg, tcfg, device, global_batch, rows_per_item, loss_fn)
+        probe = probe_cuda if device.type == "cuda" else probe_cpu
+        micro, why = probe(mcfg, tcfg, device, global_batch, rows_per_item, loss_fn)
         micro = _agree_on_min(micro, device)
     tcfg.batch_size, tcfg.grad_accum = micro, global_batch // micro
     text = (f"micro-batch {micro} x grad-accum {tcfg.grad_accum} = global batch {global_batch} sequences of "
@@ -57,10 +55,6 @@ def divisors_doubling(n: int) -> list[int]:
         out.append(b)
         b = next((d for d in range(2 * b, n + 1) if n % d == 0), n + 1)
     return out
-
-
-def largest_divisor_at_most(n: int, limit: int) -> int:
-    return max(d for d in range(1, n + 1) if n % d == 0 and d <= max(limit, 1))
 
 
 def _probe_step(model, optimizer, tcfg: TrainConfig, device: torch.device, batch: int, loss_fn=None) -> None:
@@ -115,12 +109,9 @@ def probe_cuda(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device, globa
 def _proc_status_kib(field: str) -> int | None:
     try:
         with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
+            return next((int(line.split()[1]) for line in f if line.startswith(field + ":")), None)
     except OSError:
-        pass
-    return None
+        return None
 
 
 def _reset_peak_rss() -> bool:
@@ -178,7 +169,7 @@ def probe_cpu(mcfg: ModelConfig, tcfg: TrainConfig, device: torch.device, global
                                      + (" (the probe's growth was hidden by reused memory)" if measured is not None
                                         else " (no peak-memory reset on this system)"))
     fits = int((budget - 16 * n) // (per_sample * rows_per_item))
-    micro = largest_divisor_at_most(global_batch, fits)
+    micro = max(d for d in range(1, global_batch + 1) if global_batch % d == 0 and d <= max(fits, 1))
     why = (f"{how} + {16 * n / 2**20:,.0f} MiB weights, gradients and AdamW state, against a budget of "
            f"{budget / GiB:.2f} GiB ({budget_why}) -> up to {max(fits, 0)} "
            + ("sequences" if rows_per_item == 1 else f"items of {rows_per_item} sequences"))

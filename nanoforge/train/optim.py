@@ -173,23 +173,17 @@ class MuonAdamW(torch.optim.Optimizer):
             p.add_(update.to(p.dtype), alpha=-lr * max(1.0, p.size(0) / p.size(1)) ** 0.5)
 
     def _adamw_step(self, group: dict) -> None:
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        states = [self.state[p] for p in params]
+        for p, state in zip(params, states):
             if not state:  # the same state layout as torch.optim.AdamW
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(p)
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
-        if not params:
-            return
         beta1, beta2 = group["betas"]
-        adamw_update(params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=group["fused"] or None, amsgrad=False,
-                     beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-                     maximize=False)
+        adamw_update(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                     [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], fused=group["fused"] or None,
+                     amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                     eps=group["eps"], maximize=False)

@@ -181,35 +181,32 @@ def fit_vocab(mcfg: ModelConfig, tokenizer, explicit: set[str]) -> None:
 
 def resolve_data(kind: str, data: Sequence[str], run_dir: Path, tokenizer_path: str | None, mcfg: ModelConfig,
                  tcfg: TrainConfig, quiet: bool) -> Path:
-    """A prepared directory is used as is; raw JSONL files are prepared into RUN/data (once)."""
-    with main_first(resolve_device(tcfg.device)):  # under torchrun rank 0 prepares; the others find RUN/data ready
-        return _resolve_data(kind, data, run_dir, tokenizer_path, mcfg, tcfg, quiet)
-
-
-def _resolve_data(kind: str, data: Sequence[str], run_dir: Path, tokenizer_path: str | None, mcfg: ModelConfig,
-                  tcfg: TrainConfig, quiet: bool) -> Path:
+    """A prepared directory is used as is; raw JSONL files are prepared into RUN/data (once). Under torchrun
+    rank 0 prepares; the others find RUN/data ready."""
     paths = [Path(p) for p in data]
-    prepared = prepared_dir(paths)
-    if prepared is not None:
-        return prepared
     target = run_dir / "data"
-    if (target / "manifest.json").is_file():
+    log = (lambda *a: None) if quiet else print
+    with main_first(resolve_device(tcfg.device)):
+        prepared = prepared_dir(paths)
+        if prepared is not None:
+            return prepared
+        if (target / "manifest.json").is_file():
+            return target
+        if all(is_prepared(p) for p in paths):  # several prepared parts: a manifest over their shards
+            merge_prepared(paths, target, log=log)
+            return target
+        if tokenizer_path:
+            tokenizer = load_tokenizer(tokenizer_path)
+        elif any(is_columnar(p) for p in paths):
+            raise NanoforgeError("training a tokenizer reads JSONL or text, not Parquet or a datasets directory: "
+                                 "give --tokenizer (e.g. one trained with `nanoforge tokenizer train` on a JSONL "
+                                 "sample)")
+        else:
+            log(f"no --tokenizer given: training a {mcfg.vocab_size}-token BPE tokenizer on the data")
+            tokenizer = train_tokenizer(paths, vocab_size=mcfg.vocab_size, out_dir=run_dir / "tokenizer")
+        prepare_dataset(kind, paths, tokenizer, target, val_fraction=tcfg.val_fraction, workers=tcfg.workers,
+                        log=log, text_column=tcfg.text_column)
         return target
-    if all(is_prepared(p) for p in paths):  # several prepared parts: a manifest over their shards
-        merge_prepared(paths, target, log=(lambda *a: None) if quiet else print)
-        return target
-    if tokenizer_path:
-        tokenizer = load_tokenizer(tokenizer_path)
-    elif any(is_columnar(p) for p in paths):
-        raise NanoforgeError("training a tokenizer reads JSONL or text, not Parquet or a datasets directory: give "
-                             "--tokenizer (e.g. one trained with `nanoforge tokenizer train` on a JSONL sample)")
-    else:
-        log = (lambda *a: None) if quiet else print
-        log(f"no --tokenizer given: training a {mcfg.vocab_size}-token BPE tokenizer on the data")
-        tokenizer = train_tokenizer(paths, vocab_size=mcfg.vocab_size, out_dir=run_dir / "tokenizer")
-    prepare_dataset(kind, paths, tokenizer, target, val_fraction=tcfg.val_fraction, workers=tcfg.workers,
-                    log=(lambda *a: None) if quiet else print, text_column=tcfg.text_column)
-    return target
 
 
 def saved_data_dir(run_info: dict[str, Any], run_dir: Path) -> Path:

@@ -41,9 +41,7 @@ SAMPLE_MAX_TOKENS = 48
 def sample_prompts(tcfg: TrainConfig) -> list[str] | None:
     """The prompts of --sample-prompts, read and checked now, so a missing or malformed file stops the run
     before any work (the error names the file and line); None means the built-in set."""
-    if not tcfg.sample_prompts:
-        return None
-    return load_prompts(tcfg.sample_prompts)
+    return load_prompts(tcfg.sample_prompts) if tcfg.sample_prompts else None
 
 
 def make_sampler(run_dir: Path, tcfg: TrainConfig, tokenizer, prompts: list[str] | None, chat: bool):
