@@ -68,7 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanoforge", description="Train small GPT language models from scratch.")
     parser.add_argument("--version", action="version", version=f"nanoforge {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    add_data_parsers(sub, fmt)
+    add_training_parsers(sub, fmt)
+    add_tool_parsers(sub, fmt)
+    add_inference_parsers(sub, fmt)
+    return parser
 
+
+def add_data_parsers(sub, fmt) -> None:
+    """demo, report, tokenizer and prepare: the data and the results around training."""
     demo = sub.add_parser("demo", help="the whole pipeline on documentation found on this machine (CPU, minutes)",
                           formatter_class=fmt)
     demo.add_argument("--out", default="runs/demo", metavar="DIR", help="work directory (a previous demo's is replaced)")
@@ -114,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--text-column", default="text", metavar="NAME",
                       help="pretrain from Parquet or an HF datasets directory: the column that holds the text")
 
+
+def add_training_parsers(sub, fmt) -> None:
+    """The training commands: pretrain, sft, lora, dpo, grpo, ppo, distill."""
     pre = sub.add_parser("pretrain", help="pretrain a GPT on a token stream", formatter_class=fmt)
     pre.add_argument("--data", nargs="*", default=[], metavar="PATH",
                      help="a prepared directory, or JSONL files (prepared into RUN/data)")
@@ -175,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "1 - alpha weighs the KL to the teacher (default: 0.5)")
     add_run_flags(dist)
 
+
+def add_tool_parsers(sub, fmt) -> None:
+    """plan, bench, eval and export: before, beside and after training."""
     plan = sub.add_parser("plan", help="memory, batch and time a run will need, before running it",
                           formatter_class=fmt)
     plan.add_argument("--device", default="rtx3090", help="cpu, rtx3090, rtx4090, a100-40g, a100-80g, h100, h200, "
@@ -243,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--dtype", choices=("f32", "f16"), default="f32", help="GGUF tensor type")
     exp.add_argument("--force", action="store_true", help="replace an existing output")
 
+
+def add_inference_parsers(sub, fmt) -> None:
+    """chat, generate and serve: a trained model at work."""
     chat = sub.add_parser("chat", help="talk to a trained model in the terminal (streaming)", formatter_class=fmt)
     chat.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint) or a checkpoint directory")
     add_sampling_flags(chat, chat_defaults)
@@ -273,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="built-in tools to offer and run when the model calls them: calculator")
     chat.add_argument("--max-tool-turns", type=int, default=5, help="tool rounds per message before giving up")
     add_device_flags(chat)
-    return parser
+
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, defaults) -> None:

@@ -171,6 +171,7 @@ def resolve_run_options(out: Path, options, defaults: dict[str, Any], resume: bo
         saved = {k: v for k, v in load_toml(out / "config.toml").get("run", {}).items() if k in names}
     return {**defaults, **saved, **given}
 
+
 def fit_vocab(mcfg: ModelConfig, tokenizer, explicit: set[str]) -> None:
     """The embedding is as large as the tokenizer unless the user sized it (never smaller)."""
     if "vocab_size" not in explicit:
