@@ -45,15 +45,19 @@ def fresh_run_guard(stage_fn):
 
     Before anything else the stage takes the run directory's lock (under torchrun only rank 0 takes it, once
     for the run), so a second process on the same --out stops at once, naming the holder, with nothing changed.
-    If the stage then fails before training began (bad data, a wrong --init, a config error) in a run
+    A --resume of a directory that is no run, or holds no checkpoint, stops next, before the stage reads any
+    of it. If the stage then fails before training began (bad data, a wrong --init, a config error) in a run
     directory that was empty when this call took it, the directory is removed again."""
 
     @functools.wraps(stage_fn)
     def guarded(*args, **kwargs):
-        out = Path(kwargs["out"] if "out" in kwargs else args[list(inspect.signature(stage_fn).parameters).index("out")])
+        given = inspect.signature(stage_fn).bind(*args, **kwargs).arguments
+        out = Path(given["out"])
         lock = lock_run_directory(out) if is_main() else None
         existed = out.is_dir() and any(p.name != RUN_LOCK for p in out.iterdir())
         try:
+            if given.get("resume"):
+                check_resumable(out)
             return stage_fn(*args, **kwargs)
         except BaseException:
             if is_main() and not existed and out.is_dir() and not (out / "metrics.jsonl").exists():
@@ -63,6 +67,16 @@ def fresh_run_guard(stage_fn):
             if lock is not None:
                 lock.release()
     return guarded
+
+
+def check_resumable(run_dir: Path) -> None:
+    """--resume needs a run directory with a complete checkpoint (one killed before its first save has none)."""
+    if not (run_dir / "config.toml").is_file():
+        raise NanoforgeError(f"--resume: {run_dir} is not a run directory (no config.toml)")
+    if not ckpt.list_checkpoints(run_dir):
+        raise NanoforgeError(f"--resume: {run_dir} has no checkpoint to resume from (looked in {run_dir}/checkpoints)"
+                             "; nothing was saved before it stopped: start it again with the command that began it, "
+                             "without --resume, or with --resume auto (which starts fresh when there is no checkpoint)")
 
 
 def lock_run_directory(out: Path) -> dirlock.DirLock:
@@ -79,9 +93,7 @@ def open_run(out: str | Path, resume: bool, preset: str | None, config_file: str
     command line may change training fields (e.g. extend --max-steps), never the model's shape."""
     run_dir = Path(out)
     saved = None
-    if resume:
-        if not (run_dir / "config.toml").is_file():
-            raise NanoforgeError(f"--resume: {run_dir} is not a run directory (no config.toml)")
+    if resume:  # a run with a checkpoint (fresh_run_guard checked)
         saved = load_toml(run_dir / "config.toml")
         check_resume_shape(run_dir, saved.get("model", {}), preset, config_file, overrides)
         preset = None  # it asked for the saved shape; its [train] defaults must not undo the run's own settings
