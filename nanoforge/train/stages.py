@@ -39,8 +39,7 @@ SAMPLE_MAX_TOKENS = 48
 
 
 def seeded_gpt(mcfg: ModelConfig, tcfg: TrainConfig) -> GPT:
-    """The run's GPT, drawn from --seed: its initial weights and the random draws after them that no checkpoint
-    overwrites (LoRA's adapters, PPO's value head) are part of what the seed fixes, in every process alike."""
+    """The run's GPT after seeding: --seed fixes the draws no checkpoint overwrites (LoRA's A, PPO's value head)."""
     torch.manual_seed(tcfg.seed)
     return GPT(mcfg)
 
