@@ -1,6 +1,10 @@
 """The lora stage end to end: adapter-only checkpoints tied to their base, merge, resume, wrong base."""
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ from nanoforge.loader import load_model
 from nanoforge.train import checkpoint as ckpt
 from nanoforge.train.stages import lora_merge, pretrain, sft
 
+ROOT = Path(__file__).resolve().parents[1]
 FAST = {"tensorboard": False, "log_every": 1, "eval_every": 0, "precision": "fp32", "warmup_steps": 2}
 
 
@@ -76,3 +81,20 @@ def test_adapter_on_the_wrong_base_is_refused(base_and_data, tmp_path):
             load_model(tmp_path / "lora")
     finally:
         base_file.write_bytes(saved)
+
+
+@pytest.mark.slow
+def test_two_runs_with_one_seed_draw_the_same_adapters(base_and_data, tmp_path):
+    """Through the CLI, each run its own process: the adapters' random initial A matrices come from --seed, so
+    two runs of one command line save the same adapters (not each process's own RNG's)."""
+    root = base_and_data
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for out in ("one", "two"):
+        proc = subprocess.run([sys.executable, "-m", "nanoforge", "lora", "--init", str(root / "base"), "--data",
+                               str(root / "sft"), "--out", str(tmp_path / out), "--max-steps", "1", "--batch-size", "2", "--lr", "1e-2",
+                               "--precision", "fp32", "--device", "cpu", "--tensorboard", "false",
+                               "--eval-every", "0", "--quiet"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    one, two = (ckpt.load_weights_file(ckpt.latest_checkpoint(tmp_path / out)) for out in ("one", "two"))
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)

@@ -2,12 +2,15 @@
 requeued job runs them: an absent or empty run directory starts fresh, one with a checkpoint continues, one
 with only the config of a run killed before its first save starts fresh, one of another stage is refused."""
 import json
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from nanoforge.train import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["--preset", "tiny", "--n-layers", 1, "--vocab-size", 300, "--seq-len", 32, "--log-every", 1,
@@ -79,3 +82,33 @@ def test_auto_never_starts_over_another_stage(auto_run, corpus, tmp_path):
 def test_resume_takes_only_auto(tmp_path):
     res = nf("pretrain", "--out", tmp_path / "r", "--resume", "always")
     assert res.returncode == 2 and "the one value is auto" in res.stderr
+
+
+def snapshot(run):
+    return {p.relative_to(run): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+@pytest.mark.slow
+def test_a_run_killed_before_its_first_save_says_how_to_start_again(corpus, tmp_path):
+    """A run SIGKILLed after step 2 of 4, before its first save: --resume (of any training command) is refused,
+    naming both ways on, and changes nothing; each way on then works from that very state."""
+    run, env = tmp_path / "killed", {**os.environ, "NANOFORGE_INJECT_KILL": "0@2"}
+    line = ["pretrain", "--data", corpus / "pre.jsonl", "--out", run, *COMMON, "--save-every", 4, "--max-steps", 4]
+    killed = subprocess.run([sys.executable, "-m", "nanoforge", *map(str, line)], capture_output=True, cwd=ROOT,
+                            env=env, timeout=300)
+    assert killed.returncode == -9 and logged_steps(run) == [1, 2] and not (run / "checkpoints").exists()
+    before = snapshot(run)
+    for stage in ("pretrain", "sft", "lora", "dpo", "distill", "grpo", "ppo"):
+        res = nf(stage, "--out", run, "--resume")
+        assert res.returncode == 1 and res.stderr.count("\n") == 1, (stage, res.stderr)
+        assert (f"--resume: {run} has no checkpoint to resume from (looked in {run}/checkpoints); nothing was "
+                "saved before it stopped: start it again with the command that began it, without --resume, or "
+                "with --resume auto") in res.stderr, (stage, res.stderr)
+        assert snapshot(run) == before, stage
+    shutil.copytree(run, tmp_path / "auto")
+    again = nf(*line)
+    assert again.returncode == 0, again.stderr
+    assert logged_steps(run) == [1, 2, 3, 4] and ckpt.latest_checkpoint(run).name == "step_000004"
+    auto = nf(*[tmp_path / "auto" if a == run else a for a in line], "--resume", "auto")
+    assert auto.returncode == 0 and "starting fresh" in auto.stdout, auto.stderr
+    assert logged_steps(tmp_path / "auto") == [1, 2, 3, 4]

@@ -25,7 +25,6 @@ from nanoforge.rl.rewards import combine, parse_rewards, parse_weights
 from nanoforge.rl.rollout import RolloutConfig, check_prompts, rollout
 from nanoforge.rl.stage import RolloutBatches, policy_count, policy_objective
 from nanoforge.tokenizer import load_tokenizer
-from nanoforge.train import checkpoint as ckpt
 from nanoforge.train.distributed import setup, world
 from nanoforge.train.loop import Stage
 from nanoforge.train.rundir import (check_same_origin, copy_tokenizer, fresh_run_guard, open_run, resolve_run_options,
@@ -138,8 +137,6 @@ def rl_setup(stage: str, init: str | None, data: str | None, out: Path, config_f
         if shape:
             raise NanoforgeError(f"the model shape comes from --init {init}; drop "
                                  + ", ".join(f"--{k.replace('_', '-')}" for k in shape))
-        if ckpt.list_checkpoints(out):
-            raise NanoforgeError(f"{out} already holds a run; add --resume to continue it, or choose another --out")
         base = {"model": init_cfg.get("model", {}),
                 "train": {**GRPO_DEFAULTS, "seq_len": init_cfg.get("model", {}).get("max_seq_len", 512)}}
         run_dir = out

@@ -14,7 +14,6 @@ from typing import Any
 from nanoforge.device import resolve_device
 from nanoforge.errors import NanoforgeError
 from nanoforge.loader import init_weights
-from nanoforge.model.gpt import GPT
 from nanoforge.rl.critic import PolicyWithValue
 from nanoforge.rl.grpo import frozen_reference, reward_function, rl_setup
 from nanoforge.rl.ppo import PPOConfig, ppo_count
@@ -24,7 +23,7 @@ from nanoforge.rl.rollout import RolloutConfig, check_prompts
 from nanoforge.train.distributed import setup, world
 from nanoforge.train.loop import Stage
 from nanoforge.train.rundir import fresh_run_guard, resolve_run_options
-from nanoforge.train.stages import make_sampler, sample_prompts, train_and_report
+from nanoforge.train.stages import make_sampler, sample_prompts, seeded_gpt, train_and_report
 
 
 @dataclass
@@ -97,7 +96,7 @@ def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions
     if resume:  # the loop loads the checkpoint's policy and critic
         model = PolicyWithValue.from_config(mcfg)
     else:
-        policy = GPT(mcfg)
+        policy = seeded_gpt(mcfg, tcfg)
         policy.load_weights(init_weights(init_path))
         model = PolicyWithValue.from_policy(policy)
     check_prompts(tok, records, cfg.think, model.policy.model.rotary_emb.n_positions)

@@ -44,16 +44,27 @@ def fresh_run_guard(stage_fn):
     """One training process per run directory, and nothing half-written.
 
     Before anything else the stage takes the run directory's lock (under torchrun only rank 0 takes it, once
-    for the run), so a second process on the same --out stops at once, naming the holder, with nothing changed.
-    If the stage then fails before training began (bad data, a wrong --init, a config error) in a run
-    directory that was empty when this call took it, the directory is removed again."""
+    for the run), so a second process on the same --out stops at once, naming the holder, with nothing changed;
+    next --resume needs a checkpoint there, a fresh start none. If the stage then fails before training began
+    (bad data, a wrong --init, a config error) in a run directory that was empty when this call took it, the
+    directory is removed again."""
 
     @functools.wraps(stage_fn)
     def guarded(*args, **kwargs):
-        out = Path(kwargs["out"] if "out" in kwargs else args[list(inspect.signature(stage_fn).parameters).index("out")])
+        given = inspect.signature(stage_fn).bind(*args, **kwargs).arguments
+        out = Path(given["out"])
         lock = lock_run_directory(out) if is_main() else None
         existed = out.is_dir() and any(p.name != RUN_LOCK for p in out.iterdir())
         try:
+            resume, held = given.get("resume"), ckpt.list_checkpoints(out)
+            if resume and not (out / "config.toml").is_file():
+                raise NanoforgeError(f"--resume: {out} is not a run directory (no config.toml)")
+            if resume and not held:  # e.g. killed before its first save
+                raise NanoforgeError(f"--resume: {out} has no checkpoint to resume from (looked in {out}/checkpoints)"
+                                     "; nothing was saved before it stopped: start it again with the command that "
+                                     "began it, without --resume, or with --resume auto")
+            if held and not resume:  # (a kill during the first save leaves only .tmp-*: a fresh start)
+                raise NanoforgeError(f"{out} already holds a run; add --resume to continue it, or choose another --out")
             return stage_fn(*args, **kwargs)
         except BaseException:
             if is_main() and not existed and out.is_dir() and not (out / "metrics.jsonl").exists():
@@ -78,15 +89,10 @@ def open_run(out: str | Path, resume: bool, preset: str | None, config_file: str
     """Check the run directory and merge the config. On --resume the saved config is the base and the
     command line may change training fields (e.g. extend --max-steps), never the model's shape."""
     run_dir = Path(out)
-    saved = None
+    saved = load_toml(run_dir / "config.toml") if resume else None  # fresh_run_guard checked it has a checkpoint
     if resume:
-        if not (run_dir / "config.toml").is_file():
-            raise NanoforgeError(f"--resume: {run_dir} is not a run directory (no config.toml)")
-        saved = load_toml(run_dir / "config.toml")
         check_resume_shape(run_dir, saved.get("model", {}), preset, config_file, overrides)
         preset = None  # it asked for the saved shape; its [train] defaults must not undo the run's own settings
-    elif ckpt.list_checkpoints(run_dir):  # (a kill during the first save leaves only .tmp-*: a fresh start)
-        raise NanoforgeError(f"{run_dir} already holds a run; add --resume to continue it, or choose another --out")
     mcfg, tcfg = build_config(preset, config_file, overrides, base=saved)
     explicit = set(overrides) | set((saved or {}).get("model", {}))
     if config_file:
@@ -269,8 +275,6 @@ def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str |
             raise NanoforgeError(f"{config_file}: [model] sets " + ", ".join(
                 f"{k} = {in_file[k]!r} (--init {init} has {base['model'][k]!r})" for k in changed)
                 + "; the model shape comes from --init: use a config with only [train] (e.g. configs/mini-sft.toml)")
-        if ckpt.list_checkpoints(run_dir):
-            raise NanoforgeError(f"{run_dir} already holds a run; add --resume to continue it, or choose another --out")
         mcfg, tcfg = build_config(None, config_file, overrides, base=base)
         tokenizer_dir = init_tokenizer_dir(init_path)
         run_info = {"stage": stage, "init": str(init_path.resolve()), "tokenizer": "tokenizer", **(run_options or {})}

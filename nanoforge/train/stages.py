@@ -38,6 +38,12 @@ from nanoforge.train.rundir import (check_resume_options, check_same_origin, cop
 SAMPLE_MAX_TOKENS = 48
 
 
+def seeded_gpt(mcfg: ModelConfig, tcfg: TrainConfig) -> GPT:
+    """The run's GPT after seeding: --seed fixes the draws no checkpoint overwrites (LoRA's A, PPO's value head)."""
+    torch.manual_seed(tcfg.seed)
+    return GPT(mcfg)
+
+
 def sample_prompts(tcfg: TrainConfig) -> list[str] | None:
     """The prompts of --sample-prompts, read and checked now, so a missing or malformed file stops the run
     before any work (the error names the file and line); None means the built-in set."""
@@ -130,8 +136,7 @@ def pretrain(data: Sequence[str], out: str | Path, preset: str | None = None, co
     if init_path is None:
         copy_tokenizer(data_dir / "tokenizer", run_dir)
         write_run_config(run_dir, mcfg, tcfg, run_info)
-    torch.manual_seed(tcfg.seed)  # the initial weights are part of what the seed fixes
-    model = GPT(mcfg)
+    model = seeded_gpt(mcfg, tcfg)
     if init_path is not None and not resume:
         model.load_weights(init_weights(init_path))
     stage = Stage("pretrain", batches, causal_lm_loss, val_batches, val_bpt, run_info,
@@ -193,7 +198,7 @@ def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str
         LORA_DEFAULTS if lora else SFT_DEFAULTS, lora.to_dict() if lora else None)
     prompts = sample_prompts(tcfg)
     batches, val_batches, _ = lm_batches(data_dir, tcfg, tok, quiet, need="sft")
-    model = GPT(mcfg)
+    model = seeded_gpt(mcfg, tcfg)
     if lora:
         base_weights = init_weights(init_path)  # every time: the checkpoints hold adapters only
         if resume:
@@ -343,8 +348,7 @@ def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str
                              f"{teacher_model.cfg.vocab_size}")
     prompts = sample_prompts(tcfg)
     batches, val_batches, val_bpt = lm_batches(data_dir, tcfg, tok, quiet)
-    torch.manual_seed(tcfg.seed)
-    model = GPT(mcfg)
+    model = seeded_gpt(mcfg, tcfg)
     if not resume and init_path is not None:
         model.load_weights(init_weights(init_path))
     # setup(): under torchrun cuda:LOCAL_RANK (plain "cuda" is cuda:0 on every rank until setup has run, e.g.

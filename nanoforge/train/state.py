@@ -108,10 +108,7 @@ def rollback(run: Run, reason: str) -> None:
 
 def resume(run: Run, quiet: bool) -> None:
     """Weights, optimizer, scaler, data position, RNG and run state from the run's latest checkpoint."""
-    last = ckpt.latest_checkpoint(run.run_dir)
-    if last is None:
-        raise NanoforgeError(f"--resume: {run.run_dir} has no checkpoint to resume from "
-                             f"(looked in {run.run_dir / 'checkpoints'})")
+    last = ckpt.latest_checkpoint(run.run_dir)  # there is one: train/rundir.py fresh_run_guard checked
     saved = restore(last, run.model, run.optimizer, run.stage)
     for key, value in asdict(RunState.from_dict(saved["run_state"])).items():
         setattr(run.state, key, value)  # the guard holds this same object
