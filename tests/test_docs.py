@@ -42,17 +42,17 @@ def code_lines(text: str):
 
 
 def nanoforge_argv(line: str) -> list[str] | None:
-    """The arguments after `nanoforge` (or `-m nanoforge`) in a shell line, or None when it runs something else."""
+    """The arguments of the `nanoforge` (or `-m nanoforge`) command in a shell line; None when it runs none."""
     try:
         words = shlex.split(line, comments=True)
     except ValueError:
         return None
     for i, word in enumerate(words):
-        if word == "nanoforge" or word.endswith("/nanoforge"):
-            if i == 0 or words[i - 1] == "-m" or "=" in words[i - 1] or word.endswith("/nanoforge"):
-                return [w for w in words[i + 1:] if w != "..."]
-        if word in ("|", "&&", ";"):
-            return None
+        starts = i == 0 or words[i - 1] in ("-m", "|", "&&", ";") or "=" in words[i - 1]
+        if starts and (word == "nanoforge" or word.endswith("/bin/nanoforge")):
+            rest = words[i + 1:]
+            end = next((j for j, w in enumerate(rest) if w in ("|", "&&", ";")), len(rest))
+            return [w for w in rest[:end] if w != "..."]
     return None
 
 
@@ -97,7 +97,7 @@ def test_every_command_line_in_the_docs_parses():
                 problems.append(f"{where}: marked {REFUSED!r} but parses: {line}")
         elif message:
             problems.append(f"{where}: {message}: {line}")
-    assert seen > 30, f"only {seen} command lines found: is the extraction broken?"
+    assert seen > 50, f"only {seen} command lines found: is the extraction broken?"
     assert not problems, "\n".join(problems)
 
 
