@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of issue 6: tokens/s, MFU and peak memory of the mini and base presets in bf16, eager and
+# The GPU check: tokens/s, MFU and peak memory of the mini and base presets in bf16, eager and
 # --compile, measured by `nanoforge bench` (the real training loop), and the projected time of one epoch of
 # MiniMind-sized data (about 1.2 GB of pretraining text and 1.6 GB of SFT data) from the measured throughput.
 # Sized to finish in under 5 minutes on one H200. First it runs benchmarks/gpu_checks.py (SDPA kernels with GQA,
@@ -80,7 +80,7 @@ for preset, tps in best.items():
     print(f"projected one epoch, {preset} at {tps:,.0f} tokens/s: pretrain 1.2 GB ({pre_tokens / 1e6:,.0f}M tokens) "
           f"{pre_s / 60:.1f} min + SFT 1.6 GB ({sft_tokens / 1e6:,.0f}M tokens) {sft_s / 60:.1f} min = "
           f"{(pre_s + sft_s) / 60:.1f} min")
-if sys.argv[2] != "1":  # issue 6's targets on one H200
+if sys.argv[2] != "1":  # the targets on one H200
     for preset, target in (("mini", 0.20), ("base", 0.35)):
         mfus = [r["ours"]["mfu"] or 0 for n, r in results.items() if n.startswith(preset + "-")]
         if mfus:

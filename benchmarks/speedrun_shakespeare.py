@@ -1,4 +1,4 @@
-"""CPU speedrun (issue 9): validation bits per byte on TinyShakespeare within a training wall-time budget.
+"""CPU speedrun: validation bits per byte on TinyShakespeare within a training wall-time budget.
 
     benchmarks/speedrun_shakespeare.sh                       # 3 runs in 50 s each, prints the median
     benchmarks/speedrun_shakespeare.sh --budget 103          # the anchor's time (nanoGPT's CPU recipe)
@@ -21,7 +21,7 @@ split). Steps, each through the ordinary `nanoforge` command line and timed on i
 
 Each run prints its times, bits per byte and peak resident memory (of the pretrain process); the last line is
 the median over the runs. Hyperparameters were chosen on the last 10% of the TRAINING text, never on the
-validation bytes (see docs/perf.md, "CPU speedrun (issue 9)").
+validation bytes (see docs/perf.md, "CPU speedrun").
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ NANOFORGE = [sys.executable, "-m", "nanoforge"]
 
 VOCAB = 2048
 # The model and training config: configs/speedrun-shakespeare.toml, ordinary `nanoforge pretrain` fields chosen
-# in the experiments of docs/perf.md, "CPU speedrun (issue 9)". Kept here as flags, so --set can override them.
+# in the experiments of docs/perf.md, "CPU speedrun". Kept here as flags, so --set can override them.
 CONFIG_FILE = REPO / "configs" / "speedrun-shakespeare.toml"
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CPU speedrun (issue 9): TinyShakespeare validation bits per byte within a training wall-time budget.
+# CPU speedrun: TinyShakespeare validation bits per byte within a training wall-time budget.
 # Usage: benchmarks/speedrun_shakespeare.sh [--runs 3] [--budget 50|103] [--steps N] [--threads N] [--work DIR]
 # Everything is done by benchmarks/speedrun_shakespeare.py through the ordinary `nanoforge` commands.
 set -euo pipefail

@@ -1,4 +1,4 @@
-"""Teach a tiny model to call the calculator, on CPU in minutes, and measure it (issue 16's "done when").
+"""Teach a tiny model to call the calculator, on CPU in minutes, and measure it (docs/tools.md has the results).
 
 Data (written to WORK/data):
   - GSM8K's training problems (../shared/data/gsm8k/train.jsonl) as calculator conversations: every

@@ -118,8 +118,8 @@ def hf_config(cfg: ModelConfig, tokenizer) -> dict[str, Any]:
 def generation_config(tokenizer) -> dict[str, Any]:
     """generation_config.json: stop at <|im_end|> (end of an assistant turn) as well as <|endoftext|>.
 
-    Without it `generate` runs to max_length after every reply (MiniMind issue #555: its exports repeated
-    themselves forever because the config named only one of the two)."""
+    Without it `generate` runs to max_length after every reply (MiniMind's exports repeated themselves
+    forever because the config named only one of the two)."""
     eos = [i for i in (tokenizer.im_end_id, tokenizer.eos_id) if i is not None]
     bos_name = tokenizer.hf_config().get("bos_token")
     config = {"bos_token_id": tokenizer.token_to_id(bos_name) if bos_name else None,

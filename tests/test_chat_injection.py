@@ -56,7 +56,7 @@ def _harmless(messages, payload=INJECTION):
 
 def _turn(tok, content):
     """The masked text of an assistant message without reasoning or tool calls: its content and <|im_end|>,
-    behind an empty think block with a thinking template (ours since issue 16, MiniMind-3's)."""
+    behind an empty think block with a thinking template (ours, which is MiniMind-3's)."""
     think = "" if "<think>" not in tok.chat_template else "<think>\n\n</think>\n\n"
     return think + content + "<|im_end|>"
 

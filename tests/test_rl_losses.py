@@ -1,4 +1,4 @@
-"""The mathematics of the RL losses (issue 17, "Unit mathematics"), on small hand-made tensors."""
+"""The mathematics of the RL losses, unit by unit, on small hand-made tensors."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,4 @@
-"""PPO's pieces (issue 17 item 2): the critic beside the policy, reward shaping, GAE through the PPO path,
+"""PPO's pieces: the critic beside the policy, reward shaping, GAE through the PPO path,
 whitening, the loss, early stopping, and PPO updates that really move a tiny GPT and its critic."""
 from __future__ import annotations
 

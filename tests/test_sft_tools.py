@@ -1,4 +1,4 @@
-"""Issue 16, SFT with tool calls: MiniMind-3's records (tools, tool_calls, tool results, reasoning_content, null
+"""SFT with tool calls: MiniMind-3's records (tools, tool_calls, tool results, reasoning_content, null
 content) validated with `file:line: field:` errors, prepared with the tokenizer's template (masks over whole
 assistant turns), refused by a template without tool support, and `prepare --drop-empty-think`.
 """

@@ -1,4 +1,4 @@
-"""Issue 16: MiniMind-3's chat format (thinking, tool calls, tool results) in our template and in render_chat.
+"""MiniMind-3's chat format (thinking, tool calls, tool results) in our template and in render_chat.
 
 Renders are compared byte for byte with transformers' apply_chat_template, for the tokenizer `nanoforge
 tokenizer train` writes and for MiniMind-3's (../shared/data/minimind-tokenizer); masks are checked token by

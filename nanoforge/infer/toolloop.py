@@ -1,5 +1,5 @@
 """The batched multi-turn tool loop: many conversations at once, each going on for as long as its model calls
-tools. `eval --gsm8k` and `eval --toolcall` run on it; so will RL rollouts.
+tools. `eval --gsm8k` and `eval --toolcall` run on it (RL's rollouts have their own token-level loop, rl/agent.py).
 
 One round: every live conversation is rendered with the generation prompt, all are generated together by the
 batched KV-cache generator (`complete`, left-padded), and each reply is parsed. A reply with tool calls gets

@@ -1,5 +1,5 @@
 """Rollouts: P prompts x G replies sampled at once through the KV-cache generator, scored, and laid out as the
-batch the policy loss trains on. The RL stages (GRPO/CISPO/REINFORCE now; PPO next; multi-turn tool rollouts,
+batch the policy loss trains on. The RL stages (grpo's GRPO/CISPO/REINFORCE, ppo; multi-turn tool rollouts,
 rl/agent.py, lay out the same batch) share this module: `render_prompt`, `sample_replies`, `token_logps` and
 `pack` are the pieces.
 

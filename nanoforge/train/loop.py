@@ -1,5 +1,5 @@
-"""THE training loop. Every stage (pretrain, SFT, LoRA, DPO, distillation) runs through `train()`; a stage
-only supplies a batch source and an objective (see `Stage`).
+"""THE training loop. Every stage (pretrain, SFT, LoRA, DPO, distillation, GRPO, PPO) runs through `train()`;
+a stage only supplies a batch source and an objective (see `Stage`).
 
 One optimizer step:
     fetch grad_accum micro-batches -> count supervised tokens in all of them -> for each micro-batch:
