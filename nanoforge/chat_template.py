@@ -118,24 +118,27 @@ class ChatTemplateError(NanoforgeError):
     """The chat template and a conversation do not fit together (no ChatML tokens, unmaskable render)."""
 
 
-def disguise(value, specials: tuple, fill: str):
-    """`value` (a message, a list, a string, ...) with each special-token text inside its strings replaced by
-    as many `fill` characters: the same length, and no control token left to find. Returns (value, changed?)."""
+def disguise(value, specials: tuple, fill: str, where: str):
+    """`value` (messages, tools, a string, ...) with each special-token text inside its strings, object keys
+    included (a tool schema's property names reach the template too), replaced by as many `fill` characters:
+    the same length, and no control token left to find. Returns (value, the fields where it was, as paths
+    below `where`)."""
     if isinstance(value, str):
         out = value
         for special in specials:
             if special in out:
                 out = out.replace(special, fill * len(special))
-        return out, out is not value
+        return out, [where] if out is not value else []
     if isinstance(value, dict):
-        pairs = [(k, disguise(v, specials, fill)) for k, v in value.items()]
-        changed = any(c for _, (_, c) in pairs)
-        return ({k: v for k, (v, _) in pairs} if changed else value), changed
+        keys = [disguise(k, specials, fill, f"{where}: key {k!r:.60}") for k in value]
+        items = [disguise(v, specials, fill, f"{where}.{k}") for k, v in value.items()]
+        fields = [f for _, found in keys + items for f in found]
+        return ({k: v for (k, _), (v, _) in zip(keys, items)} if fields else value), fields
     if isinstance(value, (list, tuple)):
-        items = [disguise(v, specials, fill) for v in value]
-        changed = any(c for _, c in items)
-        return ([v for v, _ in items] if changed else value), changed
-    return value, False
+        items = [disguise(v, specials, fill, f"{where}[{i}]") for i, v in enumerate(value)]
+        fields = [f for _, found in items for f in found]
+        return ([v for v, _ in items] if fields else value), fields
+    return value, []
 
 
 def check_disguise(text: str, disguised: str, specials: tuple) -> None:

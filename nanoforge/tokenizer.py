@@ -217,12 +217,22 @@ class Tokenizer:
         text = self.render_text(messages, add_generation_prompt, tools, **template_kwargs)
         encoding = self._tok.encode(text, add_special_tokens=False)
         ids, offsets = encoding.ids, encoding.offsets
-        found = self._specials_of(ids, offsets)
-        structural = self._structural_tokens(text, found, messages, tools, add_generation_prompt, template_kwargs)
+        found, strings = self._specials_of(ids, offsets), self._special_tokens[1]
+        fill = next((c for c in "#~@%^" if not any(c in s for s in strings)), "#")
+        hidden, fields = disguise(messages, strings, fill, "messages")
+        hidden_tools, tool_fields = disguise(tools, strings, fill, "tools")
+        fields += tool_fields
+        expected = sum(m["role"] == "assistant" for m in messages)
+        try:
+            structural = found if not fields else self._structural_tokens(text, hidden, hidden_tools,
+                                                                          add_generation_prompt, template_kwargs)
+            spans = assistant_turns(text, structural, self.im_start_id, self.im_end_id, expected)
+        except ChatTemplateError as e:
+            if not fields:
+                raise
+            raise ChatTemplateError(f"{e} (special-token text is in {'; '.join(fields[:3])})") from None
         if structural != found:
             ids, offsets = self._encode_with_structure(text, structural)
-        expected = sum(m["role"] == "assistant" for m in messages)
-        spans = assistant_turns(text, structural, self.im_start_id, self.im_end_id, expected)
         mask = assistant_mask(ids, offsets, spans, self.im_end_id, text)
         return ids, mask, text
 
@@ -240,20 +250,14 @@ class Tokenizer:
         special_ids = self._special_tokens[0]
         return [(start, end, token) for token, (start, end) in zip(ids, offsets) if token in special_ids]
 
-    def _structural_tokens(self, text, found, messages, tools, add_generation_prompt, template_kwargs):
-        """The control tokens the template itself put in `text`, as (start, end, id).
-
-        When no string in the conversation spells a special token, they are the special tokens `found` in the
-        one normal encoding. Otherwise the conversation is rendered again with every such text replaced by as
-        many filler characters (same length, no control token), which must give the same text but for those
-        places; the special tokens of that render's encoding are the template's own."""
-        strings = self._special_tokens[1]
-        fill = next((c for c in "#~@%^" if not any(c in s for s in strings)), "#")
-        (hidden, hidden_tools), changed = disguise((messages, tools), strings, fill)
-        if not changed:
-            return found
+    def _structural_tokens(self, text, hidden, hidden_tools, add_generation_prompt, template_kwargs):
+        """The control tokens the template itself put in `text`, as (start, end, id), when some string of the
+        conversation (a key too) spells a special token; otherwise they are those of the one normal encoding.
+        The conversation is rendered again with every such text replaced by as many filler characters (`hidden`:
+        same length, no control token), which must give the same text but for those places; the special tokens
+        of that render's encoding are the template's own."""
         disguised = self.render_text(hidden, add_generation_prompt, hidden_tools, **template_kwargs)
-        check_disguise(text, disguised, strings)
+        check_disguise(text, disguised, self._special_tokens[1])
         encoding = self._tok.encode(disguised, add_special_tokens=False)
         return self._specials_of(encoding.ids, encoding.offsets)
 
