@@ -119,10 +119,9 @@ class ChatTemplateError(NanoforgeError):
 
 
 def disguise(value, specials: tuple, fill: str, where: str):
-    """`value` (messages, tools, a string, ...) with each special-token text inside its strings, object keys
-    included (a tool schema's property names reach the template too), replaced by as many `fill` characters:
-    the same length, and no control token left to find. Returns (value, the fields where it was, as paths
-    below `where`)."""
+    """`value` (messages, tools, ...) with each special-token text in its strings, object keys too, replaced by as
+    many `fill` characters: the same length, and no control token left to find. Returns (value, the paths below
+    `where` of the fields it was in)."""
     if isinstance(value, str):
         out = value
         for special in specials:
@@ -131,7 +130,8 @@ def disguise(value, specials: tuple, fill: str, where: str):
         return out, [where] if out is not value else []
     if isinstance(value, dict):
         keys = [disguise(k, specials, fill, f"{where}: key {k!r:.60}") for k in value]
-        items = [disguise(v, specials, fill, f"{where}.{k}") for k, v in value.items()]
+        items = [disguise(v, specials, fill, f"{where}[{k!r:.60}]" if bad else f"{where}.{k}")
+                 for (_, bad), (k, v) in zip(keys, value.items())]
         fields = [f for _, found in keys + items for f in found]
         return ({k: v for (k, _), (v, _) in zip(keys, items)} if fields else value), fields
     if isinstance(value, (list, tuple)):
@@ -141,13 +141,15 @@ def disguise(value, specials: tuple, fill: str, where: str):
     return value, []
 
 
-def check_disguise(text: str, disguised: str, specials: tuple) -> None:
+def check_disguise(text: str, disguised: str, specials: tuple, fields: list) -> None:
     """The disguised render must be the real one with some special-token texts covered, nothing else changed
-    (a template that transforms message text in a length-changing way breaks that; then we do not guess)."""
+    (a template that transforms message text in a length-changing way breaks that; then we do not guess).
+    `fields`: where the special-token texts are (disguise's), named in the error."""
+    where = "; ".join(fields[:3]) + ("; ..." if len(fields) > 3 else "")
     if len(text) != len(disguised):
         raise ChatTemplateError("a message contains special-token text, and the chat template alters that text "
                                 "while rendering, so it cannot be kept as plain text (it would become a control "
-                                "token); remove the special-token text from the message")
+                                f"token); remove the special-token text from {where}")
     covered = bytearray(len(text))
     for special in specials:
         at = text.find(special)
@@ -158,7 +160,7 @@ def check_disguise(text: str, disguised: str, specials: tuple) -> None:
         if a != b and not covered[i]:
             raise ChatTemplateError(f"the chat template renders a message with special-token text differently "
                                     f"around character {i}, so that text cannot be kept as plain text; remove "
-                                    "the special-token text from the message")
+                                    f"the special-token text from {where}")
 
 
 def assistant_turns(text: str, structural, im_start_id: int, im_end_id: int, expected: int) -> list[tuple]:
