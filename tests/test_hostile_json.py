@@ -14,6 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from nanoforge.infer.chat_reply import reply_message
+from nanoforge.infer.protocol import GenerationRequest
 from nanoforge.infer.toolparse import StreamParser, parse_reply
 from nanoforge.tools.calculator import run_tool_call
 
@@ -40,8 +42,10 @@ def test_the_reply_parser_drops_and_reports_a_hostile_block(name):
         parser = StreamParser(thinking_open=False)
         events = [e for piece in re.findall(".{1,7}", text, re.DOTALL) for e in parser.feed(piece)] + parser.close()
         assert [v for kind, v in events if kind == "error"] == reply.errors
-    assert why in parse_reply(f"<tool_call>\n{'{'}\"name\": \"f\", \"arguments\": {arguments}{'}'}\n</tool_call>",
-                              False).errors[0]
+        assert why in reply.errors[0]
+        request = GenerationRequest([0], None, False, False, structured=True, thinking_open=False, tools_offered=True)
+        message, warnings = reply_message(text, request, "call_")  # what the server logs, and answers
+        assert len(message["tool_calls"]) == 2 and warnings == [f"dropped a malformed tool call ({reply.errors[0]})"]
 
 
 def test_the_calculator_answers_an_error_string():

@@ -202,8 +202,8 @@ def parse_call_body(body: str) -> tuple[dict | None, str | None]:
     if isinstance(arguments, str):
         try:
             parsed = safejson.loads(arguments)
-        except json.JSONDecodeError:
-            return None, f"'arguments' of {name!r} is a string but not JSON: {arguments[:80]!r}"
+        except json.JSONDecodeError as e:
+            return None, f"'arguments' of {name!r} is a string but not JSON ({e.msg}): {arguments[:80]!r}"
         if not isinstance(parsed, dict):
             return None, f"'arguments' of {name!r} must be a JSON object, got {arguments[:80]!r}"
         return {"name": name, "arguments": arguments}, None
