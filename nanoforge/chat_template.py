@@ -118,33 +118,38 @@ class ChatTemplateError(NanoforgeError):
     """The chat template and a conversation do not fit together (no ChatML tokens, unmaskable render)."""
 
 
-def disguise(value, specials: tuple, fill: str):
-    """`value` (a message, a list, a string, ...) with each special-token text inside its strings replaced by
-    as many `fill` characters: the same length, and no control token left to find. Returns (value, changed?)."""
+def disguise(value, specials: tuple, fill: str, where: str):
+    """`value` (messages, tools, ...) with each special-token text in its strings, object keys too, replaced by as
+    many `fill` characters: the same length, and no control token left to find. Returns (value, the paths below
+    `where` of the fields it was in)."""
     if isinstance(value, str):
         out = value
         for special in specials:
             if special in out:
                 out = out.replace(special, fill * len(special))
-        return out, out is not value
+        return out, [where] if out is not value else []
     if isinstance(value, dict):
-        pairs = [(k, disguise(v, specials, fill)) for k, v in value.items()]
-        changed = any(c for _, (_, c) in pairs)
-        return ({k: v for k, (v, _) in pairs} if changed else value), changed
+        keys = [disguise(k, specials, fill, f"{where}: key {k!r:.60}") for k in value]
+        items = [disguise(v, specials, fill, f"{where}[{k!r:.60}]" if bad else f"{where}.{k}")
+                 for (_, bad), (k, v) in zip(keys, value.items())]
+        fields = [f for _, found in keys + items for f in found]
+        return ({k: v for (k, _), (v, _) in zip(keys, items)} if fields else value), fields
     if isinstance(value, (list, tuple)):
-        items = [disguise(v, specials, fill) for v in value]
-        changed = any(c for _, c in items)
-        return ([v for v, _ in items] if changed else value), changed
-    return value, False
+        items = [disguise(v, specials, fill, f"{where}[{i}]") for i, v in enumerate(value)]
+        fields = [f for _, found in items for f in found]
+        return ([v for v, _ in items] if fields else value), fields
+    return value, []
 
 
-def check_disguise(text: str, disguised: str, specials: tuple) -> None:
+def check_disguise(text: str, disguised: str, specials: tuple, fields: list) -> None:
     """The disguised render must be the real one with some special-token texts covered, nothing else changed
-    (a template that transforms message text in a length-changing way breaks that; then we do not guess)."""
+    (a template that transforms message text in a length-changing way breaks that; then we do not guess).
+    `fields`: where the special-token texts are (disguise's), named in the error."""
+    where = "; ".join(fields[:3]) + ("; ..." if len(fields) > 3 else "")
     if len(text) != len(disguised):
         raise ChatTemplateError("a message contains special-token text, and the chat template alters that text "
                                 "while rendering, so it cannot be kept as plain text (it would become a control "
-                                "token); remove the special-token text from the message")
+                                f"token); remove the special-token text from {where}")
     covered = bytearray(len(text))
     for special in specials:
         at = text.find(special)
@@ -155,7 +160,7 @@ def check_disguise(text: str, disguised: str, specials: tuple) -> None:
         if a != b and not covered[i]:
             raise ChatTemplateError(f"the chat template renders a message with special-token text differently "
                                     f"around character {i}, so that text cannot be kept as plain text; remove "
-                                    "the special-token text from the message")
+                                    f"the special-token text from {where}")
 
 
 def assistant_turns(text: str, structural, im_start_id: int, im_end_id: int, expected: int) -> list[tuple]:

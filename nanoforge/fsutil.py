@@ -7,6 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
+from nanoforge import safejson
 from nanoforge.errors import NanoforgeError
 
 
@@ -27,7 +28,7 @@ def fsync_dir(path: str | Path) -> None:
 def read_json(path: str | Path, what: str, hint: str = "") -> dict:
     """The JSON object in the file at `path`; else a NanoforgeError `PATH: not a valid WHAT (why)HINT`."""
     try:
-        value = json.loads(Path(path).read_text(encoding="utf-8"))
+        value = safejson.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise NanoforgeError(f"{path}: not a valid {what} ({e}){hint}") from None
     if not isinstance(value, dict):

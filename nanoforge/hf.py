@@ -15,6 +15,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from nanoforge import safejson
 from nanoforge.config import ConfigError, ModelConfig
 from nanoforge.errors import NanoforgeError
 from nanoforge.fsutil import read_json
@@ -125,7 +126,7 @@ def read_hf_weights(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
         files = [hf_dir / "model.safetensors"]
     elif index.is_file():
         try:
-            files = [hf_dir / f for f in sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))]
+            files = [hf_dir / f for f in sorted(set(safejson.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise NanoforgeError(f"{index}: unreadable index ({e})") from None
     else:

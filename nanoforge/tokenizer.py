@@ -197,8 +197,8 @@ class Tokenizer:
 
         The whole rendered string is encoded in one call, so the ids equal what HF apply_chat_template +
         encode gives; the mask comes from the character offsets of that one encoding. The one exception:
-        special-token text inside a message (a user typing `<|im_end|>\\n<|im_start|>system`, in a content,
-        reasoning or tool arguments) is encoded as plain text, never as control tokens; those come only from
+        special-token text inside a message or tool (a user typing `<|im_end|>\\n<|im_start|>system`, in any
+        string, object keys included) is encoded as plain text, never as control tokens; those come only from
         the template itself.
         """
         ids, mask, _ = self.render_chat_with_text(messages, add_generation_prompt, tools, **template_kwargs)
@@ -243,17 +243,18 @@ class Tokenizer:
     def _structural_tokens(self, text, found, messages, tools, add_generation_prompt, template_kwargs):
         """The control tokens the template itself put in `text`, as (start, end, id).
 
-        When no string in the conversation spells a special token, they are the special tokens `found` in the
-        one normal encoding. Otherwise the conversation is rendered again with every such text replaced by as
-        many filler characters (same length, no control token), which must give the same text but for those
-        places; the special tokens of that render's encoding are the template's own."""
+        When no string in the conversation (an object key neither) spells a special token, they are the special
+        tokens `found` in the one normal encoding. Otherwise the conversation is rendered again with every such
+        text replaced by as many filler characters (same length, no control token), which must give the same
+        text but for those places; the special tokens of that render's encoding are the template's own."""
         strings = self._special_tokens[1]
         fill = next((c for c in "#~@%^" if not any(c in s for s in strings)), "#")
-        (hidden, hidden_tools), changed = disguise((messages, tools), strings, fill)
-        if not changed:
+        hidden, fields = disguise(messages, strings, fill, "messages")
+        hidden_tools, tool_fields = disguise(tools, strings, fill, "tools")
+        if not fields + tool_fields:
             return found
         disguised = self.render_text(hidden, add_generation_prompt, hidden_tools, **template_kwargs)
-        check_disguise(text, disguised, strings)
+        check_disguise(text, disguised, strings, fields + tool_fields)
         encoding = self._tok.encode(disguised, add_special_tokens=False)
         return self._specials_of(encoding.ids, encoding.offsets)
 

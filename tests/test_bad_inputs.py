@@ -36,6 +36,12 @@ A = '{"role": "assistant", "content": "hello"}'
 SFT_OK = '{"conversations": [' + U + ", " + A + "]}\n"
 
 
+DEEP = b"[" * 1000 + b"]" * 1000  # past Python's recursion limit
+HUGE = b"1" * 5000  # past Python's int conversion limit (4,300 digits)
+CALLING = ('{"role": "assistant", "content": "", "tool_calls": [{"name": "calculator", "arguments": "' + "[" * 1000
+           + '"}]}')
+
+
 def sft_line(*messages: str) -> bytes:
     return ('{"conversations": [' + ", ".join(messages) + "]}\n").encode()
 
@@ -62,6 +68,19 @@ CASES = [
     ("unknown-role", {"in.jsonl": sft_line(U, '{"role": "bot", "content": "x"}')}, PREP_SFT,
      ['{tmp}/in.jsonl:1: "conversations"[1].role: "bot" is not one of system, user, assistant'],
      ["{tmp}/out"], []),
+    ("deeply-nested-json", {"in.jsonl": SFT_OK.encode() + b'{"conversations": ' + DEEP + b"}\n"}, PREP_SFT,
+     ["{tmp}/in.jsonl:2: invalid JSON: nested deeper than 100 levels at column 118"], ["{tmp}/out"], []),
+    ("huge-integer", {"in.jsonl": b'{"text": "fine", "id": ' + HUGE + b"}\n"}, PREP_PRE,
+     ["{tmp}/in.jsonl:1: invalid JSON: a number of 5000 digits (the limit is 4300) at column 24"], ["{tmp}/out"], []),
+    ("deeply-nested-tool-arguments", {"in.jsonl": sft_line(U, CALLING, '{"role": "tool", "content": "2"}', A)},
+     PREP_SFT, ['{tmp}/in.jsonl:1: "conversations"[1].tool_calls[0].arguments: not valid JSON: nested deeper than '
+                "100 levels at column 101"], ["{tmp}/out"], []),
+    ("gsm8k-deeply-nested", {"in.jsonl": b'{"question": "q", "answer": "#### 1"}\n' + DEEP + b"\n"},
+     ["eval", "{run}", "--gsm8k", "{tmp}/in.jsonl"],
+     ["{tmp}/in.jsonl:2: not valid JSON: nested deeper than 100 levels: line 1 column 101"], [], ["{run}"]),
+    ("toolcall-huge-integer", {"in.jsonl": sft_line(U, A)[:-2] + b', "id": ' + HUGE + b"}\n"},
+     ["eval", "{run}", "--toolcall", "{tmp}/in.jsonl"],
+     ["{tmp}/in.jsonl:1: invalid JSON: a number of 5000 digits (the limit is 4300)"], [], ["{run}"]),
     ("invalid-utf8", {"in.jsonl": b'{"text": "ok"}\n{"text": "caf\xe9"}\n'}, PREP_PRE,
      ["{tmp}/in.jsonl:2: invalid UTF-8"], ["{tmp}/out"], []),
     ("empty-file", {"in.jsonl": b""}, PREP_PRE, ["{tmp}/in.jsonl: is empty"], ["{tmp}/out"], []),

@@ -74,6 +74,8 @@ def test_run_tool_call():
     assert run_tool_call(openai, set()).startswith("Error: unknown tool 'calculator'")
     assert "unknown tool 'weather'" in run_tool_call({"name": "weather", "arguments": {}}, {"calculator"})
     assert "not valid JSON" in run_tool_call({"name": "calculator", "arguments": "{bad"}, {"calculator"})
+    assert run_tool_call({"name": "calculator", "arguments": "[" * 1000}, {"calculator"}) == \
+        "Error: the arguments of 'calculator' are not valid JSON (nested deeper than 100 levels)"
     assert "'expression'" in run_tool_call({"name": "calculator", "arguments": {"expr": "1"}}, {"calculator"})
     assert run_tool_call({"arguments": {}}, {"calculator"}).startswith("Error: ")
     assert run_tool_call({"name": "calculator", "arguments": {"expression": "1/0"}}, {"calculator"}) == \

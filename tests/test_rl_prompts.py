@@ -84,6 +84,10 @@ def test_a_prompt_may_end_with_tool_results_but_not_with_a_calling_assistant(tmp
     ({"question": "q", "gt": [1]}, ':2: "gt"[0]', "must be a string"),
     ({"question": "q", "gt": []}, ':2: "gt"', "non-empty list"),
     ([1, 2], ':2', "must be a JSON object"),
+    ('{"question": "q", "gt": ' + "[" * 1000 + "]" * 1000 + "}", ':2', "invalid JSON: nested deeper than 100 levels"),
+    ('{"question": "q", "answer": ' + "7" * 5000 + "}", ':2', "invalid JSON: a number of 5000 digits"),
+    ({"conversations": [{"role": "system", "content": "s", "tools": "[" * 1000}, {"role": "user", "content": "q"}]},
+     ':2: "conversations"[0].tools', "not valid JSON: nested deeper than 100 levels at column 101"),
 ])
 def test_errors_name_file_line_and_field(tmp_path, line, where, message):
     path = _write(tmp_path, [{"question": "fine", "answer": "#### 1"}, line])

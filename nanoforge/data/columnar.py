@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+from nanoforge import safejson
 from nanoforge.data.jsonl import DataError, RecordError, validate_record
 from nanoforge.errors import NanoforgeError
 
@@ -49,7 +50,7 @@ def is_columnar(path) -> bool:
 def arrow_files(path: Path) -> list[Path]:
     """The data files of a save_to_disk directory, in order (state.json's `_data_files`)."""
     try:
-        state = json.loads((path / HF_STATE).read_text(encoding="utf-8"))
+        state = safejson.loads((path / HF_STATE).read_text(encoding="utf-8"))
         files = [path / entry["filename"] for entry in state["_data_files"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise DataError(f"{HF_STATE} does not list the data files (_data_files): {e}", path) from None
@@ -149,7 +150,7 @@ def check_row(kind: str, record: dict, path: str, row: int) -> dict:
     for key in ("conversations", "chosen", "rejected", "tools"):
         if kind != "pretrain" and isinstance(record.get(key), str):
             try:
-                record[key] = json.loads(record[key])
+                record[key] = safejson.loads(record[key])
             except json.JSONDecodeError as e:
                 raise DataError(f"invalid JSON text: {e.msg} at column {e.colno}", path, f"row {row}",
                                 json.dumps(key)) from None

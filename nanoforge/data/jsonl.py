@@ -20,6 +20,7 @@ from dataclasses import dataclass, field as dataclass_field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from nanoforge import safejson
 from nanoforge.errors import NanoforgeError
 
 KINDS = ("pretrain", "sft", "dpo")
@@ -175,7 +176,7 @@ def _parsed_json(value: Any) -> Any:
     """A JSON-string field parsed (an empty string is an empty list, as the renderer reads it); else as it is."""
     if not isinstance(value, str):
         return value
-    return json.loads(value) if value.strip() else []
+    return safejson.loads(value) if value.strip() else []
 
 
 def _json_field(value: Any, field: str, parse=_parsed_json) -> Any:
@@ -278,7 +279,7 @@ def _check_call(call: Any, where: str, declared: set[str] | None, json_arguments
         raise RecordError('missing "arguments" (an object, or a JSON string of one)', where)
     arguments = call["arguments"]
     if json_arguments:
-        arguments = _json_field(arguments, f"{where}.arguments", json.loads)
+        arguments = _json_field(arguments, f"{where}.arguments", safejson.loads)
     if not isinstance(arguments, dict if json_arguments else (dict, str)):
         raise RecordError(f"must be an object of arguments (or a JSON string of one), got {_type_name(arguments)}",
                           f"{where}.arguments")
@@ -375,7 +376,7 @@ def line_text(raw: bytes, path: str | os.PathLike, line_no: int) -> str | None:
 def line_json(text: str, path: str | os.PathLike, line_no: int) -> Any:
     """A line's JSON value; DataError naming path:line (and a JSON array on line 1) otherwise."""
     try:
-        return json.loads(text)
+        return safejson.loads(text)
     except json.JSONDecodeError as e:
         hint = ""
         if line_no == 1 and text.lstrip().startswith("["):

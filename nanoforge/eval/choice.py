@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from nanoforge import safejson
 from nanoforge.data.batches import IGNORE
 from nanoforge.data.jsonl import DataError, check_input_file
 from nanoforge.device import autocast_context, eval_mode
@@ -67,7 +68,7 @@ def read_choices_jsonl(path) -> list[Question]:
             if not raw.strip():
                 continue
             try:
-                obj = json.loads(raw)
+                obj = safejson.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise DataError(f"not valid JSON: {e}", path, line_no) from None
             if not isinstance(obj, dict):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Callable
 
+from nanoforge import safejson
 from nanoforge.data.jsonl import DataError, check_input_file
 from nanoforge.errors import NanoforgeError
 from nanoforge.eval.common import Progress, format_table
@@ -93,7 +94,7 @@ def read_gsm8k(path, limit: int | None = None) -> list[Problem]:
 
 def _problem(raw: bytes, path, line_no: int) -> Problem:
     try:
-        obj = json.loads(raw)
+        obj = safejson.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"not valid JSON: {e}", path, line_no) from None
     if not isinstance(obj, dict):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 from typing import Callable
 
+from nanoforge import safejson
 from nanoforge.data.jsonl import iter_records
 from nanoforge.errors import NanoforgeError
 from nanoforge.eval.common import Progress, format_table
@@ -41,7 +42,7 @@ def _function(item: dict) -> dict:
 
 
 def _loaded(value):
-    return json.loads(value) if isinstance(value, str) else value  # a JSON-string field of an SFT record
+    return safejson.loads(value) if isinstance(value, str) else value  # a JSON-string field of an SFT record
 
 
 def read_toolcall(path, limit: int | None = None) -> list[dict]:
@@ -68,7 +69,7 @@ def valid_call(call: dict, schemas: dict) -> bool:
     name = call["function"]["name"]
     if name not in schemas:
         return False
-    arguments = json.loads(call["function"]["arguments"])
+    arguments = safejson.loads(call["function"]["arguments"])
     required = (schemas[name].get("parameters") or {}).get("required") or []
     return isinstance(arguments, dict) and all(key in arguments for key in required)
 
@@ -76,7 +77,7 @@ def valid_call(call: dict, schemas: dict) -> bool:
 def calls_match(calls: list[dict], reference: list[tuple[str, dict]]) -> bool:
     """The parsed calls equal the reference's (name, arguments) pairs, in any order."""
     key = lambda pair: json.dumps(pair, sort_keys=True)  # noqa: E731
-    got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+    got = [(c["function"]["name"], safejson.loads(c["function"]["arguments"])) for c in calls]
     return sorted(map(key, got)) == sorted(map(key, reference))
 
 

@@ -20,6 +20,7 @@ import json
 import re
 from typing import Any
 
+from nanoforge import safejson
 from nanoforge.errors import NanoforgeError
 from nanoforge.infer.protocol import (GenerationRequest, Limits, bad_request, check_fits, check_unicode, field,
                                       sampling)
@@ -215,9 +216,9 @@ def _arguments_text(text: str, param: str) -> str:
     if not text.strip():
         return "{}"
     try:
-        parsed = json.loads(check_unicode(text, param))
-    except ValueError:
-        parsed = None
+        parsed = safejson.loads(check_unicode(text, param))
+    except ValueError as e:
+        raise bad_request(f"{param} must be a JSON object as a string, got invalid JSON: {e}", param=param) from None
     if not isinstance(parsed, dict):
         raise bad_request(f"{param} must be a JSON object as a string, got {text[:60]!r}", param=param)
     return text

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from nanoforge import safejson
 from nanoforge.infer.generate import Completion, SamplingConfig
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -43,11 +44,9 @@ def _no_constants(name: str):
 def parse_json(data: bytes) -> Any:
     """A request body (already read within the size limit) as JSON, or a 400 invalid_json."""
     try:
-        return json.loads(data, parse_constant=_no_constants)
+        return safejson.loads(data, parse_constant=_no_constants)  # depth and number size limited
     except (UnicodeDecodeError, ValueError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    except RecursionError:  # "[[[[..." a hundred thousand deep fits in the body limit
-        raise bad_request("the request body is nested too deeply", code="invalid_json") from None
 
 
 def check_api_key(authorization: str, api_key: str | None) -> None:

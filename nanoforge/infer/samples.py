@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+from nanoforge import safejson
 from nanoforge.data.jsonl import DataError, check_input_file
 from nanoforge.device import eval_mode
 from nanoforge.infer.generate import SamplingConfig, complete
@@ -34,7 +35,7 @@ def load_prompts(path) -> list[str]:
                 continue
             if path.suffix == ".jsonl":
                 try:
-                    obj = json.loads(line)
+                    obj = safejson.loads(line)
                 except json.JSONDecodeError as e:
                     raise DataError(f"not valid JSON: {e}", path, line_no) from None
                 if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:

@@ -28,6 +28,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from nanoforge import safejson
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -188,7 +190,7 @@ def parse_call_body(body: str) -> tuple[dict | None, str | None]:
     """The text between the tool-call tags -> ({"name", "arguments" (a JSON string)}, None) or (None, error)."""
     body = body.strip()
     try:
-        call = json.loads(body)
+        call = safejson.loads(body)
     except json.JSONDecodeError as e:
         return None, f"not valid JSON ({e.msg} at character {e.pos}): {body[:80]!r}"
     if not isinstance(call, dict):
@@ -199,9 +201,9 @@ def parse_call_body(body: str) -> tuple[dict | None, str | None]:
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):
         try:
-            parsed = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None, f"'arguments' of {name!r} is a string but not JSON: {arguments[:80]!r}"
+            parsed = safejson.loads(arguments)
+        except json.JSONDecodeError as e:
+            return None, f"'arguments' of {name!r} is a string but not JSON ({e.msg}): {arguments[:80]!r}"
         if not isinstance(parsed, dict):
             return None, f"'arguments' of {name!r} must be a JSON object, got {arguments[:80]!r}"
         return {"name": name, "arguments": arguments}, None
@@ -216,7 +218,7 @@ def _arguments_text(body: str, name: str, arguments: dict) -> str:
     if body.startswith(head) and body.endswith("}"):
         raw = body[len(head):-1]
         try:
-            if json.loads(raw) == arguments:
+            if safejson.loads(raw) == arguments:
                 return raw
         except json.JSONDecodeError:
             pass

@@ -11,13 +11,13 @@ Shapes (one file may mix them; every other key of a record is kept in `PromptRec
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from nanoforge import safejson
 from nanoforge.data.jsonl import (DataError, RecordError, _keys, _type_name, check_input_file, line_json, line_text,
                                   validate_record)
 from nanoforge.errors import NanoforgeError
@@ -115,7 +115,7 @@ def _expected_answers(value: Any) -> list[str]:
 def _declared_tools(messages: list[dict]) -> list | None:
     """The tool schemas on the opening system message (already checked by the SFT schema), or None."""
     tools = messages[0].get("tools") if messages[0].get("role") == "system" else None
-    return json.loads(tools) if isinstance(tools, str) else tools
+    return safejson.loads(tools) if isinstance(tools, str) else tools
 
 
 # ---------------------------------------------------------------------------------------------- files

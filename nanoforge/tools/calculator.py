@@ -20,6 +20,8 @@ import json
 import math
 import operator
 
+from nanoforge import safejson
+
 MAX_LENGTH = 200
 MAX_DIGITS = 100
 _LIMIT = 10 ** MAX_DIGITS
@@ -204,9 +206,9 @@ def run_tool_call(call: dict, tools_enabled) -> str:
     arguments = inner.get("arguments", {})
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
-            return f"Error: the arguments of {name!r} are not valid JSON"
+            arguments = safejson.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as e:
+            return f"Error: the arguments of {name!r} are not valid JSON ({e.msg})"
     if not isinstance(arguments, dict) or not isinstance(arguments.get("expression"), str):
         return f"Error: {name} needs the argument 'expression' (a string)"
     return evaluate(arguments["expression"])
