@@ -61,12 +61,12 @@ def arrow_files(path: Path) -> list[Path]:
 
 
 def check_columnar(path) -> Path:
-    """Fail early, naming the path: missing, or a file not readable as Parquet / an Arrow stream."""
+    """Fail early, naming the path: missing, or a file not readable as Parquet / an Arrow stream (each of whose
+    batches is looked at: memory-mapped, only their headers are read, so a truncated file fails here)."""
     path = Path(path)
     if not path.exists():
         raise DataError("no such file", path)
-    for f in arrow_files(path) if path.is_dir() else [path]:
-        _schema(f)
+    num_rows(path) if path.is_dir() else _schema(path)
     return path
 
 
