@@ -34,7 +34,7 @@ from nanoforge.data.columnar import arrow_files, is_columnar, num_rows
 from nanoforge.data.jsonl import MAX_RECORD_BYTES, record_too_long
 from nanoforge.data.shards import TokenShards, read_manifest
 from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import fsync_dir, write_json
+from nanoforge.fsutil import check_out_dir, fsync_dir, replace_dir, write_json
 from nanoforge.tokenizer import PLAIN_TEXT_SUFFIXES
 
 SCAN_BYTES = 8 << 20
@@ -166,8 +166,7 @@ def merge_prepared(dirs: list, out_dir, force: bool = False, log: Callable[[str]
         if out_dir.resolve().is_relative_to(d.resolve()) or d.resolve().is_relative_to(out_dir.resolve()):
             raise NanoforgeError(f"prepare merge: --out {out_dir} would write over its input {d}; "
                                  "choose an --out apart from the parts")
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:
-        raise NanoforgeError(f"{out_dir}: already exists and is not empty; pass --force to replace it")
+    check_out_dir(out_dir, force)
     manifests = [read_manifest(d) for d in dirs]
     first = manifests[0]
     for d, m in zip(dirs[1:], manifests[1:]):
@@ -236,9 +235,7 @@ def _write_merged(out_dir: Path, manifest: dict, tokenizer_dir: Path) -> None:
         shutil.copytree(tokenizer_dir, tmp / "tokenizer")
         write_json(tmp / "manifest.json", manifest)
         fsync_dir(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir) if out_dir.is_dir() else out_dir.unlink()
-        os.rename(tmp, out_dir)
+        replace_dir(tmp, out_dir)  # an old out_dir is deleted only once the new one is in place
         fsync_dir(out_dir.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
