@@ -119,6 +119,8 @@ def add_data_parsers(sub, fmt) -> None:
     prep.add_argument("--force", action="store_true", help="replace --out if it exists")
     prep.add_argument("--part", metavar="I/N", help="prepare only part I of N (1 <= I <= N): every N-th input "
                       "file, or of one JSONL file its I-th byte range; then `prepare merge` the parts")
+    prep.add_argument("--allow-incomplete", action="store_true", help="with merge: merge even when some parts of "
+                      "a --part I/N splitting are not given (by default every part must be)")
     prep.add_argument("--text-column", default="text", metavar="NAME",
                       help="pretrain from Parquet or an HF datasets directory: the column that holds the text")
 

@@ -74,7 +74,7 @@ def cmd_tokenizer(args) -> None:
 
 def cmd_prepare(args) -> None:
     if args.action == "merge":
-        merge_prepared(args.parts, args.out, force=args.force)
+        merge_prepared(args.parts, args.out, force=args.force, allow_incomplete=args.allow_incomplete)
         return
     missing = [flag for flag, value in (("--kind", args.kind), ("--data", args.data), ("--tokenizer", args.tokenizer))
                if not value]

@@ -58,6 +58,14 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         raise
 
 
+def check_out_dir(out_dir: Path, force: bool) -> None:
+    """An output directory to be written: not a file, and empty unless `force` (it is replaced)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NanoforgeError(f"{out_dir}: exists and is not a directory; choose another --out")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        raise NanoforgeError(f"{out_dir}: already exists and is not empty; pass --force to replace it")
+
+
 def replace_dir(tmp: Path, out: Path) -> None:
     """Rename the finished directory `tmp` to `out`. An `out` already there is moved aside first (put back if
     the rename fails) and deleted only once the new one is in place: a crash leaves one of them, never neither."""

@@ -7,6 +7,7 @@ NANOFORGE_HIDE_SHARED=1 makes every test see the suite as a fresh clone does, as
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -99,6 +100,17 @@ def _write_fallback_corpus(directory: Path) -> list[Path]:
                             {"role": "assistant", "content": _FALLBACK_TEXTS[(i + 1) % 5]}]
             f.write(json.dumps({"conversations": conversation}, ensure_ascii=False) + "\n")
     return [pretrain, sft]
+
+
+def tree_state(root: Path) -> dict:
+    """Every path under root: a file's content hash and mtime, a link's target, a directory: equal before and
+    after a command that must leave nothing behind and change nothing there."""
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for p in (Path(dirpath, name) for name in dirnames + filenames):
+            found[p] = (os.readlink(p) if p.is_symlink() else "dir" if p.is_dir() else
+                        (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns))
+    return found
 
 
 def tiny_corpus(directory: Path) -> list[Path]:

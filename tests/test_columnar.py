@@ -2,8 +2,10 @@
 from (pretrain, SFT, DPO), errors that name the file and row, --text-column, and a training command reading
 Parquet directly. Real processes where a user would type the command."""
 import json
+import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -132,3 +134,81 @@ def test_pretrain_reads_parquet_directly(corpus, tiny_tokenizer_dir, tmp_path):
     manifest = json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())
     assert manifest["sources"][0]["path"].endswith("pre.parquet")
     assert manifest["sources"][0]["records"] == len(records)
+
+
+def _damage(directory: Path, how: str) -> None:
+    """A saved dataset's Arrow file (or state.json) broken in one way."""
+    arrow = directory / "data-00000-of-00001.arrow"
+    if how == "truncated":
+        arrow.write_bytes(arrow.read_bytes()[:arrow.stat().st_size // 2])
+    elif how == "empty":
+        arrow.write_bytes(b"")
+    elif how == "random-bytes":
+        arrow.write_bytes(os.urandom(4096))
+    elif how == "parquet-renamed":
+        pq.write_table(pa.Table.from_pylist([{"text": "a"}]), arrow)
+    elif how == "state-json":
+        (directory / "state.json").write_text('{"_data_files": [')
+    elif how == "second-file-without-text":  # the first file has the column, the second does not
+        write_saved_dataset([{"body": "b"}], directory / "other")
+        (directory / "other" / "data-00000-of-00001.arrow").rename(directory / "b.arrow")
+        (directory / "state.json").write_text(json.dumps({"_data_files": [
+            {"filename": "data-00000-of-00001.arrow"}, {"filename": "b.arrow"}]}))
+
+
+BROKEN = [  # (id, damage, the command after `nanoforge`, words of the message)
+    ("arrow-truncated", "truncated", "prepare", "{d}/data-00000-of-00001.arrow: cannot be read as an Arrow stream"),
+    ("arrow-empty", "empty", "prepare", "{d}/data-00000-of-00001.arrow: cannot be read as an Arrow stream"),
+    ("arrow-empty-for-pretrain", "empty", "pretrain", "{d}/data-00000-of-00001.arrow: cannot be read as an Arrow"),
+    ("arrow-random-bytes", "random-bytes", "prepare", "{d}/data-00000-of-00001.arrow: cannot be read as an Arrow"),
+    ("arrow-that-is-parquet", "parquet-renamed", "prepare", "{d}/data-00000-of-00001.arrow: cannot be read as an"),
+    ("state-json-corrupt", "state-json", "prepare", "{d}/state.json: does not list the data files (_data_files)"),
+    ("arrow-without-the-text-column", "second-file-without-text", "prepare",
+     "{d}/b.arrow: has no column 'text' (its columns: body); choose the text column with --text-column"),
+    ("parquet-truncated", None, "prepare", "{d}/x.parquet: cannot be read as Parquet"),
+]
+
+
+@pytest.fixture(scope="module")
+def broken_outcomes(corpus, tiny_tokenizer_dir, tmp_path_factory):
+    """Each broken dataset given to the real CLI (a few at a time), and the tree before and after all of them."""
+    from conftest import tree_state
+    work = tmp_path_factory.mktemp("broken_arrow")
+    records = jsonl_records(corpus["pretrain"])[:64]
+    commands = {}
+    for case_id, how, command, _ in BROKEN:
+        if how is None:
+            data = write_parquet(records, (work / case_id).mkdir() or work / case_id / "x.parquet")
+            data.write_bytes(data.read_bytes()[:-100])
+        else:
+            data = write_saved_dataset(records, work / case_id)
+            _damage(data, how)
+        args = ["--tokenizer", tiny_tokenizer_dir, "--out", work / f"out-{case_id}"]
+        commands[case_id] = (["prepare", "--kind", "pretrain", "--data", data, *args, "--workers", 1]
+                             if command == "prepare" else ["pretrain", "--data", data, *args, "--max-steps", 1])
+    before = tree_state(work)
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        runs = {case_id: pool.submit(nf, *args) for case_id, args in commands.items()}
+        results = {case_id: run.result() for case_id, run in runs.items()}
+    return work, results, before, tree_state(work)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case_id,how,command,words", BROKEN, ids=[c[0] for c in BROKEN])
+def test_a_broken_arrow_or_parquet_file_is_named_and_nothing_is_written(broken_outcomes, case_id, how, command,
+                                                                        words):
+    work, results, before, after = broken_outcomes
+    r = results[case_id]
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert words.format(d=work / case_id) in r.stderr, r.stderr
+    assert after == before, f"written or changed: {sorted(set(after.items()) ^ set(before.items()))}"
+
+
+def test_a_broken_dataset_info_json_is_not_needed(corpus, tiny_tokenizer, tmp_path):
+    """The Arrow files describe themselves; dataset_info.json is only how `datasets` finds its features."""
+    saved = write_saved_dataset(jsonl_records(corpus["pretrain"]), tmp_path / "saved")
+    (saved / "dataset_info.json").write_text("{not json")
+    prepare("pretrain", [corpus["pretrain"]], tiny_tokenizer, tmp_path / "from_jsonl")
+    prepare("pretrain", [saved], tiny_tokenizer, tmp_path / "from_arrow")
+    assert shard_bytes(tmp_path / "from_arrow") == shard_bytes(tmp_path / "from_jsonl")

@@ -1,9 +1,12 @@
 """`prepare --part I/N` and `prepare merge`: N parts prepared apart and merged give the tokens of one prepare
 (every record in the same split), the merged directory references the parts' shards instead of copying them,
-and merging checks that the parts belong together. Real processes, as N jobs would run them."""
+and merging checks that the parts belong together and are whole: a refused merge writes nothing and changes no
+part. Real processes, as N jobs would run them."""
 import json
+import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -95,8 +98,94 @@ def test_merge_refuses_parts_that_do_not_belong_together(corpus, tiny_tokenizer,
         merge_prepared([tmp_path / "pre", tmp_path / "sft"], tmp_path / "m1")
     with pytest.raises(NanoforgeError, match=r"val_fraction 0.01 vs 0.5"):
         merge_prepared([tmp_path / "pre", tmp_path / "pre5"], tmp_path / "m2")
-    with pytest.raises(NanoforgeError, match="given twice"):
+    with pytest.raises(NanoforgeError, match=r"pre: part 1/1 of its input is given twice \(as .*pre too\)"):
         merge_prepared([tmp_path / "pre", tmp_path / "pre"], tmp_path / "m3")
     with pytest.raises(NanoforgeError, match=r"--part '3/2': expected I/N"):
         prepare_dataset("pretrain", [corpus[0]], tiny_tokenizer, tmp_path / "p", part="3/2", **kw)
     assert not (tmp_path / "m1").exists() and not (tmp_path / "m2").exists()
+
+
+@pytest.fixture(scope="module")
+def parts(corpus, tiny_tokenizer, tmp_path_factory):
+    """Parts 1-2 of 2 (p1, p2) and 1-3 of 3 (q1..q3) of one file, its whole prepare, and damaged copies."""
+    t = tmp_path_factory.mktemp("merge_refusals")
+    kw = dict(val_fraction=0.1, workers=1, log=lambda *a: None)
+    for name, part in [("p1", "1/2"), ("p2", "2/2"), ("q1", "1/3"), ("q2", "2/3"), ("q3", "3/3"), ("whole", None)]:
+        prepare_dataset("pretrain", [corpus[0]], tiny_tokenizer, t / name, part=part, **kw)
+    for name in ("p2gone", "p2cut", "p2old", "p1again"):
+        shutil.copytree(t / ("p1" if name == "p1again" else "p2"), t / name)
+    (t / "p2gone" / "train_00000.bin").unlink()
+    with open(t / "p2cut" / "train_00000.bin", "r+b") as f:
+        f.truncate(100)
+    manifest = json.loads((t / "p2old" / "manifest.json").read_text())
+    manifest["part"] = "2/2"  # as an older nanoforge wrote it: no identity of the input
+    (t / "p2old" / "manifest.json").write_text(json.dumps(manifest))
+    (t / "p2link").symlink_to(t / "p2", target_is_directory=True)
+    return t
+
+
+MERGE_REFUSALS = [  # (id, `prepare merge` arguments, words of the message)
+    ("shard-deleted", ["{t}/p1", "{t}/p2gone", "--out", "{t}/out"],
+     ["{t}/p2gone/train_00000.bin: missing"]),
+    ("shard-truncated", ["{t}/p1", "{t}/p2cut", "--out", "{t}/out"],
+     ["{t}/p2cut/train_00000.bin: 100 bytes but the manifest says"]),
+    ("part-twice", ["{t}/p1", "{t}/p1again", "{t}/p2", "--out", "{t}/out"],
+     ["{t}/p1again: part 1/2 of its input is given twice (as {t}/p1 too); its tokens would be counted twice"]),
+    ("incomplete", ["{t}/q1", "{t}/q2", "--out", "{t}/out"],
+     ["{t}/q1, {t}/q2: part(s) 3/3 of the same input are not given", "--allow-incomplete"]),
+    ("other-splittings", ["{t}/p1", "{t}/q2", "{t}/q3", "--out", "{t}/out"],
+     ["{t}/q2: part 2/3, but {t}/p1 is part 1/2 of the same input: their records overlap"]),
+    ("whole-and-part", ["{t}/whole", "{t}/p2", "--out", "{t}/out"],
+     ["{t}/p2: part 2/2, but {t}/whole is part 1/1 of the same input"]),
+    ("older-part", ["{t}/p1", "{t}/p2old", "--out", "{t}/out"],
+     ["{t}/p2old: its manifest does not say which part of which input it holds (prepared by an older nanoforge"]),
+    ("out-is-an-input", ["{t}/p1", "{t}/p2", "--out", "{t}/p1", "--force"],
+     ["--out {t}/p1 would write over its input {t}/p1"]),
+    ("out-is-an-input-spelled-otherwise", ["{t}/p1", "{t}/p2", "--out", "{t}/q1/../p2", "--force"],
+     ["--out {t}/q1/../p2 would write over its input {t}/p2"]),
+    ("out-is-a-link-to-an-input", ["{t}/p1", "{t}/p2", "--out", "{t}/p2link", "--force"],
+     ["--out {t}/p2link would write over its input {t}/p2"]),
+    ("out-inside-an-input", ["{t}/p1", "{t}/p2", "--out", "{t}/p1/merged"],
+     ["--out {t}/p1/merged would write over its input {t}/p1"]),
+    ("out-holds-the-inputs", ["{t}/p1", "{t}/p2", "--out", "{t}", "--force"],
+     ["--out {t} would write over its input {t}/p1"]),
+]
+
+
+@pytest.fixture(scope="module")
+def merge_outcomes(parts):
+    """Each refusal run by the real CLI (a few at a time), and the whole tree before and after all of them."""
+    from conftest import tree_state
+    before = tree_state(parts)
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        runs = {cid: pool.submit(nf, "prepare", "merge", *(a.format(t=parts) for a in args))
+                for cid, args, _ in MERGE_REFUSALS}
+        results = {cid: run.result() for cid, run in runs.items()}
+    return results, before, tree_state(parts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case_id,args,words", MERGE_REFUSALS, ids=[c[0] for c in MERGE_REFUSALS])
+def test_merge_refuses_parts_it_cannot_trust_and_writes_nothing(merge_outcomes, parts, case_id, args, words):
+    results, before, after = merge_outcomes
+    r = results[case_id]
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    for w in words:
+        assert w.format(t=parts) in r.stderr, r.stderr
+    assert after == before, f"written or changed: {sorted(set(after.items()) ^ set(before.items()))}"
+
+
+@pytest.mark.slow
+def test_allow_incomplete_merges_some_parts_only(parts, tmp_path):
+    res = nf("prepare", "merge", parts / "q1", parts / "q2", "--out", tmp_path / "some", "--allow-incomplete")
+    assert res.returncode == 0, res.stderr
+    some = TokenShards(tmp_path / "some", "train").num_tokens
+    assert some == sum(TokenShards(parts / q, "train").num_tokens for q in ("q1", "q2"))
+    from nanoforge.cli import build_parser
+    commands = next(a.choices for a in build_parser()._actions if isinstance(a.choices, dict))
+    assert "--allow-incomplete" in commands["prepare"].format_help()
+    # a complete merge is the whole of its input: it merges on, and counts as the whole prepare does
+    assert nf("prepare", "merge", parts / "q1", parts / "q2", parts / "q3", "--out", tmp_path / "all").returncode == 0
+    again = nf("prepare", "merge", tmp_path / "all", parts / "whole", "--out", tmp_path / "twice")
+    assert again.returncode == 1 and f"{parts / 'whole'}: part 1/1 of its input is given twice" in again.stderr

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -53,7 +54,7 @@ def arrow_files(path: Path) -> list[Path]:
         state = safejson.loads((path / HF_STATE).read_text(encoding="utf-8"))
         files = [path / entry["filename"] for entry in state["_data_files"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DataError(f"{HF_STATE} does not list the data files (_data_files): {e}", path) from None
+        raise DataError(f"does not list the data files (_data_files): {e}", path / HF_STATE) from None
     for f in files:
         if not f.is_file():
             raise DataError(f"{HF_STATE} lists {f.name}, which is missing", path)
@@ -61,32 +62,45 @@ def arrow_files(path: Path) -> list[Path]:
 
 
 def check_columnar(path) -> Path:
-    """Fail early, naming the path: missing, or not readable as Parquet / a save_to_disk directory."""
+    """Fail early, naming the path: missing, or a file not readable as Parquet / an Arrow stream (each of whose
+    batches is looked at: memory-mapped, only their headers are read, so a truncated file fails here)."""
     path = Path(path)
     if not path.exists():
         raise DataError("no such file", path)
-    pa = _pyarrow()
-    try:
-        if path.is_dir():
-            arrow_files(path)
-        else:
-            pa.parquet.ParquetFile(path)
-    except (pa.ArrowException, OSError) as e:
-        raise DataError(f"cannot be read as Parquet: {e}", path) from None
+    num_rows(path) if path.is_dir() else _schema(path)
     return path
 
 
-def column_names(path: Path) -> list[str]:
+@contextmanager
+def _reading(f: Path):
+    """Every pyarrow read goes through here: a truncated, empty or foreign file is a DataError naming it."""
     pa = _pyarrow()
-    if path.is_dir():
-        with pa.ipc.open_stream(pa.memory_map(str(arrow_files(path)[0]))) as reader:
-            return reader.schema.names
-    return pa.parquet.ParquetFile(path).schema_arrow.names
+    try:
+        yield pa
+    except (pa.ArrowException, OSError) as e:
+        what = "Parquet" if f.suffix.lower() == ".parquet" else "an Arrow stream (datasets save_to_disk)"
+        raise DataError(f"cannot be read as {what}: {e}", f) from None
+
+
+def _open(pa, f: Path, columns: list[str] | None = None) -> tuple[list[str], Iterator[Any]]:
+    """(column names, record batches as stored, read lazily: Parquet row group by row group, an Arrow stream's
+    batches) of a Parquet file or one Arrow stream file of a datasets directory."""
+    if f.suffix.lower() != ".parquet":
+        reader = pa.ipc.open_stream(pa.memory_map(str(f)))
+        return reader.schema.names, (batch.select(columns) if columns else batch for batch in reader)
+    pf = pa.parquet.ParquetFile(f)
+    return pf.schema_arrow.names, (batch for group in range(pf.num_row_groups) for batch in
+                                   pf.iter_batches(batch_size=ROWS_PER_CHUNK, row_groups=[group], columns=columns))
+
+
+def _schema(f: Path) -> list[str]:
+    with _reading(f) as pa:
+        return _open(pa, f)[0]
 
 
 def columnar_kind(path: Path) -> str:
     """The kind of data a Parquet file or datasets directory holds, from its columns."""
-    names = column_names(path)
+    names = _schema(arrow_files(path)[0] if path.is_dir() else path)
     if "conversations" in names:
         return "sft"
     if "chosen" in names or "rejected" in names:
@@ -95,39 +109,27 @@ def columnar_kind(path: Path) -> str:
 
 
 def num_rows(path: Path) -> int:
-    """Rows in a Parquet file (its metadata) or a datasets directory (its record batches' lengths)."""
-    pa = _pyarrow()
-    if not path.is_dir():
-        return pa.parquet.ParquetFile(path).metadata.num_rows
-    return sum(batch.num_rows for batch in _batches(path, None))
+    """Rows in a Parquet file (reading no column) or a datasets directory (its record batches' lengths)."""
+    return sum(batch.num_rows for batch in _batches(path, []))
 
 
 def _batches(path: Path, columns: list[str] | None) -> Iterator[Any]:
-    """Arrow record batches, read as they are stored (never the whole file)."""
-    pa = _pyarrow()
-    if path.is_dir():
-        for f in arrow_files(path):
-            with pa.ipc.open_stream(pa.memory_map(str(f))) as reader:
-                for batch in reader:
-                    yield batch.select(columns) if columns else batch
-        return
-    pf = pa.parquet.ParquetFile(path)
-    for group in range(pf.num_row_groups):  # row group by row group
-        yield from pf.iter_batches(batch_size=ROWS_PER_CHUNK, row_groups=[group], columns=columns)
+    """Arrow record batches of every file, read as they are stored (never the whole file); each file must have
+    `columns`."""
+    for f in arrow_files(path) if path.is_dir() else [path]:
+        with _reading(f) as pa:
+            names, batches = _open(pa, f, columns)
+            if missing := [c for c in columns or () if c not in names]:
+                raise DataError(f"has no column {missing[0]!r} (its columns: {', '.join(names)}); choose the text "
+                                "column with --text-column", f)
+            yield from batches
 
 
 def row_chunks(path: Path, kind: str, text_column: str = "text") -> Iterator[tuple[int, list[dict]]]:
     """(first row number, rows as plain records) chunks of at most ROWS_PER_CHUNK rows. Pretraining reads only
     `text_column`, renamed `text`; the other kinds read every column."""
-    names = column_names(path)
-    columns = None
-    if kind == "pretrain":
-        if text_column not in names:
-            raise DataError(f"has no column {text_column!r} (its columns: {', '.join(names)}); choose the text "
-                            "column with --text-column", path)
-        columns = [text_column]
     row = 1
-    for batch in _batches(path, columns):
+    for batch in _batches(path, [text_column] if kind == "pretrain" else None):
         for start in range(0, batch.num_rows, ROWS_PER_CHUNK):
             rows = batch.slice(start, ROWS_PER_CHUNK).to_pylist()
             if kind == "pretrain":

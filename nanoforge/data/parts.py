@@ -12,13 +12,17 @@ prepare, so the val draw may then differ.)
 `prepare merge PART... --out DIR` writes a directory whose manifest lists the parts' shards by relative
 path (`../part1/train_00000`): no token is copied, and data/shards.py reads it as any prepared directory.
 A training command given several prepared directories as --data merges them so into RUN/data.
-The parts must agree on format, kind, dtype, tokenizer, layout and validation share. Merged order is part by
-part: the split of every record and the tokens are those of one prepare; the order of documents is the
-one prepare's only for byte-range parts of one file (for every-N-th files it is part 1's files, then part 2's).
+The parts must agree on format, kind, dtype, tokenizer, layout and validation share, hold the shards their
+manifests list, and be each part of one I/N splitting of their input once, all N unless --allow-incomplete (an
+input is known by its files' names and sizes); --out is apart from them. Merged order is part by part: the split
+of every record and the tokens are those of one prepare; the order of documents is the one prepare's only for
+byte-range parts of one file (for every-N-th files it is part 1's files, then part 2's).
 Keep the parts where they are, next to the merged directory.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -26,11 +30,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterator
 
-from nanoforge.data.columnar import is_columnar, num_rows
+from nanoforge.data.columnar import arrow_files, is_columnar, num_rows
 from nanoforge.data.jsonl import MAX_RECORD_BYTES, record_too_long
-from nanoforge.data.shards import read_manifest
+from nanoforge.data.shards import TokenShards, read_manifest
 from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import fsync_dir, write_json
+from nanoforge.fsutil import check_out_dir, fsync_dir, replace_dir, write_json
 from nanoforge.tokenizer import PLAIN_TEXT_SUFFIXES
 
 SCAN_BYTES = 8 << 20
@@ -54,9 +58,13 @@ def parse_part(text: str) -> tuple[int, int]:
     return int(i), int(n)
 
 
-def plan_part(paths: list[Path], part: tuple[int, int]) -> list[PartInput]:
-    """The inputs of part I of N, each with the count of records before it in the whole input."""
-    index, count = part
+def plan_part(paths: list[Path], part: str | None) -> tuple[list[PartInput], dict]:
+    """The inputs of part I of N (all of them without a part), each with the count of records before it in the
+    whole input; and the part's identity, which `prepare merge` checks: I, N and the whole input's files."""
+    index, count = parse_part(part or "1/1")
+    identity = {"index": index, "count": count, "inputs": _inputs_id(paths)}
+    if not part:
+        return [PartInput(p) for p in paths], identity
     if len(paths) > 1:
         before, planned = 0, []
         for k, path in enumerate(paths):
@@ -66,7 +74,7 @@ def plan_part(paths: list[Path], part: tuple[int, int]) -> list[PartInput]:
         if not planned:
             raise NanoforgeError(f"--part {index}/{count}: only {len(paths)} input files, so part {index} has none; "
                                  f"use at most {len(paths)} parts, or split the files")
-        return planned
+        return planned, identity
     path = paths[0]
     if is_columnar(path) or path.suffix.lower() in PLAIN_TEXT_SUFFIXES:
         raise NanoforgeError(f"--part with one input file splits it by lines: JSONL only, not {path.name}; "
@@ -74,7 +82,13 @@ def plan_part(paths: list[Path], part: tuple[int, int]) -> list[PartInput]:
     size = path.stat().st_size
     start, end = (_line_start_at(path, size * k // count) for k in (index - 1, index))
     lines, records = _count_lines(path, start)
-    return [PartInput(path, (start, end), lines + 1, records)]
+    return [PartInput(path, (start, end), lines + 1, records)], identity
+
+
+def _inputs_id(paths: list[Path]) -> str:
+    """The input's files by name and size, in order: not by path, as N machines may hold copies elsewhere."""
+    files = [(p.name, sum(f.stat().st_size for f in (arrow_files(p) if p.is_dir() else [p]))) for p in paths]
+    return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]
 
 
 def _records_in(path: Path) -> int:
@@ -88,10 +102,8 @@ def _records_in(path: Path) -> int:
 
 def _count_lines(path: Path, end: int) -> tuple[int, int]:
     """(line breaks, non-blank lines) in bytes [0, end) of a file that has a line start at `end`."""
-    breaks = records = 0
-    tail = b""
+    breaks, records, tail, left = 0, 0, b"", end
     with open(path, "rb") as f:
-        left = end
         while left > 0:
             block = f.read(min(SCAN_BYTES, left))
             left -= len(block)
@@ -143,16 +155,18 @@ def range_line_chunks(source, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
             pending = data[cut:]
 
 
-def merge_prepared(dirs: list, out_dir, force: bool = False, log: Callable[[str], None] = print) -> dict:
+def merge_prepared(dirs: list, out_dir, force: bool = False, log: Callable[[str], None] = print,
+                   allow_incomplete: bool = False) -> dict:
     """Write `out_dir` (a manifest over the prepared `dirs` and a copy of their tokenizer); returns the manifest.
     Written under a temporary name and renamed into place, as `prepare` does."""
     dirs, out_dir = [Path(d) for d in dirs], Path(out_dir)
     if len(dirs) < 2:
         raise NanoforgeError("prepare merge needs two or more prepared directories")
-    if len({d.resolve() for d in dirs}) != len(dirs):
-        raise NanoforgeError("prepare merge: a directory is given twice; its tokens would be counted twice")
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:
-        raise NanoforgeError(f"{out_dir}: already exists and is not empty; pass --force to replace it")
+    for d in dirs:  # `--out` must be none of its inputs, nor inside one, nor hold one (symlinks resolved)
+        if out_dir.resolve().is_relative_to(d.resolve()) or d.resolve().is_relative_to(out_dir.resolve()):
+            raise NanoforgeError(f"prepare merge: --out {out_dir} would write over its input {d}; "
+                                 "choose an --out apart from the parts")
+    check_out_dir(out_dir, force)
     manifests = [read_manifest(d) for d in dirs]
     first = manifests[0]
     for d, m in zip(dirs[1:], manifests[1:]):
@@ -164,7 +178,8 @@ def merge_prepared(dirs: list, out_dir, force: bool = False, log: Callable[[str]
             diffs.append(f"splits {sorted(first['splits'])} vs {sorted(m['splits'])}")
         if diffs:
             raise NanoforgeError(f"prepare merge: {d} does not match {dirs[0]}: {'; '.join(diffs)}")
-    merged = {**{k: v for k, v in first.items() if k not in ("stats", "part")},
+    whole = _check_parts(dirs, manifests, allow_incomplete)
+    merged = {**{k: v for k, v in first.items() if k not in ("stats", "part")}, **({"part": whole} if whole else {}),
               "sources": [s for m in manifests for s in m["sources"]],
               "parts": [os.path.relpath(d.resolve(), out_dir.resolve()) for d in dirs],
               "splits": {split: _merged_split(dirs, manifests, split, out_dir) for split in first["splits"]},
@@ -173,6 +188,36 @@ def merge_prepared(dirs: list, out_dir, force: bool = False, log: Callable[[str]
     log(f"merged {len(dirs)} parts into {out_dir}: " + ", ".join(
         f"{split} {entry['tokens']:,} tokens / {entry['docs']:,} docs" for split, entry in merged["splits"].items()))
     return merged
+
+
+def _check_parts(dirs: list[Path], manifests: list[dict], allow_incomplete: bool) -> dict | None:
+    """Every part's shards as its manifest lists them; no part twice, one splitting of each input, every part
+    (unless allow_incomplete). Returns the merge's identity when it is all of one input (so it merges on)."""
+    given: dict[str, tuple[int, dict[int, Path]]] = {}  # input -> (N, {I: directory})
+    for d, m in zip(dirs, manifests):
+        part = m.get("part")
+        if not isinstance(part, dict):
+            raise NanoforgeError(f"prepare merge: {d}: its manifest does not say which part of which input it holds "
+                                 "(prepared by an older nanoforge, or a merge of several inputs); prepare it again")
+        for split in m["splits"]:
+            TokenShards(d, split)  # raises, naming the file, for a shard missing or of the wrong size
+        count, group = given.setdefault(part["inputs"], (part["count"], {}))
+        where = f"prepare merge: {d}: part {part['index']}/{part['count']}"
+        if part["count"] != count:
+            index, other = next(iter(group.items()))
+            raise NanoforgeError(f"{where}, but {other} is part {index}/{count} of the same input: their records "
+                                 "overlap; merge the parts of one --part I/N splitting")
+        if part["index"] in group:
+            raise NanoforgeError(f"{where} of its input is given twice (as {group[part['index']]} too); its tokens "
+                                 "would be counted twice")
+        group[part["index"]] = d
+    for count, group in given.values():
+        missing = [f"{i}/{count}" for i in range(1, count + 1) if i not in group]
+        if missing and not allow_incomplete:
+            raise NanoforgeError(f"prepare merge: {', '.join(map(str, group.values()))}: part(s) {', '.join(missing)} "
+                                 "of the same input are not given; merge every part, or only these with "
+                                 "`prepare merge --allow-incomplete`")
+    return {"index": 1, "count": 1, "inputs": next(iter(given))} if len(given) == 1 and not missing else None
 
 
 def _merged_split(dirs: list[Path], manifests: list[dict], split: str, out_dir: Path) -> dict:
@@ -190,9 +235,7 @@ def _write_merged(out_dir: Path, manifest: dict, tokenizer_dir: Path) -> None:
         shutil.copytree(tokenizer_dir, tmp / "tokenizer")
         write_json(tmp / "manifest.json", manifest)
         fsync_dir(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir) if out_dir.is_dir() else out_dir.unlink()
-        os.rename(tmp, out_dir)
+        replace_dir(tmp, out_dir)  # an old out_dir is deleted only once the new one is in place
         fsync_dir(out_dir.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

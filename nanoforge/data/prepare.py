@@ -21,11 +21,11 @@ from nanoforge import __version__, dirlock
 from nanoforge.data.chunks import ChunkResult, SourceStats, chunk_tasks, run_chunks
 from nanoforge.data.columnar import check_columnar, is_columnar
 from nanoforge.data.jsonl import KINDS, DataError, check_input_file
-from nanoforge.data.parts import PartInput, parse_part, plan_part
+from nanoforge.data.parts import plan_part
 from nanoforge.data.sft_records import DROP_THINK_SEED
 from nanoforge.data.shards import FORMAT, FORMAT_VERSION, MASKED_KINDS
 from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import fsync_dir, fsync_file, replace_dir, write_json
+from nanoforge.fsutil import check_out_dir, fsync_dir, fsync_file, replace_dir, write_json
 from nanoforge.tokenizer import Tokenizer, load_tokenizer
 
 SPLITS = ("train", "val")
@@ -71,21 +71,20 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
     if not files:
         raise NanoforgeError("no input files given to prepare")
     paths = [check_columnar(f) if is_columnar(f) else check_input_file(f) for f in files]  # data/columnar.py
-    inputs = plan_part(paths, parse_part(part)) if part else [PartInput(p) for p in paths]  # data/parts.py
+    inputs, identity = plan_part(paths, part)  # data/parts.py
     out_dir = Path(out_dir)
-    _check_out_dir(out_dir, force)
+    check_out_dir(out_dir, force)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # one prepare per --out at a time: a second one stops here, naming the first, before writing anything
     with dirlock.acquire(out_dir.parent / f".{out_dir.name}.lock", f"{out_dir} (being prepared)",
                          unlink_on_release=True):
-        _check_out_dir(out_dir, force)  # again: a prepare that held the lock until now may have filled it
+        check_out_dir(out_dir, force)  # again: a prepare that held the lock until now may have filled it
         return _prepare_locked(kind, inputs, tokenizer, out_dir, val_fraction, workers, skip_invalid, force, log,
-                               chunk_bytes, max_shard_tokens, started, drop_empty_think, text_column, part)
+                               chunk_bytes, max_shard_tokens, started, drop_empty_think, text_column, identity)
 
 
 def _prepare_locked(kind, inputs, tokenizer, out_dir: Path, val_fraction, workers, skip_invalid, force, log,
-                    chunk_bytes, max_shard_tokens, started, drop_empty_think=0.0, text_column="text",
-                    part=None) -> dict:
+                    chunk_bytes, max_shard_tokens, started, drop_empty_think, text_column, identity) -> dict:
     paths = [i.path for i in inputs]
     workers = workers or os.cpu_count() or 1
     # no more processes than chunks: starting a worker costs ~0.5 s, more than a small input takes
@@ -109,7 +108,7 @@ def _prepare_locked(kind, inputs, tokenizer, out_dir: Path, val_fraction, worker
             current = None
             for result in results:
                 source = sources[result.file_index]
-                if part and result.file_index != current:  # where the whole input's count stands here
+                if identity["count"] > 1 and result.file_index != current:  # the whole input's count here
                     current, docs_seen = result.file_index, source.records_before
                 source.records += (len(result.doc_lens) - result.continues) // _docs_per_record(kind)
                 source.skips.merge(result.skips)
@@ -123,8 +122,7 @@ def _prepare_locked(kind, inputs, tokenizer, out_dir: Path, val_fraction, worker
         tokenizer.save(tmp / "tokenizer")
         manifest = _manifest(kind, tokenizer, dtype, val_fraction, sources, splits, workers,
                              time.perf_counter() - started, drop_empty_think)
-        if part:
-            manifest["part"] = part
+        manifest["part"] = identity  # which part of which input (data/parts.py), for `prepare merge`
         write_json(tmp / "manifest.json", manifest)
         _swap_into_place(tmp, out_dir, force)
     except BaseException:  # KeyboardInterrupt too: never leave a half-written directory behind
@@ -140,12 +138,6 @@ def _docs_per_record(kind: str) -> int:
     """A dpo record is stored as two documents (chosen, rejected); every other kind as one."""
     return 2 if kind == "dpo" else 1
 
-
-def _check_out_dir(out_dir: Path, force: bool) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise NanoforgeError(f"{out_dir}: exists and is not a directory; choose another --out")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        raise NanoforgeError(f"{out_dir}: already exists and is not empty; pass --force to replace it")
 
 def _write_result(result: ChunkResult, writers: dict, docs_seen: int, val_fraction: float,
                   docs_per_record: int = 1) -> int:
@@ -274,7 +266,7 @@ def _swap_into_place(tmp: Path, out_dir: Path, force: bool) -> None:
     """Rename the finished temp dir onto out_dir (fsutil.replace_dir: an old out_dir is deleted only once the
     new one is in place)."""
     _fsync_tree(tmp)
-    _check_out_dir(out_dir, force)  # checked at the start too; someone may have written there since
+    check_out_dir(out_dir, force)  # checked at the start too; someone may have written there since
     replace_dir(tmp, out_dir)
     fsync_dir(out_dir.parent)
 
