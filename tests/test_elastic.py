@@ -84,16 +84,26 @@ def data(tmp_path_factory, tiny_tokenizer):
     return work / "pre"
 
 
+@pytest.fixture(scope="module")
+def plain(data, tmp_path_factory):
+    """The uninterrupted run a restarted one must end equal to."""
+    out = tmp_path_factory.mktemp("elastic_plain") / "plain"
+    check(subprocess.run(torchrun("--standalone", "--nproc-per-node", "2") + [*COMMON, "--data", str(data),
+                         "--batch-size", str(B), "--out", str(out)], cwd=ROOT, env=env(), capture_output=True,
+                         text=True, timeout=300))
+    return out
+
+
 @pytest.mark.slow
-def test_a_lost_worker_restarts_and_ends_bit_exact(data, tmp_path):
-    line = [*COMMON, "--data", str(data), "--batch-size", str(B), "--resume", "auto"]
-    plain = tmp_path / "plain"
-    check(subprocess.run(torchrun("--standalone", "--nproc-per-node", "2") + [*line, "--out", str(plain)],
-                         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300))
+@pytest.mark.parametrize("launcher", [["--nproc-per-node", "2", "--max-restarts", "3"],  # static rendezvous
+                                      ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]])
+def test_a_lost_worker_restarts_and_ends_bit_exact(data, plain, tmp_path, launcher):
+    """Both launchers keep one rendezvous store for all attempts (no TORCH_DISABLE_SHARE_RDZV_TCP_STORE): the
+    restarted group must not read the dead attempt's keys in it."""
     elastic = tmp_path / "elastic"
-    proc = check(subprocess.run(
-        torchrun("--standalone", "--nproc-per-node", "2", "--max-restarts", "1") + [*line, "--out", str(elastic)],
-        cwd=ROOT, env=env(NANOFORGE_INJECT_KILL="1@3", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), capture_output=True, text=True, timeout=300))
+    line = [*COMMON, "--data", str(data), "--batch-size", str(B), "--resume", "auto", "--out", str(elastic)]
+    proc = check(subprocess.run(torchrun(*launcher) + line, cwd=ROOT, env=env(NANOFORGE_INJECT_KILL="1@3"),
+                                capture_output=True, text=True, timeout=300))
     assert "exitcode: -9" in proc.stderr, proc.stderr[-3000:]  # torchrun saw rank 1 die of SIGKILL
     assert "--resume auto: continuing" in proc.stdout and "step_000002" in proc.stdout
     assert logged_steps(elastic) == [1, 2, 3, 4, 5, 6], "step 3 redone from the step-2 checkpoint, logged once"
@@ -134,20 +144,6 @@ def test_two_nodes_by_c10d_rendezvous_match_one_process(data, tmp_path):
     a, b = weights(nodes), weights(single)
     for k in a:
         assert (a[k] - b[k]).abs().max() <= 1e-4, k
-
-
-def test_a_failed_join_after_a_restart_names_the_launchers_switch(monkeypatch):
-    from nanoforge.errors import NanoforgeError
-    from nanoforge.train.distributed import _restart_hint
-    error = RuntimeError("Gloo connectFullMesh failed: Connection refused")
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    assert _restart_hint(error) is error, "a first attempt's failure is not about restarts"
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    hint = _restart_hint(error)
-    assert isinstance(hint, NanoforgeError) and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in str(hint)
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
-    assert _restart_hint(error) is error
 
 
 def test_leaving_the_group_exits_with_the_status_and_flushed_output(tmp_path):

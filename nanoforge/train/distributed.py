@@ -75,25 +75,30 @@ def setup(device: torch.device) -> torch.device:
         # main_first() keeps ranks > 0 in a barrier while rank 0 prepares data or computes DPO reference
         # log-probs; NCCL's default 10-minute timeout would kill them on a large corpus.
         timeout = datetime.timedelta(minutes=_timeout_minutes())
-        try:
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=w.rank,
-                                    world_size=w.world_size, timeout=timeout)
-        except RuntimeError as e:
-            raise _restart_hint(e) from e
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=w.rank, world_size=w.world_size,
+                                timeout=timeout, store=_attempt_store(timeout))
         atexit.register(dist.destroy_process_group)
     return device
 
 
-def _restart_hint(error: RuntimeError) -> Exception:
-    """After an elastic restart torchrun (2.5 and later) hands the workers the rendezvous store of the last
-    attempt, addresses of its dead ranks included, and joining the group fails on them (pytorch#135712). The
-    error a person can act on names the launcher's switch; any other failure is returned unchanged."""
-    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-    if not (restarted and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
-        return error
-    return NanoforgeError(f"joining the process group after torchrun's restart failed ({str(error)[:200]}): the "
-                          "restarted workers read the last attempt's addresses from torchrun's shared store. Launch "
-                          "torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (pytorch#135712)")
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """The store the group joins through. torchrun's agent can keep one store for the whole job (its static
+    rendezvous always does; c10d unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): after a restart the failed
+    attempt's keys, its dead ranks' addresses among them, are still there, and a rank that reads them waits
+    for a peer that is gone. Each attempt gets keys of its own; None (torch's env:// store) otherwise.
+    The attempt number is the launcher's count of restarts, the same for all ranks only when one launcher
+    started them all: a restart across several launchers sharing the store is refused, naming the switch."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt != "0" and os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        raise NanoforgeError(f"torchrun restarted the workers (restart {attempt}) of a job on several nodes "
+                             "sharing its rendezvous store, and joining it could wait on the last attempt's dead "
+                             "ranks. Launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --rdzv-backend c10d "
+                             "--rdzv-endpoint HOST:PORT ...")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"nanoforge/attempt{attempt}", store)
 
 
 def leave(code: int) -> int:
