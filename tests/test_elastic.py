@@ -121,29 +121,52 @@ def curve(run_dir):
             if "loss" in r]
 
 
-@pytest.mark.slow
-def test_two_nodes_by_c10d_rendezvous_match_one_process(data, tmp_path):
+def two_nodes(line, restarts="3", **extra_env):
     """Two torchrun launchers, as two machines would start them (the same line; c10d rendezvous at one
-    endpoint), one process each, sharing the run directory: equal to one process with the same global batch."""
+    endpoint), one process each, sharing the run directory: their procs and (stdout, stderr)s."""
+    launcher = torchrun("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                        f"127.0.0.1:{free_port()}", "--rdzv-id", "nanoforge-test", "--max-restarts", restarts)
+    procs = [subprocess.Popen(launcher + line, cwd=ROOT, env=env(**extra_env), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    return procs, finish_together(procs)
+
+
+@pytest.mark.slow
+def test_two_nodes_by_c10d_rendezvous_match_one_process_through_a_restart(data, tmp_path):
+    """The README's line for several machines, a worker lost on one of them: equal to one process with the same
+    global batch."""
     single = tmp_path / "single"
     check(subprocess.run([sys.executable, "-m", "nanoforge", *COMMON, "--data", str(data), "--batch-size",
                           str(2 * B), "--out", str(single)], cwd=ROOT, env=env(), capture_output=True, text=True,
                          timeout=300))
     nodes = tmp_path / "nodes"
-    launcher = torchrun("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                        f"127.0.0.1:{free_port()}", "--rdzv-id", "nanoforge-test")
     line = [*COMMON, "--data", str(data), "--batch-size", str(B), "--out", str(nodes), "--resume", "auto"]
-    procs = [subprocess.Popen(launcher + line, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
-    outs = finish_together(procs)
+    procs, outs = two_nodes(line, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", NANOFORGE_INJECT_KILL="1@3")
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, out[-3000:] + err[-8000:]
     assert "x 2 processes (DDP)" in outs[0][1] + outs[1][1], "one job of two processes, not two jobs"
+    assert "exitcode: -9" in outs[0][1] + outs[1][1] and "continuing" in outs[0][0] + outs[1][0]
     assert logged_steps(nodes) == [1, 2, 3, 4, 5, 6]
     assert_close(curve(nodes), curve(single))
     a, b = weights(nodes), weights(single)
     for k in a:
         assert (a[k] - b[k]).abs().max() <= 1e-4, k
+
+
+@pytest.mark.slow
+def test_two_nodes_sharing_the_launchers_store_are_refused_at_the_start(data, tmp_path):
+    """Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun keeps one store for every attempt, and a node
+    restarted for another's failure keeps its attempt count: such a job would hang at its first restart, so
+    it fails at once (each of torchrun's attempts in seconds), naming the line that works, writing nothing."""
+    start = time.monotonic()
+    line = [*COMMON, "--data", str(data), "--batch-size", str(B), "--out", str(tmp_path / "run")]
+    procs, outs = two_nodes(line, restarts="1")
+    assert all(p.returncode != 0 for p in procs), [p.returncode for p in procs]
+    assert time.monotonic() - start < 90
+    for _, err in outs:
+        assert "error: torchrun may restart this job on 2 nodes (--max-restarts 1)" in err, err[-3000:]
+        assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --rdzv-backend c10d" in err
+    assert not (tmp_path / "run").exists()
 
 
 def test_leaving_the_group_exits_with_the_status_and_flushed_output(tmp_path):

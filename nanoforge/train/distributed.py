@@ -50,7 +50,7 @@ def is_main() -> bool:
 
 
 def _timeout_minutes() -> float:
-    text = os.environ.get("NANOFORGE_DIST_TIMEOUT_MIN", "180")
+    text = os.environ.get("NANOFORGE_DIST_TIMEOUT_MIN", "10")
     try:
         minutes = float(text)
     except ValueError:
@@ -72,8 +72,7 @@ def setup(device: torch.device) -> torch.device:
         device = torch.device("cuda", w.local_rank)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        # main_first() keeps ranks > 0 in a barrier while rank 0 prepares data or computes DPO reference
-        # log-probs; NCCL's default 10-minute timeout would kill them on a large corpus.
+        # a collective (or joining) that waits this long for a peer fails the rank, and torchrun the job
         timeout = datetime.timedelta(minutes=_timeout_minutes())
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=w.rank, world_size=w.world_size,
                                 timeout=timeout, store=_attempt_store(timeout))
@@ -86,19 +85,20 @@ def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
     rendezvous always does; c10d unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): after a restart the failed
     attempt's keys, its dead ranks' addresses among them, are still there, and a rank that reads them waits
     for a peer that is gone. Each attempt gets keys of its own; None (torch's env:// store) otherwise.
-    The attempt number is the launcher's count of restarts, the same for all ranks only when one launcher
-    started them all: a restart across several launchers sharing the store is refused, naming the switch."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    The attempt number is the launcher's count of restarts, the same for every rank only when one launcher
+    started them all (on several nodes a node restarted for another's failure keeps its count): a job on
+    several nodes that may restart is refused at its start, naming the launch line that works."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if attempt != "0" and os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
-        raise NanoforgeError(f"torchrun restarted the workers (restart {attempt}) of a job on several nodes "
-                             "sharing its rendezvous store, and joining it could wait on the last attempt's dead "
-                             "ranks. Launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --rdzv-backend c10d "
-                             "--rdzv-endpoint HOST:PORT ...")
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timeout)
-    return dist.PrefixStore(f"nanoforge/attempt{attempt}", store)
+    if env.get("GROUP_WORLD_SIZE", "1") != "1" and env.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
+        raise NanoforgeError(f"torchrun may restart this job on {env['GROUP_WORLD_SIZE']} nodes (--max-restarts "
+                             f"{env['TORCHELASTIC_MAX_RESTARTS']}) but keeps one rendezvous store for all attempts, "
+                             "and a restarted node would wait on the dead attempt's ranks. Launch with "
+                             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --rdzv-backend c10d --rdzv-endpoint "
+                             "HOST:PORT --rdzv-id JOB ...")
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"nanoforge/attempt{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def leave(code: int) -> int:
@@ -126,13 +126,18 @@ def main_first(device: torch.device | None = None):
     """Rank 0 runs the body first (e.g. preparing data into the run directory), the others after it, when
     its results are on disk."""
     w = world()
-    if w.distributed:
-        setup(device or torch.device("cpu"))
+    if not w.distributed:
+        yield
+        return
+    setup(device or torch.device("cpu"))
+    # ranks > 0 wait here while rank 0 prepares a large corpus or DPO's reference log-probs: hours, not the
+    # collectives' timeout
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=3))
     if not w.is_main:
-        barrier()
+        dist.barrier(group)
     yield
     if w.is_main:
-        barrier()
+        dist.barrier(group)
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
