@@ -1,9 +1,6 @@
-"""Many processes through `torchrun`: the environment, DDP / FSDP2 wrapping, and the few collectives the loop
-needs. With one process (no torchrun, or WORLD_SIZE=1) every function here is a no-op or the identity, so the
-loop reads the same either way.
-
-    torchrun --nproc-per-node N -m nanoforge pretrain ...
-
+"""Many processes through `torchrun --nproc-per-node N -m nanoforge pretrain ...`: the environment, DDP / FSDP2
+wrapping, and the few collectives the loop needs. With one process (no torchrun, or WORLD_SIZE=1) every function
+here is a no-op or the identity, so the loop reads the same either way.
 Each rank reads its own slice of every step's global batch (the batch sources take rank and world_size), so
 the global batch is batch_size x world_size x grad_accum. Only rank 0 writes files.
 """
@@ -51,10 +48,7 @@ def is_main() -> bool:
 
 def _timeout_minutes() -> float:
     text = os.environ.get("NANOFORGE_DIST_TIMEOUT_MIN", "10")
-    try:
-        minutes = float(text)
-    except ValueError:
-        minutes = -1.0
+    minutes = float(text) if text.replace(".", "", 1).isdigit() else 0.0
     if not minutes > 0:
         raise NanoforgeError(f"NANOFORGE_DIST_TIMEOUT_MIN={text!r} must be a positive number of minutes")
     return minutes
@@ -81,22 +75,19 @@ def setup(device: torch.device) -> torch.device:
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
-    """The store the group joins through. torchrun's agent can keep one store for the whole job (its static
-    rendezvous always does; c10d unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): after a restart the failed
-    attempt's keys, its dead ranks' addresses among them, are still there, and a rank that reads them waits
-    for a peer that is gone. Each attempt gets keys of its own; None (torch's env:// store) otherwise.
-    The attempt number is the launcher's count of restarts, the same for every rank only when one launcher
-    started them all (on several nodes a node restarted for another's failure keeps its count): a job on
-    several nodes that may restart is refused at its start, naming the launch line that works."""
+    """The store the group joins through. torchrun's static rendezvous, and c10d's unless
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, keep one store for every attempt, where a restarted rank would read the
+    dead attempt's addresses and wait for peers that are gone: each attempt gets keys of its own, named by the
+    launcher's restart count. Nodes disagree on that count (one restarted for another's failure keeps its
+    own), so a job on several nodes that may restart is refused at its start. None: torch's env:// store."""
     env = os.environ
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     if env.get("GROUP_WORLD_SIZE", "1") != "1" and env.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
         raise NanoforgeError(f"torchrun may restart this job on {env['GROUP_WORLD_SIZE']} nodes (--max-restarts "
-                             f"{env['TORCHELASTIC_MAX_RESTARTS']}) but keeps one rendezvous store for all attempts, "
-                             "and a restarted node would wait on the dead attempt's ranks. Launch with "
-                             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --rdzv-backend c10d --rdzv-endpoint "
-                             "HOST:PORT --rdzv-id JOB ...")
+                             f"{env['TORCHELASTIC_MAX_RESTARTS']}) with one store for all attempts, where a restarted"
+                             " node would wait on the dead ranks. Launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                             "torchrun --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB ...")
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
     return dist.PrefixStore(f"nanoforge/attempt{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
@@ -125,18 +116,14 @@ def barrier() -> None:
 def main_first(device: torch.device | None = None):
     """Rank 0 runs the body first (e.g. preparing data into the run directory), the others after it, when
     its results are on disk."""
-    w = world()
-    if not w.distributed:
-        yield
-        return
-    setup(device or torch.device("cpu"))
-    # ranks > 0 wait here while rank 0 prepares a large corpus or DPO's reference log-probs: hours, not the
-    # collectives' timeout
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=3))
-    if not w.is_main:
+    w, group = world(), None
+    if w.distributed:  # ranks > 0 may wait here for hours (rank 0 preparing a corpus), past the collectives' timeout
+        setup(device or torch.device("cpu"))
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=3))
+    if group is not None and not w.is_main:
         dist.barrier(group)
     yield
-    if w.is_main:
+    if group is not None and w.is_main:
         dist.barrier(group)
 
 
