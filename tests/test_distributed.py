@@ -7,6 +7,7 @@ only rank 0 writes files. The same for FSDP2 (--fsdp true).
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,12 @@ def run(args, nproc=1, timeout=120):
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def records(run_dir):
@@ -145,15 +152,52 @@ def test_compiled_ddp_matches_eager_ddp(runs, pretrain_dir, tmp_path):
 
 
 def test_collective_timeout_comes_from_the_environment(monkeypatch):
-    """Ranks > 0 wait in a barrier while rank 0 prepares a large corpus: the timeout (default 3 h, not NCCL's
-    10 minutes) can be set, and a bad value is an error that names the variable."""
+    """A collective waits for a dead peer this long (default 10 minutes), then fails; a bad value is an error
+    that names the variable."""
     from nanoforge.errors import NanoforgeError
     from nanoforge.train.distributed import _timeout_minutes
     monkeypatch.delenv("NANOFORGE_DIST_TIMEOUT_MIN", raising=False)
-    assert _timeout_minutes() == 180.0
+    assert _timeout_minutes() == 10.0
     monkeypatch.setenv("NANOFORGE_DIST_TIMEOUT_MIN", "45")
     assert _timeout_minutes() == 45.0
     for bad in ("soon", "0", "-3"):
         monkeypatch.setenv("NANOFORGE_DIST_TIMEOUT_MIN", bad)
         with pytest.raises(NanoforgeError, match="NANOFORGE_DIST_TIMEOUT_MIN"):
             _timeout_minutes()
+
+
+PEERS = """import os, sys, time, torch
+from nanoforge.train import distributed
+rank = int(os.environ["RANK"])
+with distributed.main_first():
+    if rank == 0:
+        time.sleep(8)  # preparing data: longer than the collectives' timeout
+print("prepared", flush=True)
+if rank == 1:
+    time.sleep(120)  # a peer that stops answering
+start = time.monotonic()
+try:
+    distributed.all_reduce_sum(torch.ones(1))
+except Exception as e:
+    print(f"failed after {time.monotonic() - start:.0f} s: {e}"[:200], flush=True)
+    os._exit(3)
+"""
+
+
+@pytest.mark.slow
+def test_a_silent_peer_fails_the_collective_after_the_timeout_but_not_main_first(tmp_path):
+    """NANOFORGE_DIST_TIMEOUT_MIN=0.05 (3 s): a collective whose peer stops answering fails within it, while the
+    others' wait for rank 0 in main_first (8 s) is not bounded by it. Real processes, gloo."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "NANOFORGE_DIST_TIMEOUT_MIN": "0.05",
+           "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for key in ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "LOCAL_RANK"):
+        env.pop(key, None)
+    procs = [subprocess.Popen([sys.executable, "-c", PEERS], cwd=ROOT, env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        out, err = procs[0].communicate(timeout=120)
+    finally:
+        procs[1].kill()
+    assert procs[0].returncode == 3 and "prepared" in out, out + err[-3000:]
+    assert procs[1].communicate()[0] == "prepared\n"
+    assert int(out.split("failed after ")[1].split(" s")[0]) < 30, out

@@ -84,16 +84,26 @@ def data(tmp_path_factory, tiny_tokenizer):
     return work / "pre"
 
 
+@pytest.fixture(scope="module")
+def plain(data, tmp_path_factory):
+    """The uninterrupted run a restarted one must end equal to."""
+    out = tmp_path_factory.mktemp("elastic_plain") / "plain"
+    check(subprocess.run(torchrun("--standalone", "--nproc-per-node", "2") + [*COMMON, "--data", str(data),
+                         "--batch-size", str(B), "--out", str(out)], cwd=ROOT, env=env(), capture_output=True,
+                         text=True, timeout=300))
+    return out
+
+
 @pytest.mark.slow
-def test_a_lost_worker_restarts_and_ends_bit_exact(data, tmp_path):
-    line = [*COMMON, "--data", str(data), "--batch-size", str(B), "--resume", "auto"]
-    plain = tmp_path / "plain"
-    check(subprocess.run(torchrun("--standalone", "--nproc-per-node", "2") + [*line, "--out", str(plain)],
-                         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300))
+@pytest.mark.parametrize("launcher", [["--nproc-per-node", "2", "--max-restarts", "3"],  # static rendezvous
+                                      ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]])
+def test_a_lost_worker_restarts_and_ends_bit_exact(data, plain, tmp_path, launcher):
+    """Both launchers keep one rendezvous store for all attempts (no TORCH_DISABLE_SHARE_RDZV_TCP_STORE): the
+    restarted group must not read the dead attempt's keys in it."""
     elastic = tmp_path / "elastic"
-    proc = check(subprocess.run(
-        torchrun("--standalone", "--nproc-per-node", "2", "--max-restarts", "1") + [*line, "--out", str(elastic)],
-        cwd=ROOT, env=env(NANOFORGE_INJECT_KILL="1@3", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), capture_output=True, text=True, timeout=300))
+    line = [*COMMON, "--data", str(data), "--batch-size", str(B), "--resume", "auto", "--out", str(elastic)]
+    proc = check(subprocess.run(torchrun(*launcher) + line, cwd=ROOT, env=env(NANOFORGE_INJECT_KILL="1@3"),
+                                capture_output=True, text=True, timeout=300))
     assert "exitcode: -9" in proc.stderr, proc.stderr[-3000:]  # torchrun saw rank 1 die of SIGKILL
     assert "--resume auto: continuing" in proc.stdout and "step_000002" in proc.stdout
     assert logged_steps(elastic) == [1, 2, 3, 4, 5, 6], "step 3 redone from the step-2 checkpoint, logged once"
@@ -111,24 +121,31 @@ def curve(run_dir):
             if "loss" in r]
 
 
-@pytest.mark.slow
-def test_two_nodes_by_c10d_rendezvous_match_one_process(data, tmp_path):
+def two_nodes(line, restarts="3", **extra_env):
     """Two torchrun launchers, as two machines would start them (the same line; c10d rendezvous at one
-    endpoint), one process each, sharing the run directory: equal to one process with the same global batch."""
+    endpoint), one process each, sharing the run directory: their procs and (stdout, stderr)s."""
+    launcher = torchrun("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                        f"127.0.0.1:{free_port()}", "--rdzv-id", "nanoforge-test", "--max-restarts", restarts)
+    procs = [subprocess.Popen(launcher + line, cwd=ROOT, env=env(**extra_env), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    return procs, finish_together(procs)
+
+
+@pytest.mark.slow
+def test_two_nodes_by_c10d_rendezvous_match_one_process_through_a_restart(data, tmp_path):
+    """The README's line for several machines, a worker lost on one of them: equal to one process with the same
+    global batch."""
     single = tmp_path / "single"
     check(subprocess.run([sys.executable, "-m", "nanoforge", *COMMON, "--data", str(data), "--batch-size",
                           str(2 * B), "--out", str(single)], cwd=ROOT, env=env(), capture_output=True, text=True,
                          timeout=300))
     nodes = tmp_path / "nodes"
-    launcher = torchrun("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                        f"127.0.0.1:{free_port()}", "--rdzv-id", "nanoforge-test")
     line = [*COMMON, "--data", str(data), "--batch-size", str(B), "--out", str(nodes), "--resume", "auto"]
-    procs = [subprocess.Popen(launcher + line, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
-    outs = finish_together(procs)
+    procs, outs = two_nodes(line, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", NANOFORGE_INJECT_KILL="1@3")
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, out[-3000:] + err[-8000:]
     assert "x 2 processes (DDP)" in outs[0][1] + outs[1][1], "one job of two processes, not two jobs"
+    assert "exitcode: -9" in outs[0][1] + outs[1][1] and "continuing" in outs[0][0] + outs[1][0]
     assert logged_steps(nodes) == [1, 2, 3, 4, 5, 6]
     assert_close(curve(nodes), curve(single))
     a, b = weights(nodes), weights(single)
@@ -136,18 +153,20 @@ def test_two_nodes_by_c10d_rendezvous_match_one_process(data, tmp_path):
         assert (a[k] - b[k]).abs().max() <= 1e-4, k
 
 
-def test_a_failed_join_after_a_restart_names_the_launchers_switch(monkeypatch):
-    from nanoforge.errors import NanoforgeError
-    from nanoforge.train.distributed import _restart_hint
-    error = RuntimeError("Gloo connectFullMesh failed: Connection refused")
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    assert _restart_hint(error) is error, "a first attempt's failure is not about restarts"
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    hint = _restart_hint(error)
-    assert isinstance(hint, NanoforgeError) and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in str(hint)
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
-    assert _restart_hint(error) is error
+@pytest.mark.slow
+def test_two_nodes_sharing_the_launchers_store_are_refused_at_the_start(data, tmp_path):
+    """Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun keeps one store for every attempt, and a node
+    restarted for another's failure keeps its attempt count: such a job would hang at its first restart, so
+    it fails at once (each of torchrun's attempts in seconds), naming the line that works, writing nothing."""
+    start = time.monotonic()
+    line = [*COMMON, "--data", str(data), "--batch-size", str(B), "--out", str(tmp_path / "run")]
+    procs, outs = two_nodes(line, restarts="1")
+    assert all(p.returncode != 0 for p in procs), [p.returncode for p in procs]
+    assert time.monotonic() - start < 90
+    for _, err in outs:
+        assert "error: torchrun may restart this job on 2 nodes (--max-restarts 1) with one store" in err, err[-3000:]
+        assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --rdzv-backend c10d" in err
+    assert not (tmp_path / "run").exists()
 
 
 def test_leaving_the_group_exits_with_the_status_and_flushed_output(tmp_path):

@@ -1,9 +1,6 @@
-"""Many processes through `torchrun`: the environment, DDP / FSDP2 wrapping, and the few collectives the loop
-needs. With one process (no torchrun, or WORLD_SIZE=1) every function here is a no-op or the identity, so the
-loop reads the same either way.
-
-    torchrun --nproc-per-node N -m nanoforge pretrain ...
-
+"""Many processes through `torchrun --nproc-per-node N -m nanoforge pretrain ...`: the environment, DDP / FSDP2
+wrapping, and the few collectives the loop needs. With one process (no torchrun, or WORLD_SIZE=1) every function
+here is a no-op or the identity, so the loop reads the same either way.
 Each rank reads its own slice of every step's global batch (the batch sources take rank and world_size), so
 the global batch is batch_size x world_size x grad_accum. Only rank 0 writes files.
 """
@@ -50,11 +47,8 @@ def is_main() -> bool:
 
 
 def _timeout_minutes() -> float:
-    text = os.environ.get("NANOFORGE_DIST_TIMEOUT_MIN", "180")
-    try:
-        minutes = float(text)
-    except ValueError:
-        minutes = -1.0
+    text = os.environ.get("NANOFORGE_DIST_TIMEOUT_MIN", "10")
+    minutes = float(text) if text.replace(".", "", 1).isdigit() else 0.0
     if not minutes > 0:
         raise NanoforgeError(f"NANOFORGE_DIST_TIMEOUT_MIN={text!r} must be a positive number of minutes")
     return minutes
@@ -72,28 +66,30 @@ def setup(device: torch.device) -> torch.device:
         device = torch.device("cuda", w.local_rank)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        # main_first() keeps ranks > 0 in a barrier while rank 0 prepares data or computes DPO reference
-        # log-probs; NCCL's default 10-minute timeout would kill them on a large corpus.
+        # a collective (or joining) that waits this long for a peer fails the rank, and torchrun the job
         timeout = datetime.timedelta(minutes=_timeout_minutes())
-        try:
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=w.rank,
-                                    world_size=w.world_size, timeout=timeout)
-        except RuntimeError as e:
-            raise _restart_hint(e) from e
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=w.rank, world_size=w.world_size,
+                                timeout=timeout, store=_attempt_store(timeout))
         atexit.register(dist.destroy_process_group)
     return device
 
 
-def _restart_hint(error: RuntimeError) -> Exception:
-    """After an elastic restart torchrun (2.5 and later) hands the workers the rendezvous store of the last
-    attempt, addresses of its dead ranks included, and joining the group fails on them (pytorch#135712). The
-    error a person can act on names the launcher's switch; any other failure is returned unchanged."""
-    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-    if not (restarted and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
-        return error
-    return NanoforgeError(f"joining the process group after torchrun's restart failed ({str(error)[:200]}): the "
-                          "restarted workers read the last attempt's addresses from torchrun's shared store. Launch "
-                          "torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (pytorch#135712)")
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """The store the group joins through. torchrun's static rendezvous, and c10d's unless
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, keep one store for every attempt, where a restarted rank would read the
+    dead attempt's addresses and wait for peers that are gone: each attempt gets keys of its own, named by the
+    launcher's restart count. Nodes disagree on that count (one restarted for another's failure keeps its
+    own), so a job on several nodes that may restart is refused at its start. None: torch's env:// store."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if env.get("GROUP_WORLD_SIZE", "1") != "1" and env.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
+        raise NanoforgeError(f"torchrun may restart this job on {env['GROUP_WORLD_SIZE']} nodes (--max-restarts "
+                             f"{env['TORCHELASTIC_MAX_RESTARTS']}) with one store for all attempts, where a restarted"
+                             " node would wait on the dead ranks. Launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                             "torchrun --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB ...")
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"nanoforge/attempt{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def leave(code: int) -> int:
@@ -120,14 +116,15 @@ def barrier() -> None:
 def main_first(device: torch.device | None = None):
     """Rank 0 runs the body first (e.g. preparing data into the run directory), the others after it, when
     its results are on disk."""
-    w = world()
-    if w.distributed:
+    w, group = world(), None
+    if w.distributed:  # ranks > 0 may wait here for hours (rank 0 preparing a corpus), past the collectives' timeout
         setup(device or torch.device("cpu"))
-    if not w.is_main:
-        barrier()
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=3))
+    if group is not None and not w.is_main:
+        dist.barrier(group)
     yield
-    if w.is_main:
-        barrier()
+    if group is not None and w.is_main:
+        dist.barrier(group)
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
