@@ -27,7 +27,6 @@ import json
 from typing import Callable
 
 from nanoforge.data.jsonl import iter_records
-from nanoforge.errors import NanoforgeError
 from nanoforge.eval.common import Progress, format_table
 from nanoforge.infer.generate import SamplingConfig
 from nanoforge.infer.toolloop import Rollout, run_in_batches
@@ -46,8 +45,6 @@ def _loaded(value):
 
 def read_toolcall(path, limit: int | None = None) -> list[dict]:
     """One case per SFT record: prompt messages, declared schemas by name, reference calls and answer."""
-    if limit is not None and limit < 1:
-        raise NanoforgeError(f"--limit must be >= 1, got {limit}")
     cases = []
     for line_no, record in iter_records(path, "sft"):
         if limit is not None and len(cases) >= limit:
