@@ -375,7 +375,7 @@ def test_fifty_concurrent_streaming_clients(tmp_path_factory, tiny_tokenizer, tm
     assert "Traceback" not in server.output(), server.output()[-3000:]
 
 
-def test_a_port_in_use_or_out_of_range_is_a_clear_error_before_loading(tmp_path):
+def test_a_port_in_use_is_a_clear_error_before_loading(tmp_path):
     """Checked before the model loads (the run below does not even exist) and before "serving ..." is said."""
     import socket
 
