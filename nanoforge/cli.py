@@ -3,11 +3,33 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 
 from nanoforge import __version__
 from nanoforge.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, ModelConfig, TrainConfig, field_help
 from nanoforge.infer import defaults as chat_defaults
+
+
+def number(kind: type, interval: str = "(-inf, inf)"):
+    """The argparse type of every numeric flag, the one check of them all: a `kind` (int or float) that is finite
+    and in `interval` ("[0, 1)": 0 included, 1 not), else a usage error (exit 2) before any work."""
+    low, high = (float(end) for end in interval[1:-1].split(","))
+    what = f"{'>' if interval[0] == '(' else '>='} {low:g}" if high == math.inf else f"in {interval}"
+
+    def parse(text: str):
+        value = kind(text)  # a ValueError: argparse's "invalid int value: 'x'" (it names the type by __name__)
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+        if not (low < value < high or value == low and interval[0] == "[" or value == high and interval[-1] == "]"):
+            raise argparse.ArgumentTypeError(f"{text} must be {what}")
+        return value
+    parse.__name__, parse.interval = kind.__name__, interval  # interval: for the test that walks every flag
+    return parse
+
+
+INT_GE1, INT_GE0, FLOAT_GT0, FLOAT_GE0 = (number(int, "[1, inf)"), number(int, "[0, inf)"),
+                                          number(float, "(0, inf)"), number(float, "[0, inf)"))
 
 
 def _resume_value(text: str) -> str:
@@ -80,7 +102,7 @@ def add_data_parsers(sub, fmt) -> None:
     demo = sub.add_parser("demo", help="the whole pipeline on documentation found on this machine (CPU, minutes)",
                           formatter_class=fmt)
     demo.add_argument("--out", default="runs/demo", metavar="DIR", help="work directory (a previous demo's is replaced)")
-    demo.add_argument("--minutes", type=float, default=5.0, help="time budget; training steps are sized to fit it")
+    demo.add_argument("--minutes", type=FLOAT_GT0, default=5.0, help="time budget; training steps are sized to fit it")
 
     rep = sub.add_parser("report", help="markdown report (loss, lr, grad norm, tokens/s, memory plots; config, data, "
                          "time, metrics, samples) for one run or several side by side; training commands write "
@@ -92,8 +114,8 @@ def add_data_parsers(sub, fmt) -> None:
     tok_sub = tok.add_subparsers(dest="tokenizer_command", metavar="ACTION", required=True)
     tt = tok_sub.add_parser("train", help="train on JSONL (text or conversations) or .txt files", formatter_class=fmt)
     tt.add_argument("--data", nargs="+", required=True, metavar="FILE", help="JSONL or .txt files")
-    tt.add_argument("--vocab-size", type=int, default=6400, help="vocabulary size including special tokens")
-    tt.add_argument("--min-frequency", type=int, default=2, help="minimum pair frequency for a merge")
+    tt.add_argument("--vocab-size", type=INT_GE1, default=6400, help="vocabulary size including special tokens")
+    tt.add_argument("--min-frequency", type=INT_GE0, default=2, help="minimum pair frequency for a merge")
     tt.add_argument("--out", required=True, metavar="DIR", help="output directory")
 
     prep = sub.add_parser("prepare", help="tokenize JSONL into token shards for training; `prepare merge DIR... "
@@ -108,12 +130,12 @@ def add_data_parsers(sub, fmt) -> None:
                            "plain-text .txt/.md files")
     prep.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory or tokenizer.json")
     prep.add_argument("--out", required=True, metavar="DIR", help="output directory (written atomically)")
-    prep.add_argument("--val-fraction", type=float, default=0.01,
+    prep.add_argument("--val-fraction", type=number(float, "[0, 1)"), default=0.01,
                       help="share held out for validation: of JSONL records, evenly spread; of each plain-text "
                            "file, its last bytes from a line start (0: no validation split)")
-    prep.add_argument("--workers", type=int, default=0, help="tokenizer processes (0: all cores)")
+    prep.add_argument("--workers", type=INT_GE0, default=0, help="tokenizer processes (0: all cores)")
     prep.add_argument("--skip-invalid", action="store_true", help="skip and count bad records instead of stopping")
-    prep.add_argument("--drop-empty-think", type=float, default=0.0, metavar="P",
+    prep.add_argument("--drop-empty-think", type=number(float, "[0, 1]"), default=0.0, metavar="P",
                       help="sft: render a seeded share P (0..1) of the records without the empty think blocks of "
                            "their assistant turns, so the model learns both forms (MiniMind-3's recipe)")
     prep.add_argument("--force", action="store_true", help="replace --out if it exists")
@@ -157,9 +179,9 @@ def add_training_parsers(sub, fmt) -> None:
                       help="a directory from `prepare --kind sft`, or conversation JSONL files")
     lora.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
     # default None: a --resume can tell a given option from an omitted one (defaults are LoraConfig's)
-    lora.add_argument("--rank", type=int, help="adapter rank (default: 16)")
-    lora.add_argument("--alpha", type=float, help="adapter scale numerator, scale = alpha / rank (default: 32.0)")
-    lora.add_argument("--dropout", type=float, help="dropout on the adapters' input (default: 0.05)")
+    lora.add_argument("--rank", type=INT_GE1, help="adapter rank (default: 16)")
+    lora.add_argument("--alpha", type=FLOAT_GT0, help="adapter scale numerator, scale = alpha / rank (default: 32.0)")
+    lora.add_argument("--dropout", type=number(float, "[0, 1)"), help="dropout on the adapters' input (default: 0.05)")
     lora.add_argument("--targets", help="linear layers to adapt (default: q,k,v,o,gate,up,down)")
     add_run_flags(lora, exclude=("dropout",))
 
@@ -169,7 +191,7 @@ def add_training_parsers(sub, fmt) -> None:
     dpo.add_argument("--data", nargs="*", default=[], metavar="PATH",
                      help="a directory from `prepare --kind dpo`, or DPO JSONL files")
     dpo.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    dpo.add_argument("--beta", type=float, help="strength of the pull towards the reference (default: 0.1)")
+    dpo.add_argument("--beta", type=FLOAT_GT0, help="strength of the pull towards the reference (default: 0.1)")
     add_run_flags(dpo)
 
     add_grpo_parser(sub, fmt)
@@ -183,8 +205,8 @@ def add_training_parsers(sub, fmt) -> None:
     dist.add_argument("--data", nargs="*", default=[], metavar="PATH",
                       help="pretraining or SFT data: a prepared directory or JSONL files")
     dist.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    dist.add_argument("--temperature", type=float, help="softening of both distributions (default: 1.5)")
-    dist.add_argument("--alpha", type=float, help="weight of the data's cross-entropy; "
+    dist.add_argument("--temperature", type=FLOAT_GT0, help="softening of both distributions (default: 1.5)")
+    dist.add_argument("--alpha", type=number(float, "[0, 1]"), help="weight of the data's cross-entropy; "
                       "1 - alpha weighs the KL to the teacher (default: 0.5)")
     add_run_flags(dist)
 
@@ -195,17 +217,18 @@ def add_tool_parsers(sub, fmt) -> None:
                           formatter_class=fmt)
     plan.add_argument("--device", default="rtx3090", help="cpu, rtx3090, rtx4090, a100-40g, a100-80g, h100, h200, "
                       "l4, t4")
-    plan.add_argument("--global-batch", type=int, help="target sequences per optimizer step (default: "
+    plan.add_argument("--global-batch", type=INT_GE1, help="target sequences per optimizer step (default: "
                       "batch_size x grad_accum)")
-    plan.add_argument("--tokens", type=float, help="training tokens, for a projected wall time")
-    plan.add_argument("--mfu", type=float, default=0.40, help="assumed model-FLOPs utilisation on a GPU")
-    plan.add_argument("--tokens-per-s", type=float, help="measured throughput to project with instead")
+    plan.add_argument("--tokens", type=FLOAT_GT0, help="training tokens, for a projected wall time")
+    plan.add_argument("--mfu", type=number(float, "(0, 1]"), default=0.40,
+                      help="assumed model-FLOPs utilisation on a GPU")
+    plan.add_argument("--tokens-per-s", type=FLOAT_GT0, help="measured throughput to project with instead")
     add_config_flags(plan, exclude=("device",))
 
     bench = sub.add_parser("bench", help="tokens/s, MFU, peak memory and time split of the training loop",
                            formatter_class=fmt)
-    bench.add_argument("--steps", type=int, default=10, help="timed steps (medians are taken over them)")
-    bench.add_argument("--warmup", type=int, default=2, help="untimed steps first (allocator, compilation)")
+    bench.add_argument("--steps", type=INT_GE1, default=10, help="timed steps (medians are taken over them)")
+    bench.add_argument("--warmup", type=INT_GE0, default=2, help="untimed steps first (allocator, compilation)")
     bench.add_argument("--data", metavar="DIR", help="a prepared directory to read batches from (default: random "
                        "tokens from a fixed seed)")
     bench.add_argument("--compare-naive", action="store_true", help="also run a naive fp32 hand-written loop and "
@@ -226,7 +249,8 @@ def add_tool_parsers(sub, fmt) -> None:
     ev.add_argument("--bench", metavar="PATH", help="multiple-choice benchmark: a C-Eval/CMMLU folder or CSV, or JSONL")
     ev.add_argument("--format", default="auto", choices=["auto", "jsonl", "ceval", "cmmlu", "csv"],
                     help="benchmark format")
-    ev.add_argument("--shots", type=int, default=0, help="solved examples before each question (from the dev split)")
+    ev.add_argument("--shots", type=INT_GE0, default=0,
+                    help="solved examples before each question (from the dev split)")
     ev.add_argument("--dev", metavar="FILE", help="dev examples for --shots with a JSONL benchmark")
     ev.add_argument("--gsm8k", metavar="FILE", help='GSM8K JSONL ({"question", "answer" ending "#### N"}): '
                     "accuracy of greedy generated answers")
@@ -234,17 +258,17 @@ def add_tool_parsers(sub, fmt) -> None:
                     "rates of the first reply, and answer accuracy with the built-in tools run")
     ev.add_argument("--tools", metavar="NAMES", help="built-in tools --gsm8k may call (calculator)")
     ev.add_argument("--think", action="store_true", help="open the think block in --gsm8k/--toolcall prompts")
-    ev.add_argument("--max-new-tokens", type=int, default=256, metavar="N",
+    ev.add_argument("--max-new-tokens", type=INT_GE1, default=256, metavar="N",
                     help="tokens per reply for --gsm8k/--toolcall")
-    ev.add_argument("--max-turns", type=int, default=4, metavar="N", help="replies per problem for "
+    ev.add_argument("--max-turns", type=INT_GE1, default=4, metavar="N", help="replies per problem for "
                     "--gsm8k/--toolcall (each reply that calls tools costs one)")
-    ev.add_argument("--limit", type=int, help="score at most this many questions")
+    ev.add_argument("--limit", type=INT_GE1, help="score at most this many questions")
     ev.add_argument("--samples", action="store_true", help="generate replies to a fixed prompt set")
     ev.add_argument("--prompts", metavar="FILE", help="prompts for --samples, one per line")
     ev.add_argument("--chat", action="store_true", help="render sample prompts with the chat template")
-    ev.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
-    ev.add_argument("--seq-len", type=int, help="window length (default: the model's max_seq_len)")
-    ev.add_argument("--max-tokens", type=int, help="stop after scoring this many tokens")
+    ev.add_argument("--batch-size", type=INT_GE1, default=8, help="sequences per forward")
+    ev.add_argument("--seq-len", type=INT_GE1, help="window length (default: the model's max_seq_len)")
+    ev.add_argument("--max-tokens", type=INT_GE1, help="stop after scoring this many tokens")
     ev.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="inference precision")
     ev.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
     ev.add_argument("--no-write", action="store_true", help="do not write RUN/samples.jsonl")
@@ -270,39 +294,40 @@ def add_inference_parsers(sub, fmt) -> None:
                          formatter_class=fmt)
     gen.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint) or a checkpoint directory")
     gen.add_argument("--prompt", help="text to continue (default: standard input; empty: a new document)")
-    gen.add_argument("--num-samples", type=int, default=1, help="continuations to write, one after another")
+    gen.add_argument("--num-samples", type=INT_GE1, default=1, help="continuations to write, one after another")
     add_sampling_flags(gen, chat_defaults)
     add_device_flags(gen)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP API and a web chat page", formatter_class=fmt)
     serve.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint), checkpoint or HF directory")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind; anything but loopback wants --api-key")
-    serve.add_argument("--port", type=int, default=8000, help="TCP port")
+    serve.add_argument("--port", type=number(int, "[1, 65535]"), default=8000, help="TCP port")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOFORGE_API_KEY, else none)")
     add_device_flags(serve)
-    serve.add_argument("--request-timeout", type=float, default=300.0,
+    serve.add_argument("--request-timeout", type=FLOAT_GE0, default=300.0,
                        help="seconds a request may take, queueing included; the reply then ends with "
                             "finish_reason length (0: no limit)")
-    serve.add_argument("--max-pending", type=int, default=64, help="requests waiting beyond this get 503 server_busy")
+    serve.add_argument("--max-pending", type=INT_GE1, default=64,
+                       help="requests waiting beyond this get 503 server_busy")
     chat.add_argument("--system", help="system prompt")
     chat.add_argument("--think", action="store_true", help="open the think block: the model reasons first, shown "
                       "apart from its answer (a template in MiniMind-3's format)")
     chat.add_argument("--tools", default=None, metavar="NAME[,NAME]",
                       help="built-in tools to offer and run when the model calls them: calculator")
-    chat.add_argument("--max-tool-turns", type=int, default=5, help="tool rounds per message before giving up")
+    chat.add_argument("--max-tool-turns", type=INT_GE1, default=5, help="tool rounds per message before giving up")
     add_device_flags(chat)
 
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, defaults) -> None:
-    p.add_argument("--temperature", type=float, default=defaults.DEFAULT_TEMPERATURE, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=defaults.DEFAULT_TOP_K, help="0 disables")
-    p.add_argument("--top-p", type=float, default=defaults.DEFAULT_TOP_P, help="1.0 disables")
-    p.add_argument("--repetition-penalty", type=float, default=defaults.DEFAULT_REPETITION_PENALTY,
+    p.add_argument("--temperature", type=FLOAT_GE0, default=defaults.DEFAULT_TEMPERATURE, help="0 is greedy")
+    p.add_argument("--top-k", type=INT_GE0, default=defaults.DEFAULT_TOP_K, help="0 disables")
+    p.add_argument("--top-p", type=number(float, "(0, 1]"), default=defaults.DEFAULT_TOP_P, help="1.0 disables")
+    p.add_argument("--repetition-penalty", type=FLOAT_GT0, default=defaults.DEFAULT_REPETITION_PENALTY,
                    help="1.0 disables")
-    p.add_argument("--max-new-tokens", type=int, default=defaults.DEFAULT_MAX_NEW_TOKENS, help="reply length cap")
-    p.add_argument("--seed", type=int, help="makes sampling reproducible")
+    p.add_argument("--max-new-tokens", type=INT_GE1, default=defaults.DEFAULT_MAX_NEW_TOKENS, help="reply length cap")
+    p.add_argument("--seed", type=number(int), help="makes sampling reproducible")
 
 
 def add_device_flags(p: argparse.ArgumentParser) -> None:
@@ -331,28 +356,29 @@ def add_grpo_parser(sub, fmt) -> None:
     # default None: a --resume can tell a given option from an omitted one (defaults in nanoforge/rl/grpo.py)
     rl.add_argument("--loss", choices=["grpo", "cispo", "reinforce"], help="policy loss: clipped ratio (grpo), "
                     "clipped importance weight (cispo), plain policy gradient (default: grpo)")
-    rl.add_argument("--num-generations", type=int, metavar="G", help="replies sampled per prompt (default: 6)")
-    rl.add_argument("--prompts-per-step", type=int, metavar="P", help="prompts per rollout, per process (default: 2)")
-    rl.add_argument("--beta", type=float, help="weight of the k3 KL to the --init model; 0 skips the reference "
+    rl.add_argument("--num-generations", type=INT_GE1, metavar="G", help="replies sampled per prompt (default: 6)")
+    rl.add_argument("--prompts-per-step", type=INT_GE1, metavar="P",
+                    help="prompts per rollout, per process (default: 2)")
+    rl.add_argument("--beta", type=FLOAT_GE0, help="weight of the k3 KL to the --init model; 0 skips the reference "
                     "(default: 0.1)")
-    rl.add_argument("--epsilon", type=float, help="ratio clip: [1 - epsilon, 1 + epsilon] (default: 0.2)")
-    rl.add_argument("--epsilon-high", type=float, help="upper clip 1 + epsilon_high (DAPO's clip-higher; "
+    rl.add_argument("--epsilon", type=FLOAT_GT0, help="ratio clip: [1 - epsilon, 1 + epsilon] (default: 0.2)")
+    rl.add_argument("--epsilon-high", type=FLOAT_GT0, help="upper clip 1 + epsilon_high (DAPO's clip-higher; "
                     "default: --epsilon)")
     rl.add_argument("--advantage", choices=["zscore", "mean"], help="group advantage: (r - mean) / std, or "
                     "r - mean (default: zscore)")
     rl.add_argument("--loss-norm", choices=["sequence", "token"], help="average over each reply's tokens then "
                     "replies, or over all tokens (default: sequence)")
-    rl.add_argument("--temperature", type=float, help="sampling temperature; log-probs are trained at it too "
+    rl.add_argument("--temperature", type=FLOAT_GT0, help="sampling temperature; log-probs are trained at it too "
                     "(default: 0.8)")
-    rl.add_argument("--max-new-tokens", type=int, help="reply length cap; a reply cut there has no stop token "
+    rl.add_argument("--max-new-tokens", type=INT_GE1, help="reply length cap; a reply cut there has no stop token "
                     "(default: 256)")
-    rl.add_argument("--ppo-epochs", type=int, metavar="K", help="optimizer steps on each rollout, so the ratio and "
+    rl.add_argument("--ppo-epochs", type=INT_GE1, metavar="K", help="optimizer steps on each rollout, so the ratio and "
                     "clipping act (default: 1)")
     add_reward_flags(rl)
     rl.add_argument("--tools", metavar="NAME[,NAME]", help="multi-turn tool use: run the replies' tool calls "
                     "(built-in: calculator) and train on whole trajectories with the agent reward (records need "
                     '"gt"; no --reward)')
-    rl.add_argument("--max-turns", type=int, metavar="N", help="with --tools: replies per trajectory (default: 3)")
+    rl.add_argument("--max-turns", type=INT_GE1, metavar="N", help="with --tools: replies per trajectory (default: 3)")
     add_run_flags(rl)
 
 
@@ -367,21 +393,22 @@ def add_ppo_parser(sub, fmt) -> None:
     p.add_argument("--data", metavar="FILE.jsonl", help="prompts: chats ending in a user turn (or an empty "
                    'assistant placeholder), GSM8K\'s {"question", "answer"}; "answer"/"gt" for the rewards')
     p.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    p.add_argument("--num-generations", type=int, metavar="G", help="replies sampled per prompt (default: 1)")
-    p.add_argument("--prompts-per-step", type=int, metavar="P", help="prompts per rollout, per process (default: 8)")
-    p.add_argument("--temperature", type=float, help="sampling temperature; log-probs are taken at it too "
+    p.add_argument("--num-generations", type=INT_GE1, metavar="G", help="replies sampled per prompt (default: 1)")
+    p.add_argument("--prompts-per-step", type=INT_GE1, metavar="P",
+                   help="prompts per rollout, per process (default: 8)")
+    p.add_argument("--temperature", type=FLOAT_GT0, help="sampling temperature; log-probs are taken at it too "
                    "(default: 1.0)")
-    p.add_argument("--max-new-tokens", type=int, help="reply length cap (default: 256)")
-    p.add_argument("--ppo-epochs", type=int, metavar="K", help="optimizer steps on each rollout (default: 2)")
-    p.add_argument("--epsilon", type=float, help="ratio clip: [1 - epsilon, 1 + epsilon] (default: 0.2)")
-    p.add_argument("--beta", type=float, help="per-token KL penalty to the --init model in the rewards; 0 skips "
+    p.add_argument("--max-new-tokens", type=INT_GE1, help="reply length cap (default: 256)")
+    p.add_argument("--ppo-epochs", type=INT_GE1, metavar="K", help="optimizer steps on each rollout (default: 2)")
+    p.add_argument("--epsilon", type=FLOAT_GT0, help="ratio clip: [1 - epsilon, 1 + epsilon] (default: 0.2)")
+    p.add_argument("--beta", type=FLOAT_GE0, help="per-token KL penalty to the --init model in the rewards; 0 skips "
                    "the reference (default: 0.05)")
-    p.add_argument("--vf-coef", type=float, help="weight of the value loss (default: 0.5)")
-    p.add_argument("--value-clip", type=float, help="how far a value may move from its rollout value before its "
+    p.add_argument("--vf-coef", type=FLOAT_GE0, help="weight of the value loss (default: 0.5)")
+    p.add_argument("--value-clip", type=FLOAT_GT0, help="how far a value may move from its rollout value before its "
                    "loss is clipped (default: 0.2)")
-    p.add_argument("--gamma", type=float, help="GAE discount (default: 1.0)")
-    p.add_argument("--lam", type=float, help="GAE lambda (default: 0.95)")
-    p.add_argument("--target-kl", type=float, help="skip a rollout's remaining epochs once the approximate KL to "
+    p.add_argument("--gamma", type=number(float, "[0, 1]"), help="GAE discount (default: 1.0)")
+    p.add_argument("--lam", type=number(float, "[0, 1]"), help="GAE lambda (default: 0.95)")
+    p.add_argument("--target-kl", type=FLOAT_GT0, help="skip a rollout's remaining epochs once the approximate KL to "
                    "the sampling policy exceeds this (default: never)")
     add_reward_flags(p)
     add_run_flags(p)

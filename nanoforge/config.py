@@ -64,6 +64,7 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ConfigError(f"head_dim = d_model/n_heads = {self.head_dim} must be even for RoPE")
         _require(self, "ffn_hidden", self.ffn_hidden >= 0, ">= 0 (0 derives it from d_model)")
+        _require(self, "rope_original_max_seq_len", self.rope_original_max_seq_len >= 0, ">= 0 (0: max_seq_len)")
         _require(self, "dropout", 0.0 <= self.dropout < 1.0, "in [0, 1)")
         _require(self, "rope_theta", self.rope_theta > 0, "> 0")
         _require(self, "rope_scaling_factor", self.rope_scaling_factor >= 1.0, ">= 1")

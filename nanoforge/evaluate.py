@@ -185,10 +185,6 @@ def evaluate_data(run, data_paths, batch_size: int = 8, seq_len: int | None = No
     `log` and returns the numbers.
     """
     check_precision(precision)
-    if batch_size < 1:
-        raise NanoforgeError(f"--batch-size must be >= 1, got {batch_size}")
-    if max_tokens is not None and max_tokens < 1:
-        raise NanoforgeError(f"--max-tokens must be >= 1, got {max_tokens}")
     if split not in ("all", "train", "val"):
         raise NanoforgeError(f"split {split!r} must be all, train or val")
     paths = [data_paths] if isinstance(data_paths, (str, os.PathLike)) else list(data_paths)
@@ -303,8 +299,6 @@ def run_eval(run, data=None, bench=None, fmt: str = "auto", shots: int = 0, dev=
     `split` picks the split of a prepared directory (default: all of --data; val of the run's own data)."""
     # before the model loads, so that a wrong --tools or a bad file fails at once
     tool_names = parse_tool_names(tools)
-    if (gsm8k or toolcall) and (max_new_tokens < 1 or max_turns < 1):
-        raise NanoforgeError(f"--max-new-tokens ({max_new_tokens}) and --max-turns ({max_turns}) must be >= 1")
     problems = read_gsm8k(gsm8k, limit) if gsm8k else None
     cases = read_toolcall(toolcall, limit) if toolcall else None
     if not data and not bench and not samples and not gsm8k and not toolcall:

@@ -53,6 +53,10 @@ PREP_SFT = ["prepare", "--kind", "sft", "--data", "{tmp}/in.jsonl", "--tokenizer
 PREP_PRE = ["prepare", "--kind", "pretrain", "--data", "{tmp}/in.jsonl", "--tokenizer", "{tok}", "--out",
             "{tmp}/out", "--workers", "1"]
 TRAIN_FLAGS = ["--max-steps", "2", "--device", "cpu", "--tensorboard", "false", "--seq-len", "128"]
+GRPO = ["grpo", "--init", "{run}", "--data", "{tmp}/p.jsonl", "--out", "{tmp}/out", "--num-generations", "2",
+        "--prompts-per-step", "1", "--max-new-tokens", "4", "--max-steps", "2", "--device", "cpu", "--tensorboard",
+        "false"]
+GSM = b'{"question": "1+1=", "answer": "#### 2"}\n'
 CASES = [
     ("invalid-json", {"in.jsonl": b'{"text": "fine"}\n{"text": "unterminated\n'}, PREP_PRE,
      ["{tmp}/in.jsonl:2: invalid JSON"], ["{tmp}/out"], []),
@@ -132,6 +136,24 @@ CASES = [
      ["{tmp}/c.toml: [model] sets d_model = 128"], ["{tmp}/out"], ["{run}"]),
     ("epochs-and-max-steps", {}, ["pretrain", "--data", "{pre}", "--out", "{tmp}/out", "--epochs", "1",
                                   *TRAIN_FLAGS], ["give --epochs or --max-steps, not both"], ["{tmp}/out"], []),
+    ("reward-with-a-syntax-error", {"p.jsonl": GSM, "r.py": b"def f(c, r:\n    return 1\n"},
+     [*GRPO, "--reward", "{tmp}/r.py:f"], ["--reward {tmp}/r.py:f: cannot import", "SyntaxError"], ["{tmp}/out"],
+     ["{run}"]),
+    ("reward-whose-import-fails", {"p.jsonl": GSM, "r.py": b"import no_such_module_xyz\n"},
+     [*GRPO, "--reward", "{tmp}/r.py:f"], ["--reward {tmp}/r.py:f: cannot import", "no_such_module_xyz"],
+     ["{tmp}/out"], ["{run}"]),
+    ("reward-with-one-argument", {"p.jsonl": GSM, "r.py": b"def f(completion):\n    return 1\n"},
+     [*GRPO, "--reward", "{tmp}/r.py:f"], ["a reward is called as f(completion, record)"], ["{tmp}/out"], ["{run}"]),
+    ("reward-weight-nan", {"p.jsonl": GSM}, [*GRPO, "--reward", "math,length", "--reward-weights", "nan,1"],
+     ["--reward-weights nan,1: every weight must be a finite number"], ["{tmp}/out"], ["{run}"]),
+    ("rl-config-field-nan", {"p.jsonl": GSM}, [*GRPO, "--lr", "nan"], ["lr=nan must be a finite number"],
+     ["{tmp}/out"], ["{run}"]),
+    ("gsm8k-record-without-answer", {"p.jsonl": GSM + b'{"question": "2+2="}\n'}, GRPO,
+     ['the math reward needs an "answer" in every prompt record; {tmp}/p.jsonl:2 has none'], ["{tmp}/out"],
+     ["{run}"]),
+    ("gsm8k-answer-not-a-number", {"p.jsonl": GSM + b'{"question": "capital?", "answer": "#### Paris"}\n'},
+     ["ppo", *GRPO[1:]], ["the math reward needs a number as the answer; {tmp}/p.jsonl:2 has 'Paris'"],
+     ["{tmp}/out"], ["{run}"]),
 ]
 # Known to leave RUN/config.toml and RUN/tokenizer/ behind in --out (see the report): finetune_setup writes
 # them before the stage checks the data's kind and before the --init weights are loaded.

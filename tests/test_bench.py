@@ -55,7 +55,7 @@ def test_bench_json_numbers_are_positive_and_the_split_adds_up(bench_run):
 def test_bench_rejects_bad_arguments():
     r = subprocess.run([sys.executable, "-m", "nanoforge", "bench", "--preset", "tiny", "--steps", "0"],
                        capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 1 and "--steps 0 must be >= 1" in r.stderr
+    assert r.returncode == 2 and "argument --steps: 0 must be >= 1" in r.stderr
 
 
 def test_gpu_script_smoke_mode(tmp_path):

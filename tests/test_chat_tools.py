@@ -85,8 +85,6 @@ def test_the_tool_rounds_stop_at_max_tool_turns(loaded):
     model, tokenizer = loaded
     output, messages, prompts = piped(loaded, question(*QUESTIONS[0]), tools=["calculator"], max_tool_turns=1)
     assert len(prompts) == 2  # this model answers after one result, so one round is enough ...
-    with pytest.raises(NanoforgeError, match="--max-tool-turns must be >= 1"):
-        piped(loaded, "hi", tools=["calculator"], max_tool_turns=0)
 
 
 def test_tools_and_thinking_need_a_template_in_minimind3s_format(loaded):

@@ -1,10 +1,16 @@
 """The `nanoforge` command as a user runs it: real processes, real files, exit codes and messages."""
+import argparse
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from nanoforge.cli import build_parser
+from nanoforge.commands import config_overrides
+from nanoforge.config import MODEL_FIELDS, TRAIN_FIELDS, ConfigError, build_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,3 +105,67 @@ def test_prepare_bad_jsonl_names_file_line_and_field(tmp_path, tiny_tokenizer_di
            "--skip-invalid", "--val-fraction", 0)
     assert r.returncode == 0, r.stderr
     assert "1" in r.stderr + r.stdout and "skip" in (r.stderr + r.stdout).lower()
+
+
+def _commands(parser, path=()):
+    """(command words, parser) of every command and subcommand of the real parser."""
+    if path:
+        yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _commands(sub, (*path, name))
+
+
+def _out_of_range(kind, interval):
+    """Values just outside `interval` ("[0, 1)" style): an open end itself, one step past a closed one."""
+    low, high = (float(end) for end in interval[1:-1].split(","))
+    step = 1 if kind == "int" else 0.5
+    for end, closed, past in ((low, interval[0] == "[", low - step), (high, interval[-1] == "]", high + step)):
+        if math.isfinite(end):
+            yield f"{past if closed else end:g}"
+
+
+def test_every_numeric_flag_of_every_command_refuses_non_finite_and_out_of_range_values(capsys):
+    """Walks the real parser: a flag added later with a bare type=int/float, or a numeric metavar without a
+    check, fails here. Flags refuse at parsing (exit 2, nothing run); config fields in build_config (exit 1)."""
+    parser, checked, fields = build_parser(), 0, {**MODEL_FIELDS, **TRAIN_FIELDS}
+    for path, sub in _commands(parser):
+        for action in sub._actions:
+            flag = "/".join(action.option_strings)
+            if action.dest.startswith("cfg_"):  # a config field: the config's own validation (TOML values too)
+                f = fields[action.dest[4:]]
+                if f.type in ("int", "float", int, float):
+                    for bad in ("nan", "inf", "-inf"):
+                        with pytest.raises(ConfigError, match=action.dest[4:].replace("_", "[_-]")):
+                            build_config("tiny", None, config_overrides(argparse.Namespace(**{action.dest: bad})))
+                    checked += 1
+                continue
+            assert action.type not in (int, float), f"{' '.join(path)} {flag}: declare it with cli.number"
+            interval = getattr(action.type, "interval", None)
+            if interval is None:
+                assert action.metavar not in ("N", "X", "G", "P", "K"), f"{' '.join(path)} {flag}: cli.number"
+                continue
+            for bad in ("nan", "inf", "-inf", "ten", *_out_of_range(action.type.__name__, interval)):
+                with pytest.raises(SystemExit) as caught:
+                    parser.parse_args([*path, f"{action.option_strings[0]}={bad}"])
+                err = capsys.readouterr().err
+                assert caught.value.code == 2 and f"argument {flag}: " in err, (path, flag, bad, err)
+                assert any(w in err for w in ("is not a finite number", "must be", "invalid")), err
+            checked += 1
+    assert checked > 100  # every command's numeric flags, config fields included
+
+
+@pytest.mark.parametrize("args, message", [
+    (["grpo", "--beta", "nan"], "argument --beta: nan is not a finite number"),
+    (["grpo", "--beta", "inf"], "argument --beta: inf is not a finite number"),
+    (["grpo", "--temperature", "inf"], "argument --temperature: inf is not a finite number"),
+    (["ppo", "--gamma", "1.5"], "argument --gamma: 1.5 must be in [0, 1]"),
+    (["dpo", "--beta", "0"], "argument --beta: 0 must be > 0"),
+    (["serve", "run", "--port", "0"], "argument --port: 0 must be in [1, 65535]"),
+    (["prepare", "--workers", "-1"], "argument --workers: -1 must be >= 0"),
+])
+def test_a_bad_number_is_refused_before_anything_is_written(tmp_path, args, message):
+    r = nf(*args, "--out", tmp_path / "out")
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()

@@ -103,7 +103,7 @@ def test_bad_files_fail_through_the_cli_before_the_model_loads(tmp_path):
     r = nf("eval", tmp_path / "no-run", "--gsm8k", gsm, "--tools", "abacus")
     assert r.returncode == 1 and "--tools: unknown tool 'abacus'" in r.stderr, r.stderr
     r = nf("eval", tmp_path / "no-run", "--toolcall", calls, "--max-turns", 0)
-    assert r.returncode == 1 and "--max-turns (0) must be >= 1" in r.stderr, r.stderr
+    assert r.returncode == 2 and "argument --max-turns: 0 must be >= 1" in r.stderr, r.stderr
 
 
 def test_the_real_gsm8k_format_is_read():

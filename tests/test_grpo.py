@@ -203,6 +203,31 @@ def test_the_command_line_reports_a_bad_input_in_one_line(prompts_file, tmp_path
     assert proc.returncode == 1 and proc.stderr.strip().startswith("error: --init is required"), proc.stderr
 
 
+@pytest.mark.slow
+def test_a_reward_that_raises_mid_run_is_named_and_resume_continues(base_run, prompts_file, tmp_path):
+    """The run stops with the reward, the prompt record and the exception; --resume then carries on."""
+    reward = tmp_path / "flaky.py"
+    reward.write_text("import os\ndef f(completion, record):\n    if os.environ.get('FLAKY_REWARD_FAILS'):\n"
+                      "        raise KeyError('no luck')\n    return len(completion)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    common = ["--out", tmp_path / "run", "--save-every", "1", "--device", "cpu", "--tensorboard", "false", "--quiet"]
+
+    def nf(*args, fails=False):
+        return subprocess.run([sys.executable, "-m", "nanoforge", "grpo", *map(str, args), *map(str, common)],
+                              cwd=ROOT, env={**env, **({"FLAKY_REWARD_FAILS": "1"} if fails else {})},
+                              capture_output=True, text=True, timeout=300)
+    r = nf("--init", base_run, "--data", prompts_file, "--reward", f"{reward}:f", "--num-generations", 2,
+           "--max-new-tokens", 4, "--max-steps", 2)
+    assert r.returncode == 0, r.stderr
+    r = nf("--resume", "--max-steps", 4, fails=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"error: reward '{reward}:f' failed on the prompt at {prompts_file}:" in r.stderr
+    assert "KeyError: 'no luck'" in r.stderr
+    r = nf("--resume", "--max-steps", 4)
+    assert r.returncode == 0, r.stderr
+    assert [m["step"] for m in _metrics(tmp_path / "run") if "reward_mean" in m] == [1, 2, 3, 4]
+
+
 def test_gsm8k_run_starts_logs_rewards_and_resumes_bit_exactly(base_run, shared_data, tmp_path):
     data = shared_data / "gsm8k" / "test.jsonl"
     if not data.is_file():

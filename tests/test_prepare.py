@@ -627,14 +627,3 @@ def test_parallel_reading_stays_bounded(tmp_path, tiny_tokenizer):
     assert len(pulled) <= 2 * 2 + 1
     assert sum(len(r.doc_lens) for r in results) == 39
     assert len(pulled) == 40
-
-
-def test_negative_workers_or_a_fraction_out_of_range_is_an_error(tmp_path, tiny_tokenizer):
-    src = tmp_path / "a.jsonl"
-    src.write_text('{"text": "hello"}\n')
-    with pytest.raises(NanoforgeError, match="workers must be >= 0"):
-        prepare_dataset("pretrain", [src], tiny_tokenizer, tmp_path / "out", workers=-1, log=lambda *a: None)
-    with pytest.raises(NanoforgeError, match="val_fraction must be in"):
-        prepare_dataset("pretrain", [src], tiny_tokenizer, tmp_path / "out", val_fraction=float("nan"),
-                        log=lambda *a: None)
-    assert not (tmp_path / "out").exists()

@@ -117,6 +117,24 @@ def test_user_rewards_from_a_module_and_a_file(tmp_path, monkeypatch):
         nan("x", {})
 
 
+def test_a_user_reward_that_cannot_load_or_be_called_is_named_at_once(tmp_path):
+    (tmp_path / "syntax.py").write_text("def f(c, r:\n    return 1\n")
+    (tmp_path / "imports.py").write_text("import no_such_module_xyz\ndef f(c, r):\n    return 1\n")
+    (tmp_path / "ok.py").write_text("def one(completion):\n    return 1\n"
+                                    "def boom(completion, record):\n    raise KeyError('late')\n")
+    for spec, message in [("syntax.py:f", r"syntax.py:f: cannot import .*\(SyntaxError: '\(' was never closed"),
+                          ("imports.py:f", "cannot import .*No module named 'no_such_module_xyz'"),
+                          ("ok.py:one", r"called as one\(completion, record\); its signature one\(completion\)")]:
+        with pytest.raises(NanoforgeError, match=message):
+            parse_rewards(f"{tmp_path / spec}")
+    [(_, boom)] = parse_rewards(f"{tmp_path}/ok.py:boom")
+    with pytest.raises(NanoforgeError, match=r"reward '.*ok.py:boom' failed on the prompt at p.jsonl:4: KeyError"):
+        boom("x", {"_where": "p.jsonl:4"})
+    for text in ("nan,1", "1,inf"):
+        with pytest.raises(NanoforgeError, match="every weight must be a finite number"):
+            parse_weights(text, 2)
+
+
 def test_combine_weights_the_parts():
     total = combine(parse_rewards("math,length"), parse_weights("2,0.5", 2))
     value, parts = total("", {"answer": "3"})

@@ -375,7 +375,7 @@ def test_fifty_concurrent_streaming_clients(tmp_path_factory, tiny_tokenizer, tm
     assert "Traceback" not in server.output(), server.output()[-3000:]
 
 
-def test_a_port_in_use_or_out_of_range_is_a_clear_error_before_loading(tmp_path):
+def test_a_port_in_use_is_a_clear_error_before_loading(tmp_path):
     """Checked before the model loads (the run below does not even exist) and before "serving ..." is said."""
     import socket
 
@@ -387,6 +387,3 @@ def test_a_port_in_use_or_out_of_range_is_a_clear_error_before_loading(tmp_path)
         port = busy.getsockname()[1]
         with pytest.raises(NanoforgeError, match=f"127.0.0.1:{port} is already in use; choose another --port"):
             run_server(tmp_path / "no_run", port=port)
-    for bad in (0, 70000):
-        with pytest.raises(NanoforgeError, match=f"--port {bad} must be between 1 and 65535"):
-            run_server(tmp_path / "no_run", port=bad)

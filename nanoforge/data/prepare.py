@@ -55,12 +55,6 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
     started = time.perf_counter()
     if kind not in KINDS:
         raise NanoforgeError(f"unknown data kind {kind!r}; expected one of {', '.join(KINDS)}")
-    if not 0.0 <= val_fraction < 1.0:
-        raise NanoforgeError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    if workers < 0:
-        raise NanoforgeError(f"workers must be >= 0 (0: one per core), got {workers}")
-    if not 0.0 <= drop_empty_think <= 1.0:
-        raise NanoforgeError(f"drop_empty_think must be in [0, 1], got {drop_empty_think}")
     if drop_empty_think and kind != "sft":
         raise NanoforgeError(f"drop_empty_think applies to sft records only, not {kind}")
     tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)

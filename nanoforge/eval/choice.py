@@ -278,8 +278,6 @@ def evaluate_choices(run, bench_path, fmt: str = "auto", shots: int = 0, dev_pat
     (model, tokenizer) pair.
     """
     check_precision(precision)
-    if shots < 0:
-        raise NanoforgeError(f"--shots must be >= 0, got {shots}")
     questions, dev = load_benchmark(bench_path, fmt, dev_path)
     if shots and not dev:
         raise NanoforgeError(f"--shots {shots} needs solved examples: a dev/ folder beside the benchmark's "

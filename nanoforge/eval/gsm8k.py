@@ -22,7 +22,6 @@ from typing import Callable
 
 from nanoforge import safejson
 from nanoforge.data.jsonl import DataError, check_input_file
-from nanoforge.errors import NanoforgeError
 from nanoforge.eval.common import Progress, format_table
 from nanoforge.infer.generate import SamplingConfig
 from nanoforge.infer.toolloop import Rollout, run_in_batches
@@ -76,8 +75,6 @@ def extract_answer(content: str) -> str | None:
 
 def read_gsm8k(path, limit: int | None = None) -> list[Problem]:
     """The problems of a GSM8K JSONL file (the first `limit` of them); DataError naming file:line: field."""
-    if limit is not None and limit < 1:
-        raise NanoforgeError(f"--limit must be >= 1, got {limit}")
     path = check_input_file(path)
     problems = []
     with open(path, "rb") as f:

@@ -28,7 +28,6 @@ from typing import Callable
 
 from nanoforge import safejson
 from nanoforge.data.jsonl import iter_records
-from nanoforge.errors import NanoforgeError
 from nanoforge.eval.common import Progress, format_table
 from nanoforge.infer.generate import SamplingConfig
 from nanoforge.infer.toolloop import Rollout, run_in_batches
@@ -47,8 +46,6 @@ def _loaded(value):
 
 def read_toolcall(path, limit: int | None = None) -> list[dict]:
     """One case per SFT record: prompt messages, declared schemas by name, reference calls and answer."""
-    if limit is not None and limit < 1:
-        raise NanoforgeError(f"--limit must be >= 1, got {limit}")
     cases = []
     for line_no, record in iter_records(path, "sft"):
         if limit is not None and len(cases) >= limit:

@@ -118,8 +118,6 @@ class _Session:
             raise NanoforgeError(f"{'--tools' if tools else '--think'} needs a chat template with thinking and tool "
                                  "calls (MiniMind-3's format, written by `nanoforge tokenizer train`); this "
                                  "model's tokenizer has plain ChatML")
-        if max_tool_turns < 1:
-            raise NanoforgeError(f"--max-tool-turns must be >= 1, got {max_tool_turns}")
         self.tools, self.think, self.max_tool_turns = tools, think, max_tool_turns
 
     def _fresh(self) -> list[dict]:
@@ -289,8 +287,6 @@ def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, tempe
     is meant to be used; the prompt is --prompt, else standard input. An empty prompt samples from the start
     of a document (after <|endoftext|>). Streams each of num_samples continuations to `out`, the prompt first."""
     input_stream, out = input_stream or sys.stdin, out or sys.stdout
-    if num_samples < 1 or max_new_tokens < 1:
-        raise NanoforgeError(f"--num-samples {num_samples} and --max-new-tokens {max_new_tokens} must be >= 1")
     if prompt is None:
         prompt = input_stream.read()
     target = resolve_device(device)

@@ -409,8 +409,6 @@ def run_server(run_dir, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_
     """`nanoforge serve RUN`: load the run's latest checkpoint and serve it with uvicorn until Ctrl-C.
 
     The model is named after the run directory unless `model_name` is given."""
-    if not isinstance(port, int) or not 1 <= port <= 65535:
-        raise NanoforgeError(f"--port {port} must be between 1 and 65535")
     _check_can_listen(host, port)  # before minutes of loading, and before saying "serving"
     target = resolve_device(device)
     precision = resolve_precision(precision, target)

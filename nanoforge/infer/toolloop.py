@@ -117,8 +117,6 @@ def run_in_batches(model, tokenizer, conversations: Sequence[Sequence[dict]], cf
                    **loop_args) -> tuple[list[Rollout], float]:
     """`run_tool_loop` over consecutive groups of `batch_size` conversations; the rollouts and the seconds spent.
     `on_batch(done)` is called after each group with the number of conversations finished so far."""
-    if batch_size < 1:
-        raise NanoforgeError(f"--batch-size must be >= 1, got {batch_size}")
     rollouts: list[Rollout] = []
     started = time.perf_counter()
     for start in range(0, len(conversations), batch_size):

@@ -21,7 +21,7 @@ from nanoforge.rl.agent import agent_rollout, check_agent_prompts
 from nanoforge.rl.losses import ADVANTAGES, LOSSES, NORMS
 from nanoforge.rl.prompts import PromptIterator, read_prompts
 from nanoforge.rl.reward_model import load_reward_model
-from nanoforge.rl.rewards import combine, parse_rewards, parse_weights
+from nanoforge.rl.rewards import RewardFn, check_records, combine, parse_rewards, parse_weights
 from nanoforge.rl.rollout import RolloutConfig, check_prompts, rollout
 from nanoforge.rl.stage import RolloutBatches, policy_count, policy_objective
 from nanoforge.tokenizer import load_tokenizer
@@ -74,14 +74,6 @@ def check_options(o: dict[str, Any]) -> None:
     for key, choices in (("loss", LOSSES), ("advantage", ADVANTAGES), ("loss_norm", NORMS)):
         if o[key] not in choices:
             raise NanoforgeError(f"{FLAGS[key]} {o[key]!r} is not one of {', '.join(choices)}")
-    for key in ("num_generations", "prompts_per_step", "ppo_epochs", "max_new_tokens"):
-        if o[key] < 1:
-            raise NanoforgeError(f"{FLAGS[key]} {o[key]} must be >= 1")
-    if o["beta"] < 0:
-        raise NanoforgeError(f"--beta {o['beta']} must be >= 0 (0 skips the reference model)")
-    for key in ("epsilon", "epsilon_high"):
-        if key in o and not o[key] > 0:
-            raise NanoforgeError(f"{FLAGS[key]} {o[key]} must be > 0")
     if o.get("tools") is not None:
         check_tool_options(o)
     elif "max_turns" in o:
@@ -92,11 +84,9 @@ def check_options(o: dict[str, Any]) -> None:
 
 
 def check_tool_options(o: dict[str, Any]) -> None:
-    """--tools: known tools, --max-turns >= 1, and the agent reward alone (docs/rl.md, multi-turn)."""
+    """--tools: known tools and the agent reward alone (docs/rl.md, multi-turn)."""
     if not parse_tool_names(o["tools"]):
         raise NanoforgeError("--tools: no tool named; the built-in tools: calculator")
-    if not isinstance(o["max_turns"], int) or o["max_turns"] < 1:
-        raise NanoforgeError(f"--max-turns {o['max_turns']!r} must be an integer >= 1")
     given = [FLAGS[k] for k in ("reward", "reward_model") if o.get(k)]
     if given:
         raise NanoforgeError(f"{' and '.join(given)} with --tools: the reward of a multi-turn rollout is the agent "
@@ -151,6 +141,7 @@ def rl_setup(stage: str, init: str | None, data: str | None, out: Path, config_f
         raise NanoforgeError("--fsdp: rollouts generate with the whole model on each rank; use DDP (the default "
                              "under torchrun)")
     records = read_prompts(data)
+    check_records(options.get("reward"), records)
     run_info["data"] = str(Path(data).resolve())
     tok = load_tokenizer(tokenizer_dir)
     if options.get("think") and not tok.supports_tools:
@@ -161,13 +152,20 @@ def rl_setup(stage: str, init: str | None, data: str | None, out: Path, config_f
     return run_dir, mcfg, tcfg, run_info, init_path, tok, records
 
 
-def reward_function(o: dict[str, Any], device):
-    """--reward and --reward-model as one function (rl/rewards.py combine): (total, parts) per reply."""
+def chosen_rewards(o: dict[str, Any]) -> list[tuple[str, RewardFn]]:
+    """--reward's functions, imported and checked (and --reward-weights against them) as the options are read,
+    before anything is written; the --reward-model joins them later, on the run's device."""
     chosen = parse_rewards(o["reward"]) if o.get("reward") else []
+    parse_weights(o.get("reward_weights"), len(chosen) + bool(o.get("reward_model")))
+    return chosen
+
+
+def reward_function(o: dict[str, Any], chosen: list[tuple[str, RewardFn]], device):
+    """chosen_rewards and --reward-model as one function (rl/rewards.py combine): (total, parts) per reply."""
     if o.get("reward_model"):
         model = load_reward_model(o["reward_model"], trust_remote_code=bool(o.get("trust_remote_code")),
                                   device=str(device))
-        chosen.append(("model", model.reward))
+        chosen = [*chosen, ("model", model.reward)]
     return combine(chosen, parse_weights(o.get("reward_weights"), len(chosen)))
 
 
@@ -186,6 +184,7 @@ def grpo(init: str | None, data: str | None, out: str | Path, options: RLOptions
     advantages with the --loss surrogate (and a k3 KL to the frozen --init model when --beta > 0)."""
     out = Path(out)
     o = resolve_options(out, options or RLOptions(), resume)
+    rewards = chosen_rewards(o)
     run_dir, mcfg, tcfg, run_info, init_path, tok, records = rl_setup(
         "grpo", init, data, out, config_file, dict(overrides or {}), resume, o)
     prompts = sample_prompts(tcfg)
@@ -205,7 +204,7 @@ def grpo(init: str | None, data: str | None, out: str | Path, options: RLOptions
         rollout_fn, reward = partial(agent_rollout, tools=tools, max_turns=o["max_turns"]), None
     else:
         check_prompts(tok, records, cfg.think, model.model.rotary_emb.n_positions)
-        rollout_fn, reward = rollout, reward_function(o, device)
+        rollout_fn, reward = rollout, reward_function(o, rewards, device)
     batches = RolloutBatches(model, tok, iterator, cfg, reward, tcfg.seed, o["ppo_epochs"], tcfg.grad_accum,
                              reference, rollout_fn)
     tcfg.batch_size = batches.micro_rows  # for the header: replies per micro-batch

@@ -15,7 +15,7 @@ from nanoforge.device import resolve_device
 from nanoforge.errors import NanoforgeError
 from nanoforge.loader import init_weights
 from nanoforge.rl.critic import PolicyWithValue
-from nanoforge.rl.grpo import frozen_reference, reward_function, rl_setup
+from nanoforge.rl.grpo import chosen_rewards, frozen_reference, reward_function, rl_setup
 from nanoforge.rl.ppo import PPOConfig, ppo_count
 from nanoforge.rl.ppo_stage import PPOBatches, ppo_objective
 from nanoforge.rl.prompts import PromptIterator
@@ -78,6 +78,7 @@ def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions
     model in the rewards when --beta > 0, GAE advantages), --ppo-epochs updates per rollout."""
     out = Path(out)
     o = resolve_options(out, options or PPOOptions(), resume)
+    rewards = chosen_rewards(o)
     cfg_ppo = PPOConfig(epsilon=o["epsilon"], vf_coef=o["vf_coef"], value_clip=o["value_clip"], beta=o["beta"],
                         gamma=o["gamma"], lam=o["lam"], temperature=o["temperature"], target_kl=o.get("target_kl"))
     run_dir, mcfg, tcfg, run_info, init_path, tok, records = rl_setup(
@@ -100,7 +101,7 @@ def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions
         policy.load_weights(init_weights(init_path))
         model = PolicyWithValue.from_policy(policy)
     check_prompts(tok, records, cfg.think, model.policy.model.rotary_emb.n_positions)
-    batches = PPOBatches(model, tok, iterator, cfg, cfg_ppo, reward_function(o, device), tcfg.seed,
+    batches = PPOBatches(model, tok, iterator, cfg, cfg_ppo, reward_function(o, rewards, device), tcfg.seed,
                          o["ppo_epochs"], tcfg.grad_accum, reference)
     tcfg.batch_size = batches.micro_rows
     sampler = make_sampler(run_dir, tcfg, tok, prompts, chat=True)

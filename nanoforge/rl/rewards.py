@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math
 import numbers
 import re
@@ -62,6 +63,14 @@ def math_reward(completion: str, record: dict) -> float:
         raise NanoforgeError(f'the math reward needs a number as the answer; {where} has {record["answer"]!r}')
     content = parse_reply(completion, bool(record.get("thinking_open"))).content  # without thinking and tool calls
     return 1.0 if answer_number(content) == gold else 0.0
+
+
+def check_records(spec: str | None, records) -> None:
+    """Every prompt record against the chosen built-in rewards before the run starts, not at the step that draws
+    a bad one: math_reward refuses a record without a numeric "answer" whatever the reply."""
+    if "math" in [name.strip() for name in (spec or "").split(",")]:
+        for record in records:
+            math_reward("", record.reward_record())
 
 
 def format_reward(completion: str, record: dict) -> float:
@@ -140,19 +149,26 @@ def load_user_reward(spec: str) -> Callable:
     target, _, attr = spec.rpartition(":")
     if not target or not attr:
         raise NanoforgeError(f"--reward {spec}: expected module:function or path/to/file.py:function")
-    if target.endswith(".py") or "/" in target or "\\" in target:
-        module = _module_from_file(Path(target), spec)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ModuleNotFoundError as e:
-            raise NanoforgeError(f"--reward {spec}: cannot import {target!r} ({e}); give a module on PYTHONPATH "
-                                 "or a file path/to/file.py:function") from None
+    is_file = target.endswith(".py") or "/" in target or "\\" in target
+    try:
+        module = _module_from_file(Path(target), spec) if is_file else importlib.import_module(target)
+    except NanoforgeError:
+        raise
+    except Exception as e:  # the user's code: a syntax error, a failing import, anything it raises
+        hint = "" if is_file else "; give a module on PYTHONPATH or a file path/to/file.py:function"
+        raise NanoforgeError(f"--reward {spec}: cannot import {target!r} ({type(e).__name__}: {e}){hint}") from None
     fn = getattr(module, attr, None)
     if fn is None:
         raise NanoforgeError(f"--reward {spec}: {target} has no {attr!r}")
     if not callable(fn):
         raise NanoforgeError(f"--reward {spec}: {target}'s {attr!r} is {type(fn).__name__}, not a function")
+    try:
+        inspect.signature(fn).bind("", {})
+    except TypeError as e:
+        raise NanoforgeError(f"--reward {spec}: a reward is called as {attr}(completion, record); its signature "
+                             f"{attr}{inspect.signature(fn)} does not take that ({e})") from None
+    except ValueError:  # no signature to read (some builtins): the first call will tell
+        pass
     return fn
 
 
@@ -168,14 +184,17 @@ def _module_from_file(path: Path, spec: str):
 
 
 def checked_reward(name: str, fn: Callable) -> RewardFn:
-    """fn wrapped so that a value other than a finite real number (bool counts as 0/1) is a NanoforgeError
-    naming the reward and the prompt record, at the call that returned it."""
+    """fn wrapped so that an exception or a value other than a finite real number (bool counts as 0/1) is a
+    NanoforgeError naming the reward and the prompt record, at the call that raised or returned it."""
     def reward(completion: str, record: dict) -> float:
-        value = fn(completion, record)
+        where = record.get("_where") or "an unknown record"
+        try:
+            value = fn(completion, record)
+        except Exception as e:
+            raise NanoforgeError(f"reward {name!r} failed on the prompt at {where}: {type(e).__name__}: {e}") from e
         if not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise NanoforgeError(f"reward {name!r} returned {value!r} ({type(value).__name__}) for the prompt at "
-                                 f"{record.get('_where') or 'an unknown record'}; a reward must return a finite "
-                                 "number (int or float)")
+                                 f"{where}; a reward must return a finite number (int or float)")
         return float(value)
     return reward
 
@@ -188,6 +207,8 @@ def parse_weights(text: str | None, count: int) -> list[float] | None:
         weights = [float(w) for w in text.split(",")]
     except ValueError:
         raise NanoforgeError(f"--reward-weights {text}: expected comma-separated numbers") from None
+    if not all(map(math.isfinite, weights)):
+        raise NanoforgeError(f"--reward-weights {text}: every weight must be a finite number")
     if len(weights) != count:
         raise NanoforgeError(f"--reward-weights {text}: {len(weights)} weights for {count} rewards")
     return weights

@@ -55,11 +55,6 @@ class RolloutConfig:
         if self.num_generations < 2:
             raise NanoforgeError(f"--num-generations {self.num_generations}: a group needs at least 2 replies "
                                  "(its advantages are relative to the group's mean)")
-        if not self.temperature > 0:
-            raise NanoforgeError(f"--temperature {self.temperature} must be > 0: RL samples from the policy "
-                                 "(greedy replies have no log-probability to train)")
-        if self.max_new_tokens < 1:
-            raise NanoforgeError(f"--max-new-tokens {self.max_new_tokens} must be >= 1")
 
 
 def render_prompt(tokenizer, record: PromptRecord, think: bool) -> tuple[list[int], bool]:

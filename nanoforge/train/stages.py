@@ -251,8 +251,6 @@ def dpo(init: str | None, data: Sequence[str], out: str | Path, config_file: str
         check_resume_options(Path(out), {"beta": ("--beta", beta)})
         beta = saved_run_info(out).get("beta", beta)
     beta = DPO_BETA if beta is None else beta
-    if beta <= 0:
-        raise NanoforgeError(f"--beta {beta} must be > 0")
     run_dir, mcfg, tcfg, run_info, init_path, tok, data_dir = finetune_setup(
         "dpo", init, data, out, config_file, dict(overrides or {}), resume, quiet, DPO_DEFAULTS, {"beta": beta})
     prompts = sample_prompts(tcfg)
@@ -306,8 +304,6 @@ def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str
     alpha = DISTILL_ALPHA if alpha is None else alpha
     if not teacher:
         raise NanoforgeError("--teacher is required: the run or checkpoint to distill from")
-    if temperature <= 0 or not 0 <= alpha <= 1:
-        raise NanoforgeError(f"--temperature {temperature} must be > 0 and --alpha {alpha} in [0, 1]")
     teacher_model, teacher_tok, teacher_path = load_model(teacher)
     teacher_model.eval().requires_grad_(False)
     options = {"teacher": str(teacher_path.resolve()), "temperature": temperature, "alpha": alpha}
