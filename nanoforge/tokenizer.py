@@ -101,6 +101,12 @@ class Tokenizer:
         """Whether the chat template renders tool calls and results (MiniMind-3's format, ours since it)."""
         return "<tool_call>" in (self.chat_template or "")
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token stands for, the length of the longest token's string (a
+        byte-level token's has one per byte): a text longer than n times this is more than n tokens."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)))
+
     @property
     def backend(self):
         """The underlying `tokenizers.Tokenizer`, for the rare caller that needs offsets or the vocab."""

@@ -18,7 +18,7 @@ from nanoforge.infer.generate import SamplingConfig
 from nanoforge.infer.toolloop import run_in_batches, run_tool_loop
 from nanoforge.loader import load_model
 from nanoforge.tools.calculator import evaluate
-from tool_run import QUESTIONS, question, write_tool_sft
+from tool_run import QUESTIONS, conversation, question, write_tool_sft
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
@@ -317,3 +317,38 @@ def test_gsm8k_through_the_cli_writes_json(tool_run_dir, tool_model, tmp_path):
     assert got["file"] == str(path) and got["problems"] == 4
     assert [row["content"] for row in got["per_record"]] == [row["content"] for row in here["per_record"]]
     assert got["accuracy"] == here["accuracy"]
+
+
+# ---------------------------------------------------------------------------------------------- odd shapes, long records
+
+
+def _odd_and_plain_records(tmp_path: Path) -> tuple[Path, Path]:
+    """Records in shapes `prepare` accepts but spells oddly (a whitespace `tools` string, an empty-string
+    `tool_calls`, a call with both an empty "function" and a "name"), and the same records spelt plainly."""
+    plain = [conversation(*q, think=False) for q in QUESTIONS[:3]]
+    odd = json.loads(json.dumps(plain))
+    for record in odd:
+        call = record[2]["tool_calls"][0]
+        record[2]["tool_calls"] = [{"function": {}, "name": "calculator", "arguments": call["function"]["arguments"]}]
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    plain.append([SYSTEM, *chat])
+    odd.append([{**SYSTEM, "tools": " \n "}, chat[0], {**chat[1], "tool_calls": ""}])
+    return (_write(tmp_path / "odd.jsonl", [{"conversations": c} for c in odd]),
+            _write(tmp_path / "plain.jsonl", [{"conversations": c} for c in plain]))
+
+
+def test_toolcall_reads_odd_shapes_as_prepare_does(tmp_path, tiny_tokenizer):
+    from nanoforge.data.prepare import prepare_dataset
+
+    odd, plain = _odd_and_plain_records(tmp_path)
+    def seen(path):  # what eval --toolcall takes from each record: its rendered prompt and the references
+        return [(tiny_tokenizer.render_text(c["prompt"], add_generation_prompt=True), c["schemas"], c["calls"],
+                 c["answer"]) for c in read_toolcall(path)]
+    assert seen(odd) == seen(plain)
+    # and prepare renders both files to the same tokens and masks
+    for path in (odd, plain):
+        prepare_dataset("sft", [path], tiny_tokenizer, tmp_path / path.stem, val_fraction=0.0, workers=1,
+                        log=lambda *a: None)
+    shards = [sorted(p for p in (tmp_path / name).iterdir() if p.suffix in (".bin", ".idx", ".mask"))
+              for name in ("odd", "plain")]
+    assert len(shards[0]) == 3 and [p.read_bytes() for p in shards[0]] == [p.read_bytes() for p in shards[1]]

@@ -1,5 +1,5 @@
-"""What the evaluations (evaluate.py, eval/choice.py) share: the model to score, the precision check, a progress
-line and the printed table."""
+"""What the evaluations (evaluate.py, eval/) share: the model to score, the precision check, the records whose
+prompt fits, a progress line and the printed table."""
 from __future__ import annotations
 
 import sys
@@ -21,6 +21,22 @@ def load_run(run, device: str):
 def check_precision(precision: str) -> None:
     if precision not in ("fp32", "bf16", "fp16"):
         raise NanoforgeError(f"--precision {precision!r} must be one of fp32, bf16, fp16")
+
+
+def fitting(wheres: Sequence[str], rollouts: Sequence, what: str, model, max_new_tokens: int,
+            log) -> tuple[list[int], list[str]]:
+    """The indices of the rollouts (infer/toolloop.py) whose prompt fit the model's context, and the file:line
+    of those that did not: nothing was generated for them, so they are reported through `log`, never scored."""
+    kept = [i for i, r in enumerate(rollouts) if not r.too_long]
+    skipped = [w for w, r in zip(wheres, rollouts) if r.too_long]
+    why = (f"the prompt and --max-new-tokens {max_new_tokens} do not fit the model's context "
+           f"({model.cfg.max_seq_len} tokens)")
+    if not kept:
+        raise NanoforgeError(f"none of the {len(rollouts):,} {what} can be scored: {why}")
+    if skipped:
+        log(f"{len(skipped):,} of {len(rollouts):,} {what} skipped, not scored: {why}; first: "
+            + ", ".join(skipped[:3]))
+    return kept, skipped
 
 
 class Progress:

@@ -41,6 +41,11 @@ class Rollout:
         return len(self.replies)
 
     @property
+    def too_long(self) -> bool:
+        """Its prompt and max_new_tokens did not fit the model's context: nothing was generated."""
+        return self.end == "context" and not self.replies
+
+    @property
     def ended_normally(self) -> bool:
         return self.end == "answer"
 
@@ -78,11 +83,8 @@ def run_tool_loop(model, tokenizer, conversations: Sequence[Sequence[dict]], cfg
     for _ in range(max_turns):
         rows, prompts = [], []
         for i in live:
-            messages = rollouts[i].messages
-            declared = messages and messages[0].get("role") == "system" and messages[0].get("tools") is not None
-            ids, _ = tokenizer.render_chat(messages, add_generation_prompt=True, tools=None if declared else schemas,
-                                           open_thinking=think)
-            if len(ids) + cfg.max_new_tokens > context:
+            ids = _prompt_ids(tokenizer, rollouts[i].messages, context - cfg.max_new_tokens, schemas, think)
+            if ids is None:
                 rollouts[i].end = "context"
             else:
                 rows.append(i)
@@ -96,6 +98,17 @@ def run_tool_loop(model, tokenizer, conversations: Sequence[Sequence[dict]], cfg
     for i in live:
         rollouts[i].end = "max_turns"
     return rollouts
+
+
+def _prompt_ids(tokenizer, messages: list[dict], room: int, schemas, think: bool) -> list[int] | None:
+    """The prompt's token ids; None when they are more than `room`. A text over `room` times the longest token's
+    characters cannot be fewer, so it is not tokenized: memory stays bounded by the context whatever the record."""
+    declared = messages and messages[0].get("role") == "system" and messages[0].get("tools") is not None
+    render = dict(add_generation_prompt=True, tools=None if declared else schemas, open_thinking=think)
+    if len(tokenizer.render_text(messages, **render)) > room * tokenizer.max_token_chars:
+        return None
+    ids, _ = tokenizer.render_chat(messages, **render)
+    return ids if len(ids) <= room else None
 
 
 def _add_reply(rollout: Rollout, completion: Completion, tools: Sequence[str], think: bool) -> bool:
