@@ -103,8 +103,7 @@ class Tokenizer:
 
     @functools.cached_property
     def max_token_chars(self) -> int:
-        """The most characters of text one token stands for, the length of the longest token's string (a
-        byte-level token's has one per byte): a text longer than n times this is more than n tokens."""
+        """The longest token's string length (a byte-level one's is its bytes): n times this holds n tokens' text."""
         return max(map(len, self._tok.get_vocab(with_added_tokens=True)))
 
     @property

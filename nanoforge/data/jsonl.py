@@ -194,8 +194,7 @@ def has_tool_calls(message: dict) -> bool:
 
 
 def call_function(call: dict) -> Any:
-    """A tool call's {"name", "arguments"}: its "function" when that is set (as the chat template reads a
-    call), else the call itself."""
+    """A tool call's {"name", "arguments"}: its "function" when set (as the chat template reads it), else itself."""
     return call["function"] if call.get("function") else call
 
 

@@ -121,9 +121,9 @@ def evaluate_gsm8k(model, tokenizer, problems: list[Problem], tools=(), think: b
     rollouts, seconds = run_in_batches(model, tokenizer, conversations, cfg, batch_size, bar.update,
                                        tools=tools, think=think, max_turns=max_turns, precision=precision)
     bar.close()
-    kept, too_long = fitting([p.where for p in problems], rollouts, "problems", model, max_new_tokens, log)
-    rollouts = [rollouts[i] for i in kept]
-    rows = [_graded(problems[i], r) for i, r in zip(kept, rollouts)]
+    problems, rollouts, too_long = fitting(problems, [p.where for p in problems], rollouts, "problems", model,
+                                           max_new_tokens, log)
+    rows = [_graded(p, r) for p, r in zip(problems, rollouts)]
     result = _summary(rows, rollouts, seconds, bool(tools))
     result.update(tools=list(tools), think=think, too_long=len(too_long), too_long_records=too_long, per_record=rows)
     log(format_table([f"gsm8k ({len(rows)} problems" + (", tools: " + ",".join(tools) if tools else "") + ")",

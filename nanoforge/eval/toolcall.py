@@ -87,9 +87,9 @@ def evaluate_toolcall(model, tokenizer, cases: list[dict], think: bool = False, 
     rollouts, seconds = _rollouts(model, tokenizer, cases, cfg, batch_size, bar, think=think, max_turns=max_turns,
                                   precision=precision)
     bar.close()
-    kept, too_long = fitting([c["where"] for c in cases], rollouts, "records", model, max_new_tokens, log)
-    rollouts = [rollouts[i] for i in kept]
-    rows = [_graded(cases[i], r) for i, r in zip(kept, rollouts)]
+    cases, rollouts, too_long = fitting(cases, [c["where"] for c in cases], rollouts, "records", model,
+                                        max_new_tokens, log)
+    rows = [_graded(c, r) for c, r in zip(cases, rollouts)]
     result = _summary(rows, rollouts, seconds)
     result.update(think=think, too_long=len(too_long), too_long_records=too_long, per_record=rows)
     log(format_table([f"toolcall ({len(rows)} records)", "value"], _table_rows(result)))

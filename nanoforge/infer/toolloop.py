@@ -41,11 +41,6 @@ class Rollout:
         return len(self.replies)
 
     @property
-    def too_long(self) -> bool:
-        """Its prompt and max_new_tokens did not fit the model's context: nothing was generated."""
-        return self.end == "context" and not self.replies
-
-    @property
     def ended_normally(self) -> bool:
         return self.end == "answer"
 
@@ -101,8 +96,7 @@ def run_tool_loop(model, tokenizer, conversations: Sequence[Sequence[dict]], cfg
 
 
 def _prompt_ids(tokenizer, messages: list[dict], room: int, schemas, think: bool) -> list[int] | None:
-    """The prompt's token ids; None when they are more than `room`. A text over `room` times the longest token's
-    characters cannot be fewer, so it is not tokenized: memory stays bounded by the context whatever the record."""
+    """The prompt's token ids, None when more than `room`; a text too long to be fewer is not even tokenized."""
     declared = messages and messages[0].get("role") == "system" and messages[0].get("tools") is not None
     render = dict(add_generation_prompt=True, tools=None if declared else schemas, open_thinking=think)
     if len(tokenizer.render_text(messages, **render)) > room * tokenizer.max_token_chars:
