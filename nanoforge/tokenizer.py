@@ -101,6 +101,11 @@ class Tokenizer:
         """Whether the chat template renders tool calls and results (MiniMind-3's format, ours since it)."""
         return "<tool_call>" in (self.chat_template or "")
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's string length (a byte-level one's is its bytes): n times this holds n tokens' text."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)))
+
     @property
     def backend(self):
         """The underlying `tokenizers.Tokenizer`, for the rare caller that needs offsets or the vocab."""

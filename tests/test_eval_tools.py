@@ -18,7 +18,7 @@ from nanoforge.infer.generate import SamplingConfig
 from nanoforge.infer.toolloop import run_in_batches, run_tool_loop
 from nanoforge.loader import load_model
 from nanoforge.tools.calculator import evaluate
-from tool_run import QUESTIONS, question, write_tool_sft
+from tool_run import QUESTIONS, conversation, question, write_tool_sft
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
@@ -317,3 +317,82 @@ def test_gsm8k_through_the_cli_writes_json(tool_run_dir, tool_model, tmp_path):
     assert got["file"] == str(path) and got["problems"] == 4
     assert [row["content"] for row in got["per_record"]] == [row["content"] for row in here["per_record"]]
     assert got["accuracy"] == here["accuracy"]
+
+
+# ---------------------------------------------------------------------------------------------- odd shapes, long records
+
+
+def _odd_and_plain_records(tmp_path: Path) -> tuple[Path, Path]:
+    """Records in shapes `prepare` accepts but spells oddly (a whitespace `tools` string, an empty-string
+    `tool_calls`, a call with both an empty "function" and a "name"), and the same records spelt plainly."""
+    plain = [conversation(*q, think=False) for q in QUESTIONS[:3]]
+    odd = json.loads(json.dumps(plain))
+    for record in odd:
+        call = record[2]["tool_calls"][0]
+        record[2]["tool_calls"] = [{"function": {}, "name": "calculator", "arguments": call["function"]["arguments"]}]
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    plain.append([SYSTEM, *chat])
+    odd.append([{**SYSTEM, "tools": " \n "}, chat[0], {**chat[1], "tool_calls": ""}])
+    return (_write(tmp_path / "odd.jsonl", [{"conversations": c} for c in odd]),
+            _write(tmp_path / "plain.jsonl", [{"conversations": c} for c in plain]))
+
+
+def test_toolcall_reads_odd_shapes_as_prepare_does(tmp_path, tiny_tokenizer):
+    from nanoforge.data.prepare import prepare_dataset
+
+    odd, plain = _odd_and_plain_records(tmp_path)
+    def seen(path):  # what eval --toolcall takes from each record: its rendered prompt and the references
+        return [(tiny_tokenizer.render_text(c["prompt"], add_generation_prompt=True), c["schemas"], c["calls"],
+                 c["answer"]) for c in read_toolcall(path)]
+    assert seen(odd) == seen(plain)
+    # and prepare renders both files to the same tokens and masks
+    for path in (odd, plain):
+        prepare_dataset("sft", [path], tiny_tokenizer, tmp_path / path.stem, val_fraction=0.0, workers=1,
+                        log=lambda *a: None)
+    shards = [sorted(p for p in (tmp_path / name).iterdir() if p.suffix in (".bin", ".idx", ".mask"))
+              for name in ("odd", "plain")]
+    assert len(shards[0]) == 3 and [p.read_bytes() for p in shards[0]] == [p.read_bytes() for p in shards[1]]
+
+
+def _eval_cli(run_dir: Path, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nanoforge", "eval", str(run_dir), *map(str, args),
+                           "--max-new-tokens", "64", "--quiet"], capture_output=True, text=True, cwd=ROOT)
+
+
+@pytest.mark.slow
+def test_toolcall_cli_scores_odd_shapes_and_skips_a_record_longer_than_the_context(tool_run_dir, tool_model,
+                                                                                   tmp_path):
+    odd, plain = _odd_and_plain_records(tmp_path)
+    long = {"conversations": [{"role": "user", "content": "What is 1 + 1? " * 140_000},  # 2 MB
+                              {"role": "assistant", "content": "2"}]}
+    with open(odd, "a", encoding="utf-8") as f:
+        f.write(json.dumps(long) + "\n")
+    r = _eval_cli(tool_run_dir, "--toolcall", odd, "--json", tmp_path / "odd.json")
+    assert r.returncode == 0, r.stderr
+    assert f"1 of 5 records skipped, not scored: the prompt and --max-new-tokens 64 do not fit the model's " \
+           f"context (512 tokens); first: {odd}:5" in r.stdout
+    assert "toolcall (4 records)" in r.stdout and re.search(r"too long for the context \(not scored\) +1", r.stdout)
+    got = json.loads((tmp_path / "odd.json").read_text())["toolcall"]
+    here = run_eval(tool_model, toolcall=plain, max_new_tokens=64, progress=False, log=lambda *a: None)["toolcall"]
+    assert (got["records"], got["too_long"], got["too_long_records"]) == (4, 1, [f"{odd}:5"])
+    strip = lambda rows: [{k: v for k, v in row.items() if k != "where"} for row in rows]  # noqa: E731
+    assert strip(got["per_record"]) == strip(here["per_record"])
+    assert got["call_match_rate"] == here["call_match_rate"] and got["parse_rate"] == here["parse_rate"]
+
+
+@pytest.mark.slow
+def test_gsm8k_cli_skips_a_question_longer_than_the_context(tool_run_dir, tool_model, tmp_path):
+    path = _questions_file(tmp_path / "gsm.jsonl")
+    lines = path.read_text(encoding="utf-8").splitlines()[:3]
+    huge = {"question": "What is 1 + 1? " * 140_000, "answer": "#### 2"}  # 2 MB, never tokenized whole
+    _write(path, [lines[0], huge, lines[1], lines[2]])
+    r = _eval_cli(tool_run_dir, "--gsm8k", path, "--tools", "calculator", "--json", tmp_path / "out.json")
+    assert r.returncode == 0, r.stderr
+    assert "1 of 4 problems skipped, not scored" in r.stdout and f"first: {path}:2" in r.stdout
+    got = json.loads((tmp_path / "out.json").read_text())["gsm8k"]
+    _write(path, lines)
+    here = run_eval(tool_model, gsm8k=path, tools="calculator", max_new_tokens=64, progress=False,
+                    log=lambda *a: None)["gsm8k"]
+    assert (got["problems"], got["too_long"], here["too_long"]) == (3, 1, 0)
+    assert got["accuracy"] == here["accuracy"]  # over the three that fit
+    assert [row["where"] for row in got["per_record"]] == [f"{path}:{n}" for n in (1, 3, 4)]

@@ -199,6 +199,19 @@ def test_prompt_format_and_wilson_interval():
     assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(10, 10)[1] == pytest.approx(1.0)
 
 
+def test_a_multi_megabyte_question_is_scored_on_the_text_that_reaches_the_window(untrained, tmp_path):
+    model, tokenizer = untrained
+    sentence, window = "the cat sat on the mat. ", model.cfg.max_seq_len
+    cap = (window + 1) * tokenizer.max_token_chars  # characters that can reach the window
+    moderate = sentence * ((cap - 100) // len(sentence))  # tokenized whole, still longer than the window
+    assert len(tokenizer.encode(moderate)) > window
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps({"question": q, "choices": ["dog", "mat"], "answer": 1}) + "\n"
+                            for q in (moderate, sentence * (2_000_000 // len(sentence)))), encoding="utf-8")
+    items = evaluate_choices(untrained, path, return_items=True, **QUIET)["items"]
+    assert items[0]["logprob"] == pytest.approx(items[1]["logprob"], abs=1e-4)  # the same last window
+
+
 # ---------------------------------------------------------------------------------------------- bad inputs
 
 

@@ -157,3 +157,17 @@ def test_resume_refuses_other_prompts_or_seed_and_too_few_prompts():
         PromptIterator(_records(10), 2, seed=1).load_state_dict(saved)
     with pytest.raises(NanoforgeError, match="one step takes 6"):
         PromptIterator(_records(5), 3, seed=0, rank=0, world_size=2)
+
+
+def test_odd_but_accepted_tool_fields_read_as_prepare_reads_them(tmp_path, tiny_tokenizer):
+    from nanoforge.rl.agent import agent_prompt
+
+    user = {"role": "user", "content": "Hi"}
+    path = _write(tmp_path, [{"conversations": [{"role": "system", "content": "Be brief.", "tools": " \n "}, user],
+                              "gt": "x"},
+                             {"conversations": [user, {"role": "assistant", "content": "", "tool_calls": "[]"}]}])
+    spaced, placeholder = read_prompts(path)
+    assert spaced.tools == [] and placeholder.messages == [user]  # an empty tool_calls list is a placeholder
+    plain = PromptRecord([{"role": "system", "content": "Be brief."}, user], tools=[])
+    assert agent_prompt(tiny_tokenizer, spaced, ["calculator"], False) == \
+        agent_prompt(tiny_tokenizer, plain, ["calculator"], False)

@@ -194,6 +194,16 @@ def has_tool_calls(message: dict) -> bool:
         return True
 
 
+def call_function(call: dict) -> Any:
+    """A tool call's {"name", "arguments"}: its "function" when set (as the chat template reads it), else itself."""
+    return call["function"] if call.get("function") else call
+
+
+def tool_function(tool: dict) -> dict:
+    """A tool schema's {"name", "parameters", ...}: OpenAI's {"type": "function", "function": {...}}, or bare."""
+    return tool["function"] if isinstance(tool.get("function"), dict) else tool
+
+
 def check_content(message: dict, prefix: str = "", tools: bool = True) -> None:
     """`content` is a string, or (tools=True) null in an assistant message that calls tools."""
     content = message.get("content")
@@ -227,7 +237,7 @@ def _declared_tools(messages: list, name: str) -> set[str] | None:
     where = f'"{name}"[0].tools'
     names = set()
     for j, tool in enumerate(parsed_tools(messages[0]["tools"], where)):
-        inner = tool["function"] if isinstance(tool.get("function"), dict) else tool
+        inner = tool_function(tool)
         if not (isinstance(inner.get("name"), str) and inner["name"]):
             raise RecordError('must be a tool schema with a string "name" (or OpenAI\'s {"type": "function", '
                               '"function": {"name": ..., "parameters": ...}})', f"{where}[{j}]")
@@ -262,7 +272,7 @@ def _check_call(call: Any, where: str, declared: set[str] | None, json_arguments
     if not isinstance(call, dict):
         raise RecordError('must be an object: {"name": ..., "arguments": ...} or OpenAI\'s {"type": "function", '
                           f'"function": {{"name": ..., "arguments": ...}}}}, got {_type_name(call)}', where)
-    if call.get("function"):  # as the template reads a call: its "function" when it has one
+    if call_function(call) is not call:
         where, call = f"{where}.function", call["function"]
         if not isinstance(call, dict):
             raise RecordError(f'must be an object with "name" and "arguments", got {_type_name(call)}', where)

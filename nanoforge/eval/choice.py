@@ -288,12 +288,13 @@ def evaluate_choices(run, bench_path, fmt: str = "auto", shots: int = 0, dev_pat
 
     prompts = [build_prompt(q.question, pick_shots(q, dev, shots)) for q in questions]
     sequences, spans = [], []  # (context ids, option ids) per option; each question's options' [start, end)
+    cap = (model.cfg.max_seq_len + 1) * tokenizer.max_token_chars  # more characters: more tokens than the window
     for q, prompt in zip(questions, prompts):
-        ctx = tokenizer.encode(prompt)
+        ctx = tokenizer.encode(prompt[-cap:])  # whose oldest would be cut anyway: memory bounded by the window
         spans.append((len(sequences), len(sequences) + len(q.choices)))
         # the separating space goes with the option: byte-level BPE attaches a space to the following
         # word, so "Answer:" + " Paris" tokenizes as the model saw such text in training
-        sequences += [(ctx, tokenizer.encode(" " + c)) for c in q.choices]
+        sequences += [(ctx, tokenizer.encode((" " + c)[:cap])) for c in q.choices]
     bar = Progress(progress, "options scored", len(sequences))
     with eval_mode(model):
         logprobs = _option_logprobs(model, sequences, batch_size, dev_device, precision, bar)

@@ -1,5 +1,5 @@
-"""What the evaluations (evaluate.py, eval/choice.py) share: the model to score, the precision check, a progress
-line and the printed table."""
+"""What the evaluations (evaluate.py, eval/) share: the model to score, the precision check, the records whose
+prompt fits, a progress line and the printed table."""
 from __future__ import annotations
 
 import sys
@@ -21,6 +21,20 @@ def load_run(run, device: str):
 def check_precision(precision: str) -> None:
     if precision not in ("fp32", "bf16", "fp16"):
         raise NanoforgeError(f"--precision {precision!r} must be one of fp32, bf16, fp16")
+
+
+def fitting(items: list, wheres: list[str], rollouts: list, what: str, model, max_new_tokens: int, log):
+    """(items, rollouts) of the rollouts (infer/toolloop.py) whose prompt fit the model's context, and the file:line
+    of those that did not: nothing was generated for them, so they are reported through `log`, never scored."""
+    fit = [bool(r.replies) or r.end != "context" for r in rollouts]
+    skipped = [w for w, ok in zip(wheres, fit) if not ok]
+    why = (f"the prompt and --max-new-tokens {max_new_tokens} do not fit the model's context "
+           f"({model.cfg.max_seq_len} tokens)")
+    if len(skipped) == len(rollouts):
+        raise NanoforgeError(f"none of the {len(rollouts):,} {what} can be scored: {why}")
+    if skipped:
+        log(f"{len(skipped):,} of {len(rollouts):,} {what} skipped, not scored: {why}; first: {', '.join(skipped[:3])}")
+    return [x for x, ok in zip(items, fit) if ok], [r for r, ok in zip(rollouts, fit) if ok], skipped
 
 
 class Progress:

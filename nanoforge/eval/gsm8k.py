@@ -22,7 +22,7 @@ from typing import Callable
 
 from nanoforge import safejson
 from nanoforge.data.jsonl import DataError, check_input_file
-from nanoforge.eval.common import Progress, format_table
+from nanoforge.eval.common import Progress, fitting, format_table
 from nanoforge.infer.generate import SamplingConfig
 from nanoforge.infer.toolloop import Rollout, run_in_batches
 
@@ -119,9 +119,11 @@ def evaluate_gsm8k(model, tokenizer, problems: list[Problem], tools=(), think: b
     rollouts, seconds = run_in_batches(model, tokenizer, conversations, cfg, batch_size, bar.update,
                                        tools=tools, think=think, max_turns=max_turns, precision=precision)
     bar.close()
+    problems, rollouts, too_long = fitting(problems, [p.where for p in problems], rollouts, "problems", model,
+                                           max_new_tokens, log)
     rows = [_graded(p, r) for p, r in zip(problems, rollouts)]
     result = _summary(rows, rollouts, seconds, bool(tools))
-    result.update(tools=list(tools), think=think, per_record=rows)
+    result.update(tools=list(tools), think=think, too_long=len(too_long), too_long_records=too_long, per_record=rows)
     log(format_table([f"gsm8k ({len(rows)} problems" + (", tools: " + ",".join(tools) if tools else "") + ")",
                       "value"], _table_rows(result)))
     return result
@@ -160,5 +162,6 @@ def _table_rows(result: dict) -> list[list[str]]:
         rows += [["tool-call parse rate", "n/a" if rate is None else f"{rate:.4f}"],
                  ["tool calls", f"{result['tool_calls']:,}"],
                  ["problems with a call", f"{result['problems_with_calls']:.4f}"]]
-    rows += [["new tokens", f"{result['new_tokens']:,}"], ["tokens/s", f"{result['tokens_per_s']:,.1f}"]]
+    rows += [["new tokens", f"{result['new_tokens']:,}"], ["tokens/s", f"{result['tokens_per_s']:,.1f}"],
+             ["too long for the context (not scored)", f"{result['too_long']:,}"]]
     return rows

@@ -27,37 +27,30 @@ import json
 from typing import Callable
 
 from nanoforge import safejson
-from nanoforge.data.jsonl import iter_records
-from nanoforge.eval.common import Progress, format_table
+from nanoforge.data.jsonl import call_function, iter_records, tool_function
+from nanoforge.eval.common import Progress, fitting, format_table
 from nanoforge.infer.generate import SamplingConfig
 from nanoforge.infer.toolloop import Rollout, run_in_batches
 from nanoforge.infer.toolparse import parse_reply
+from nanoforge.toolcalls import normalize_conversation
 from nanoforge.tools.calculator import BUILTIN_TOOLS
 
 
-def _function(item: dict) -> dict:
-    """OpenAI's {"type": "function", "function": {...}} or a bare {...} -> the inner object."""
-    return item["function"] if isinstance(item.get("function"), dict) else item
-
-
-def _loaded(value):
-    return safejson.loads(value) if isinstance(value, str) else value  # a JSON-string field of an SFT record
-
-
 def read_toolcall(path, limit: int | None = None) -> list[dict]:
-    """One case per SFT record: prompt messages, declared schemas by name, reference calls and answer."""
+    """One case per SFT record: prompt messages, declared schemas by name, reference calls and answer; each
+    record normalised as `prepare` renders it (toolcalls.py: JSON-string tools and tool_calls parsed)."""
     cases = []
     for line_no, record in iter_records(path, "sft"):
         if limit is not None and len(cases) >= limit:
             break
-        messages = record["conversations"]
+        messages, declared = normalize_conversation(record["conversations"])
         first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        declared = (_loaded(messages[0].get("tools")) or []) if messages[0]["role"] == "system" else []
-        calls = [_function(c) for c in _loaded(messages[first].get("tool_calls")) or []]
+        calls = [call_function(c) for c in messages[first].get("tool_calls") or []]
         final = parse_reply(messages[-1].get("content") or "", thinking_open=False).content
         cases.append({"where": f"{path}:{line_no}", "prompt": messages[:first],
-                      "schemas": {_function(t)["name"]: _function(t) for t in declared},
-                      "calls": [(c["name"], _loaded(c["arguments"])) for c in calls], "answer": final})
+                      "schemas": {tool_function(t)["name"]: tool_function(t) for t in declared or []},
+                      "calls": [(c["name"], safejson.loads(c["arguments"]) if isinstance(c["arguments"], str)
+                                 else c["arguments"]) for c in calls], "answer": final})
     return cases
 
 
@@ -92,9 +85,11 @@ def evaluate_toolcall(model, tokenizer, cases: list[dict], think: bool = False, 
     rollouts, seconds = _rollouts(model, tokenizer, cases, cfg, batch_size, bar, think=think, max_turns=max_turns,
                                   precision=precision)
     bar.close()
+    cases, rollouts, too_long = fitting(cases, [c["where"] for c in cases], rollouts, "records", model,
+                                        max_new_tokens, log)
     rows = [_graded(c, r) for c, r in zip(cases, rollouts)]
     result = _summary(rows, rollouts, seconds)
-    result.update(think=think, per_record=rows)
+    result.update(think=think, too_long=len(too_long), too_long_records=too_long, per_record=rows)
     log(format_table([f"toolcall ({len(rows)} records)", "value"], _table_rows(result)))
     return result
 
@@ -156,4 +151,5 @@ def _table_rows(result: dict) -> list[list[str]]:
             [f"answer accuracy ({result['answer_records']} records)", show(result["answer_accuracy"])],
             ["records with reference calls", f"{result['records_with_calls']}"],
             ["mean turns", f"{result['mean_turns']:.2f}"], ["new tokens", f"{result['new_tokens']:,}"],
-            ["tokens/s", f"{result['tokens_per_s']:,.1f}"]]
+            ["tokens/s", f"{result['tokens_per_s']:,.1f}"],
+            ["too long for the context (not scored)", f"{result['too_long']:,}"]]

@@ -78,11 +78,8 @@ def run_tool_loop(model, tokenizer, conversations: Sequence[Sequence[dict]], cfg
     for _ in range(max_turns):
         rows, prompts = [], []
         for i in live:
-            messages = rollouts[i].messages
-            declared = messages and messages[0].get("role") == "system" and messages[0].get("tools") is not None
-            ids, _ = tokenizer.render_chat(messages, add_generation_prompt=True, tools=None if declared else schemas,
-                                           open_thinking=think)
-            if len(ids) + cfg.max_new_tokens > context:
+            ids = _prompt_ids(tokenizer, rollouts[i].messages, context - cfg.max_new_tokens, schemas, think)
+            if ids is None:
                 rollouts[i].end = "context"
             else:
                 rows.append(i)
@@ -96,6 +93,16 @@ def run_tool_loop(model, tokenizer, conversations: Sequence[Sequence[dict]], cfg
     for i in live:
         rollouts[i].end = "max_turns"
     return rollouts
+
+
+def _prompt_ids(tokenizer, messages: list[dict], room: int, schemas, think: bool) -> list[int] | None:
+    """The prompt's token ids, None when more than `room`; a text too long to be fewer is not even tokenized."""
+    declared = messages and messages[0].get("role") == "system" and messages[0].get("tools") is not None
+    render = dict(add_generation_prompt=True, tools=None if declared else schemas, open_thinking=think)
+    if len(tokenizer.render_text(messages, **render)) > room * tokenizer.max_token_chars:
+        return None
+    ids, _ = tokenizer.render_chat(messages, **render)
+    return ids if len(ids) <= room else None
 
 
 def _add_reply(rollout: Rollout, completion: Completion, tools: Sequence[str], think: bool) -> bool:

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from nanoforge import safejson
-from nanoforge.data.jsonl import (DataError, RecordError, _keys, _type_name, check_input_file, line_json, line_text,
-                                  validate_record)
+from nanoforge.data.jsonl import (DataError, RecordError, _keys, _type_name, check_input_file, has_tool_calls,
+                                  line_json, line_text, validate_record)
 from nanoforge.errors import NanoforgeError
+from nanoforge.toolcalls import normalize_conversation
 
 _PLACEHOLDER = {"role": "assistant", "content": ""}
 _OWN_KEYS = ("conversations", "question", "answer", "gt")
@@ -58,7 +58,7 @@ def prompt_record(obj: Any) -> PromptRecord:
     answer = None if obj.get("answer") is None else _answer_gold(obj["answer"])
     gt = None if obj.get("gt") is None else _expected_answers(obj["gt"])
     extra = {k: v for k, v in obj.items() if k not in _OWN_KEYS}
-    return PromptRecord(messages, answer, gt, _declared_tools(messages), extra=extra)
+    return PromptRecord(messages, answer, gt, normalize_conversation(messages)[1], extra=extra)
 
 
 def _chat_prompt(conversation: Any) -> list[dict]:
@@ -74,7 +74,7 @@ def _chat_prompt(conversation: Any) -> list[dict]:
             full = conversation + [_PLACEHOLDER]
     validate_record("sft", {"conversations": full})
     last = full[-1]
-    if full is conversation and (last.get("content") or last.get("tool_calls") or last.get("reasoning_content")):
+    if full is conversation and (last.get("content") or has_tool_calls(last) or last.get("reasoning_content")):
         raise RecordError("the prompt ends with an assistant turn that has content; an RL prompt ends with a user "
                           "turn, or an assistant placeholder with empty content (dropped)",
                           f'"conversations"[{len(full) - 1}].content')
@@ -110,12 +110,6 @@ def _expected_answers(value: Any) -> list[str]:
         raise RecordError(f"must be a string or a non-empty list of strings, got {_type_name(value)}"
                           + (" (empty)" if value == [] else ""), '"gt"')
     return [_nonempty_string(item, f'"gt"[{i}]') for i, item in enumerate(value)]
-
-
-def _declared_tools(messages: list[dict]) -> list | None:
-    """The tool schemas on the opening system message (already checked by the SFT schema), or None."""
-    tools = messages[0].get("tools") if messages[0].get("role") == "system" else None
-    return safejson.loads(tools) if isinstance(tools, str) else tools
 
 
 # ---------------------------------------------------------------------------------------------- files
