@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoforge.config import ModelConfig, TrainConfig
+from nanoforge.device import resolve_precision
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.gpt import GPT
 
@@ -88,6 +89,8 @@ def make_plan(mcfg: ModelConfig, tcfg: TrainConfig, device: str = "rtx3090", glo
                              tokens_per_s is None or (math.isfinite(tokens_per_s) and tokens_per_s > 0))):
         if not ok:
             raise NanoforgeError(f"{name} {value} must be a positive number" + (" at most 1" if name == "--mfu" else ""))
+    if tcfg.precision == "auto":  # what it means on the planned device: bf16 on every GPU of the table
+        tcfg.precision = resolve_precision("auto", "cpu") if device == "cpu" else "bf16"
     n, flops_fn = count_params(mcfg)
     flops = flops_fn(tcfg.seq_len)
     weights, grads, optimizer = 4 * n, 4 * n, 8 * n
