@@ -56,7 +56,9 @@ def cpu_info(path: str = "/proc/cpuinfo") -> tuple[str, set[str]]:
     first: dict[str, str] = {}
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            for line in iter(f.readline, "\n"):  # the first processor's block ends at a blank line
+            for line in f:
+                if not line.strip():  # the first processor's block ends at a blank line
+                    break
                 key, _, value = line.partition(":")
                 first.setdefault(key.strip(), value.strip())
     except OSError:
