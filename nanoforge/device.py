@@ -53,16 +53,12 @@ def cpu_info(path: str = "/proc/cpuinfo") -> tuple[str, set[str]]:
     """This CPU's model name and feature flags. Linux has them in /proc/cpuinfo; elsewhere (macOS, Windows)
     there are no flags to read, so no native bf16 is claimed and --precision auto picks fp32 there, which
     is never the slow choice (PyTorch's CPU bf16 is only fast where these flags are)."""
-    first: dict[str, str] = {}
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if not line.strip():  # the first processor's block ends at a blank line
-                    break
-                key, _, value = line.partition(":")
-                first.setdefault(key.strip(), value.strip())
+            block = f.read().split("\n\n", 1)[0]  # the first processor's entry
     except OSError:
-        pass
+        block = ""
+    first = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in block.splitlines())}
     flags = set((first.get("flags") or first.get("Features") or "").split())  # Features: ARM's flags
     return first.get("model name") or platform.processor() or platform.machine() or "unknown cpu", flags
 
