@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoforge.config import TRAIN_FIELDS, build_config, config_dicts
-from nanoforge.device import resolve_device
+from nanoforge.device import precision_note, resolve_device, resolve_precision
 from nanoforge.errors import NanoforgeError
 from nanoforge.fsutil import write_text_atomic
 from nanoforge.model.gpt import GPT
@@ -177,15 +177,17 @@ def _figures(model, device: torch.device, precision: str, seq_len: int, tokens_p
         peak = observed_peak(device, precision, peak, flops * tokens_per_s)
         source += f", raised to this run's {peak / 1e9:.0f} GFLOP/s"
     return {"device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
-            "precision": precision, "params": model.num_params(), "tokens_per_step": tokens_per_step,
-            "tokens_per_s": tokens_per_s, "step_ms": 1000 * tokens_per_step / tokens_per_s,
-            "flops_per_token": flops, "mfu": flops * tokens_per_s / peak if peak else None,
-            "peak_flops": peak, "peak_source": source, "peak_memory_gb": peak_mem / 1e9}
+            "precision": precision, "precision_note": precision_note(precision, device), "params": model.num_params(),
+            "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_per_s,
+            "step_ms": 1000 * tokens_per_step / tokens_per_s, "flops_per_token": flops,
+            "mfu": flops * tokens_per_s / peak if peak else None, "peak_flops": peak, "peak_source": source,
+            "peak_memory_gb": peak_mem / 1e9}
 
 
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
     """One measurement, in this (fresh) process."""
     mcfg, tcfg = build_config(spec["preset"], spec["config"], spec["overrides"])
+    tcfg.precision = resolve_precision(tcfg.precision, tcfg.device)  # before the micro-batch probe runs in it
     fit_micro_batch(mcfg, tcfg, log=lambda m: print(m, file=sys.stderr))  # --micro-batch auto|N
     if spec["kind"] == "naive":
         out = bench_naive(mcfg, tcfg, spec["steps"], spec["warmup"])
@@ -242,10 +244,10 @@ def format_bench(res: dict[str, Any]) -> str:
     head = (f"# {ours['params'] / 1e6:.1f}M parameters ({m['n_layers']} layers, d_model {m['d_model']}), "
             f"micro-batch {ours.get('batch_size', t['batch_size'])} x {t['seq_len']} x grad-accum "
             f"{ours.get('grad_accum', t['grad_accum'])}, "
-            f"{t['precision']}{', ' + ', '.join(flags) if flags else ''} on {ours['device']}; "
+            f"{ours['precision']}{', ' + ', '.join(flags) if flags else ''} on {ours['device']}; "
             f"{res['data']}; median of {res['steps']} steps after {res['warmup']} warm-up; torch {res['torch']}, "
             f"{res['threads']} threads")
-    lines = [head, "",
+    lines = [head, ours["precision_note"], "",
              "| | " + " | ".join(name for name, _ in cols) + (" | ours / naive |" if naive else " |"),
              "|---|" + "---:|" * (len(cols) + (1 if naive else 0)),
              row("precision", str, "precision"),

@@ -105,7 +105,7 @@ class TrainConfig:
     muon_lr: float = 0.02  # peak lr of the muon matrices; follows the same schedule as lr
     muon_momentum: float = 0.95  # muon's Nesterov momentum
     # numerics and device
-    precision: str = "bf16"  # fp32 | bf16 | fp16
+    precision: str = "auto"  # auto | fp32 | bf16 | fp16; auto: bf16 where the device computes it natively, else fp32
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     compile: bool = False  # torch.compile the model for training (evaluation and sampling use it uncompiled)
     activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1/3 more compute
@@ -137,7 +137,7 @@ class TrainConfig:
         _finite(self)
         _positive(self, "max_steps", "batch_size", "grad_accum", "seq_len", "eval_batches", "log_every",
                   "keep_last", "nonfinite_patience")
-        _one_of(self, "precision", ("fp32", "bf16", "fp16"))
+        _one_of(self, "precision", ("auto", "fp32", "bf16", "fp16"))
         _one_of(self, "schedule", ("cosine", "wsd", "onecycle", "constant"))
         _one_of(self, "optimizer", ("adamw", "muon"))
         if self.muon_lr <= 0 or not 0.0 <= self.muon_momentum < 1.0:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoforge.config import ModelConfig, TrainConfig
+from nanoforge.device import resolve_precision
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.gpt import GPT
 
@@ -81,6 +82,8 @@ def activation_bytes(mcfg: ModelConfig, seq_len: int, precision: str) -> int:
 
 def make_plan(mcfg: ModelConfig, tcfg: TrainConfig, device: str = "rtx3090", global_batch: int | None = None,
               tokens: float | None = None, mfu: float = 0.40, tokens_per_s: float | None = None) -> Plan:
+    if tcfg.precision == "auto":  # what it means on the planned device: bf16 on every GPU of the table
+        tcfg.precision = resolve_precision("auto", "cpu") if device == "cpu" else "bf16"
     n, flops_fn = count_params(mcfg)
     flops = flops_fn(tcfg.seq_len)
     weights, grads, optimizer = 4 * n, 4 * n, 8 * n

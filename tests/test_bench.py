@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from nanoforge.device import cpu_info, precision_note
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,6 +33,9 @@ def test_bench_table_has_every_field(bench_run):
         assert field in text, field
     assert "micro-batch 1 x 32 x grad-accum 2" in text  # --micro-batch splits the global batch of 2
     assert re.search(r"\| tokens/s \| [\d,]+ \| [\d,]+ \| [\d.]+x \|", text), text
+    # the precision it used and why: the CPU's model and whether it computes bf16 natively (a warning if not)
+    assert precision_note("bf16", torch.device("cpu")) in text.splitlines()
+    assert f"this CPU ({cpu_info()[0]}) has " in text
 
 
 def test_bench_json_numbers_are_positive_and_the_split_adds_up(bench_run):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from nanoforge.config import MODEL_FIELDS, build_config
-from nanoforge.device import resolve_device
+from nanoforge.device import resolve_device, resolve_precision
 from nanoforge.errors import NanoforgeError
 from nanoforge.infer.toolturn import parse_tool_names
 from nanoforge.loader import init_config, init_tokenizer_dir, init_weights
@@ -131,6 +131,7 @@ def rl_setup(stage: str, init: str | None, data: str | None, out: Path, config_f
                 "train": {**GRPO_DEFAULTS, "seq_len": init_cfg.get("model", {}).get("max_seq_len", 512)}}
         run_dir = out
         mcfg, tcfg = build_config(None, config_file, overrides, base=base)
+        tcfg.precision = resolve_precision(tcfg.precision, tcfg.device)
         tokenizer_dir = init_tokenizer_dir(init_path)
         run_info = {"stage": stage, "init": str(init_path.resolve()), "tokenizer": "tokenizer",
                     **{k: v for k, v in options.items() if v is not None}}

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from nanoforge.config import ModelConfig, TrainConfig, config_dicts
-from nanoforge.device import autocast_context, eval_mode, resolve_device
+from nanoforge.device import autocast_context, eval_mode, precision_note, resolve_device, resolve_precision
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.interface import TRAINABLE_INTERFACE, TrainableModel
 from nanoforge.train import checkpoint as ckpt
@@ -354,6 +354,7 @@ def _start(stage: Stage, model: TrainableModel, mcfg: ModelConfig, tcfg: TrainCo
     run_dir.mkdir(parents=True, exist_ok=True)
     world = distributed.world()
     device = distributed.setup(resolve_device(tcfg.device))  # under torchrun: join the group, this rank's device
+    tcfg.precision = resolve_precision(tcfg.precision, device)  # for callers with their own TrainConfig
     torch.manual_seed(tcfg.seed)
     model.to(device)
     model.train()
@@ -395,6 +396,7 @@ def _print_header(run: Run) -> None:
                   f"{tcfg.batch_size}x{tcfg.seq_len} x {tcfg.grad_accum} accum"
                   + (f" x {world.world_size} processes ({'FSDP2' if run.fsdp else 'DDP'})" if world.distributed
                      else "") + f", {tcfg.max_steps} steps -> {run.run_dir}")
+    run.log.print(precision_note(run.state.precision, run.device))
     if tcfg.warmup_steps >= tcfg.max_steps and run.state.step == 0:
         run.log.print(f"note: warmup_steps={tcfg.warmup_steps} covers the whole run of {tcfg.max_steps} steps: "
                       f"the learning rate never gets past its warmup to the peak {tcfg.lr:g} (lower --warmup-steps)")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import resource
 import sys
 import time
@@ -18,6 +17,7 @@ from typing import Any
 
 import torch
 
+from nanoforge.device import cpu_info
 from nanoforge.errors import NanoforgeError
 from nanoforge.fsutil import read_json, write_text_atomic
 
@@ -95,14 +95,7 @@ def cpu_peak_cache_dir() -> Path:
 
 def cpu_peak_key(precision: str) -> str:
     """What the peak depends on: the CPU model, the threads matmuls use, the precision and torch's kernels."""
-    model = ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        pass
-    model = model or platform.processor() or platform.machine() or "unknown cpu"
-    return f"{model} | {torch.get_num_threads()} threads | {precision} | torch {torch.__version__}"
+    return f"{cpu_info()[0]} | {torch.get_num_threads()} threads | {precision} | torch {torch.__version__}"
 
 
 def _read_peaks(path: Path) -> dict[str, float]:

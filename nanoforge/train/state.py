@@ -15,7 +15,7 @@ from torch import nn
 
 from nanoforge import __version__
 from nanoforge.config import TrainConfig
-from nanoforge.device import fallback_precision
+from nanoforge.device import resolve_precision
 from nanoforge.errors import NanoforgeError
 from nanoforge.train import checkpoint as ckpt
 from nanoforge.train import distributed
@@ -27,7 +27,7 @@ from nanoforge.train.stage import Stage
 class RunState:
     """Where a run is: everything here goes into state.json, so a resumed run continues exactly."""
     step: int = 0
-    precision: str = "fp32"  # changes once if fp16 keeps overflowing (see fallback_precision)
+    precision: str = "fp32"  # changes once if fp16 keeps overflowing (to resolve_precision("auto"))
     lr_scale: float = 1.0  # halved (rollback_lr_factor) by each rollback
     skipped_steps: int = 0
     rollbacks: int = 0
@@ -97,7 +97,7 @@ def rollback(run: Run, reason: str) -> None:
     run.stage.train_batches.load_state_dict(data_state)
     state.lr_scale *= tcfg.rollback_lr_factor
     state.rollbacks += 1
-    precision = fallback_precision(run.device) if state.precision == "fp16" else state.precision
+    precision = resolve_precision("auto", run.device) if state.precision == "fp16" else state.precision
     run.log.print(f"step {state.step}: {reason} {tcfg.nonfinite_patience} times in a row; rolled back to "
                   f"{last.name} (step {saved['run_state']['step']}), lr scale now {state.lr_scale:g}"
                   + (f", precision {state.precision} -> {precision}" if precision != state.precision else ""))
