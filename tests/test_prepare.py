@@ -436,8 +436,6 @@ def test_skip_invalid_counts_skipped_records(tmp_path, tiny_tokenizer):
 def test_input_problems_are_reported_before_any_work(tmp_path, tiny_tokenizer):
     with pytest.raises(DataError, match="no such file"):
         prepare_dataset("pretrain", [tmp_path / "missing.jsonl"], tiny_tokenizer, tmp_path / "out", **QUIET)
-    with pytest.raises(NanoforgeError, match="val_fraction"):
-        prepare_dataset("pretrain", [tmp_path], tiny_tokenizer, tmp_path / "out", val_fraction=1.5, **QUIET)
     with pytest.raises(NanoforgeError, match="is a directory"):
         prepare_dataset("dpo", [tmp_path], tiny_tokenizer, tmp_path / "out", **QUIET)
     assert not (tmp_path / "out").exists()
