@@ -163,7 +163,7 @@ def train_run(name: str, flags: list[str], corpus: Path, work: Path, args) -> Pa
 def ours(run: Path, prompts: list[str], n_new: int):
     """Our tokenization, greedy continuation (the Python API the CLI uses) and the model, for each prompt."""
     from nanoforge.infer.generate import SamplingConfig, generate
-    from nanoforge.loader import load_model
+    from nanoforge.weights.load import load_model
 
     model, tokenizer, _ = load_model(run, device="cpu")
     rows = []

@@ -31,14 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanoforge.config import build_config  # noqa: E402
 from nanoforge.data.prepare import prepare_dataset  # noqa: E402
 from nanoforge.infer.generate import SamplingConfig, complete  # noqa: E402
-from nanoforge.loader import load_model  # noqa: E402
+from nanoforge.weights.load import load_model  # noqa: E402
 from nanoforge.model.gpt import GPT  # noqa: E402
-from nanoforge.rl.grpo import RLOptions, grpo  # noqa: E402
-from nanoforge.rl.ppo_recipe import PPOOptions, ppo  # noqa: E402
+from nanoforge.recipes.grpo import RLOptions, grpo  # noqa: E402
+from nanoforge.recipes.ppo import PPOOptions, ppo  # noqa: E402
 from nanoforge.rl.rewards import answer_number  # noqa: E402
 from nanoforge.tokenizer import train_tokenizer  # noqa: E402
-from nanoforge.train import checkpoint as ckpt  # noqa: E402
-from nanoforge.train.stages import sft  # noqa: E402
+from nanoforge.weights import checkpoint as ckpt  # noqa: E402
+from nanoforge.recipes.stages import sft  # noqa: E402
 
 QUIET = dict(log=lambda *a: None)
 

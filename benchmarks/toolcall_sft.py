@@ -28,8 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from nanoforge.chat_template import THINKING_TOOLS_TEMPLATE, compile_template
-from nanoforge.tools.calculator import CALCULATOR_SCHEMA, evaluate
+from nanoforge.chat.template import THINKING_TOOLS_TEMPLATE, compile_template
+from nanoforge.chat.calculator import CALCULATOR_SCHEMA, evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"

@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_grpo_parser(sub, fmt) -> None:
-    """`nanoforge grpo`: GRPO, CISPO or REINFORCE on groups of sampled replies (rl/grpo.py)."""
+    """`nanoforge grpo`: GRPO, CISPO or REINFORCE on groups of sampled replies (recipes/grpo.py)."""
     rl = sub.add_parser("grpo", help="reinforcement learning with verifiable rewards: GRPO, CISPO or REINFORCE on "
                         "groups of sampled replies", formatter_class=fmt)
     rl.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the SFT run, checkpoint or HF model directory to "
@@ -353,7 +353,7 @@ def add_grpo_parser(sub, fmt) -> None:
     rl.add_argument("--data", metavar="FILE.jsonl", help="prompts: chats ending in a user turn (or an empty "
                     'assistant placeholder), GSM8K\'s {"question", "answer"}; "answer"/"gt" for the rewards')
     rl.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    # default None: a --resume can tell a given option from an omitted one (defaults in nanoforge/rl/grpo.py)
+    # default None: a --resume can tell a given option from an omitted one (defaults in nanoforge/recipes/grpo.py)
     rl.add_argument("--loss", choices=["grpo", "cispo", "reinforce"], help="policy loss: clipped ratio (grpo), "
                     "clipped importance weight (cispo), plain policy gradient (default: grpo)")
     rl.add_argument("--num-generations", type=INT_GE1, metavar="G", help="replies sampled per prompt (default: 6)")
@@ -384,7 +384,7 @@ def add_grpo_parser(sub, fmt) -> None:
 
 def add_ppo_parser(sub, fmt) -> None:
     """`nanoforge ppo`: defaults None, so a --resume can tell a given option from an omitted one (the defaults
-    are in nanoforge/rl/ppo_recipe.py)."""
+    are in nanoforge/recipes/ppo.py)."""
     p = sub.add_parser("ppo", help="reinforcement learning with PPO: a critic from the policy's weights, GAE, "
                        "clipped policy and value losses, KL penalty, early stop on approximate KL",
                        formatter_class=fmt)

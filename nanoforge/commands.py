@@ -13,22 +13,22 @@ from nanoforge.bench import format_bench, run_bench, write_json
 from nanoforge.config import MODEL_FIELDS, TRAIN_FIELDS, build_config, parse_value
 from nanoforge.data.parts import merge_prepared
 from nanoforge.data.prepare import prepare_dataset
-from nanoforge.demo import run_demo
+from nanoforge.demo.pipeline import run_demo
 from nanoforge.errors import NanoforgeError
-from nanoforge.evaluate import run_eval
-from nanoforge.export import export_gguf, export_hf
+from nanoforge.eval.run import run_eval
+from nanoforge.weights.export import export_gguf, export_hf
 from nanoforge.infer.chat import run_chat, run_generate
 from nanoforge.model.lora import LoraConfig
 from nanoforge.plan import format_plan, make_plan
-from nanoforge.rl.grpo import RLOptions, grpo
-from nanoforge.rl.ppo_recipe import PPOOptions, ppo
-from nanoforge.report import write_report
+from nanoforge.recipes.grpo import RLOptions, grpo
+from nanoforge.recipes.ppo import PPOOptions, ppo
+from nanoforge.report.markdown import write_report
 from nanoforge.tokenizer import train_tokenizer
 from nanoforge.train.autoresume import AUTO, resolve_resume
 from nanoforge.train.distributed import is_main, leave
 from nanoforge.train.loop import TrainingInterrupted
 from nanoforge.train.rundir import check_resume_options
-from nanoforge.train.stages import distill, dpo, lora_merge, pretrain, sft
+from nanoforge.recipes.stages import distill, dpo, lora_merge, pretrain, sft
 
 
 def run(args: argparse.Namespace) -> int:
@@ -172,7 +172,7 @@ def cmd_export(args) -> None:
 
 
 def cmd_serve(args) -> None:
-    from nanoforge.infer.server import run_server  # here: it needs fastapi and uvicorn, the optional `serve` extra
+    from nanoforge.serve.app import run_server  # here: it needs fastapi and uvicorn, the optional `serve` extra
     run_server(args.run, host=args.host, port=args.port,
                api_key=args.api_key or os.environ.get("NANOFORGE_API_KEY") or None,
                device=args.device, precision=args.precision, request_timeout=args.request_timeout or None,

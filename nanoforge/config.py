@@ -223,7 +223,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "train": dict(seq_len=64, batch_size=4, warmup_steps=10, lr=3e-3, eval_every=50, save_every=100),
     },
     # `nanoforge demo`: a million parameters that memorise a thousand short answers in ~2 minutes on a 2-core
-    # CPU, with the CPU speedrun's recipe (Muon, WSD, batch 8; docs/perf.md); see nanoforge/demo.py
+    # CPU, with the CPU speedrun's recipe (Muon, WSD, batch 8; docs/perf.md); see nanoforge/demo/pipeline.py
     "demo": {
         "model": dict(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256),
         "train": dict(seq_len=256, batch_size=8, optimizer="muon", muon_lr=0.01, lr=6e-3, schedule="wsd",

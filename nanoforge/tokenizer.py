@@ -25,13 +25,13 @@ import os
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-from nanoforge.chat_template import (CHAT_TEMPLATE, IM_END, THINKING_TOOLS_TEMPLATE, TOOL_TAGS, ChatTemplateError,
+from nanoforge.chat.template import (CHAT_TEMPLATE, IM_END, THINKING_TOOLS_TEMPLATE, TOOL_TAGS, ChatTemplateError,
                                      assistant_mask, assistant_turns, check_disguise, compile_template, disguise,
                                      without_empty_think)
 from nanoforge.data.jsonl import DataError, check_input_file, detect_kind, iter_records
 from nanoforge.errors import NanoforgeError
 from nanoforge.fsutil import read_json, write_json
-from nanoforge.toolcalls import normalize_conversation
+from nanoforge.chat.messages import normalize_conversation
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"<|reserved_{i}|>" for i in range(13)]
 EOS_TOKEN, IM_START = SPECIAL_TOKENS[:2]
@@ -173,7 +173,7 @@ class Tokenizer:
         """The conversation as text, exactly as HF `apply_chat_template(messages, tools=tools,
         add_generation_prompt=..., tokenize=False, **template_kwargs)` renders it (`open_thinking` and
         `enable_thinking` are such kwargs). A JSON-string `tool_calls` or `tools`, and `tools` carried by the
-        opening system message, are parsed first (toolcalls.py); shape errors name the message and field.
+        opening system message, are parsed first (chat/messages.py); shape errors name the message and field.
         drop_empty_think=True removes the empty think block from every assistant turn (without_empty_think:
         SFT data with and without one, as MiniMind-3 trains); never part of HF's render."""
         messages, tools = normalize_conversation(messages, tools)

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from nanoforge.data.prepare import prepare_dataset
-from nanoforge.train import checkpoint as ckpt
-from nanoforge.train.stages import pretrain
+from nanoforge.weights import checkpoint as ckpt
+from nanoforge.recipes.stages import pretrain
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from nanoforge import demo, demo_corpus
+from nanoforge.demo import pipeline as demo
+from nanoforge.demo import corpus as demo_corpus
 from nanoforge.data.jsonl import validate_record
 from nanoforge.errors import NanoforgeError
 from nanoforge.tokenizer import load_tokenizer

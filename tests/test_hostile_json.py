@@ -14,10 +14,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from nanoforge.infer.chat_reply import reply_message
-from nanoforge.infer.protocol import GenerationRequest
-from nanoforge.infer.toolparse import StreamParser, parse_reply
-from nanoforge.tools.calculator import run_tool_call
+from nanoforge.serve.chat_reply import reply_message
+from nanoforge.serve.protocol import GenerationRequest
+from nanoforge.chat.replies import StreamParser, parse_reply
+from nanoforge.chat.calculator import run_tool_call
 
 ROOT = Path(__file__).resolve().parents[1]
 DEEP = "[" * 1000 + "]" * 1000
@@ -146,8 +146,8 @@ def test_the_tool_endpoint_answers_an_error_string(client):
 
 # json.loads on JSON nanoforge wrote itself (metrics, manifests, checkpoint state, benchmark results, the
 # tokenizer's own serialisation); everything else is read with safejson.loads.
-OWN_JSON = {"nanoforge/safejson.py", "nanoforge/report.py", "nanoforge/bench.py", "nanoforge/train/metrics.py",
-            "nanoforge/dirlock.py", "nanoforge/data/dpo.py", "nanoforge/tokenizer.py", "nanoforge/export.py"}
+OWN_JSON = {"nanoforge/safejson.py", "nanoforge/report/markdown.py", "nanoforge/bench.py", "nanoforge/train/metrics.py",
+            "nanoforge/dirlock.py", "nanoforge/data/dpo.py", "nanoforge/tokenizer.py", "nanoforge/weights/export.py"}
 
 
 def test_no_other_json_loads_reads_outside_input():

@@ -12,7 +12,7 @@ from nanoforge.config import build_config
 from nanoforge.device import cpu_info, native_bf16, precision_note, resolve_precision
 from nanoforge.plan import make_plan
 
-from test_train import corpus_files, pretrain_dir  # noqa: F401  (fixtures)
+from test_loop import corpus_files, pretrain_dir  # noqa: F401  (fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")

@@ -12,8 +12,8 @@ import pytest
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.errors import NanoforgeError
 from nanoforge.infer.samples import DEFAULT_PROMPTS
-from nanoforge.report import NO_MATPLOTLIB, count_params, read_run, write_report
-from nanoforge.train.stages import SAMPLE_MAX_TOKENS, pretrain, sft
+from nanoforge.report.markdown import NO_MATPLOTLIB, count_params, read_run, write_report
+from nanoforge.recipes.stages import SAMPLE_MAX_TOKENS, pretrain, sft
 
 FAST = {"tensorboard": False, "precision": "fp32", "device": "cpu", "max_steps": 12, "log_every": 2,
         "warmup_steps": 2, "save_every": 0}
@@ -253,11 +253,11 @@ def test_sample_prompts_from_a_file_and_a_bad_file_stops_before_training(prepare
 
 
 def test_a_failing_report_never_fails_the_run(prepared, tmp_path, monkeypatch, capsys):
-    import nanoforge.report
+    import nanoforge.report.markdown
 
     def broken(*args, **kwargs):
         raise OSError("No space left on device")
-    monkeypatch.setattr(nanoforge.report, "write_report", broken)
+    monkeypatch.setattr(nanoforge.report.markdown, "write_report", broken)
     summary = pretrain([str(prepared)], tmp_path / "r", preset="tiny", overrides={**FAST, "max_steps": 2}, quiet=True)
     assert summary["step"] == 2 and "report" not in summary
     assert (tmp_path / "r" / "checkpoints" / "step_000002" / "model.safetensors").is_file()
@@ -306,7 +306,7 @@ def test_a_run_stopped_by_sigterm_still_writes_its_report(prepared, tmp_path):
     import signal
     import subprocess
 
-    from nanoforge.train import checkpoint as ckpt
+    from nanoforge.weights import checkpoint as ckpt
 
     out = tmp_path / "stopped"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -432,7 +432,7 @@ def test_eval_of_a_run_defaults_to_its_whole_validation_split(run_with_val, prep
     """`nanoforge eval RUN` with nothing else scores every token of the run's own val split (training's own
     validation may be capped); --split picks another; a directory without such data is a clear error."""
     from nanoforge.data.shards import read_manifest
-    from nanoforge.evaluate import run_eval
+    from nanoforge.eval.run import run_eval
     said = []
     got = run_eval(run_with_val, progress=False, log=said.append)["data"]
     val_tokens = read_manifest(prepared)["splits"]["val"]["tokens"]

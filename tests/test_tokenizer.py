@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from nanoforge.chat_template import THINKING_TOOLS_TEMPLATE, TOOL_TAGS
+from nanoforge.chat.template import THINKING_TOOLS_TEMPLATE, TOOL_TAGS
 from nanoforge.data.jsonl import DataError
 from nanoforge.errors import NanoforgeError
 from nanoforge.tokenizer import (CHAT_TEMPLATE, SPECIAL_TOKENS, ChatTemplateError, Tokenizer, load_tokenizer,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from nanoforge.tools.calculator import CALCULATOR_SCHEMA, evaluate
+from nanoforge.chat.calculator import CALCULATOR_SCHEMA, evaluate
 
 QUESTIONS = [(12, "*", 7), (48, "/", 2), (345, "+", 678), (90, "-", 37), (15, "*", 15), (81, "/", 9),
              (250, "+", 250), (1000, "-", 1), (6, "*", 13), (72, "/", 8), (123, "+", 456), (500, "-", 125)]
@@ -56,7 +56,7 @@ def make_tool_run(tmp_path_factory, tokenizer) -> Path:
         from conftest import tiny_corpus
         from nanoforge.data.prepare import prepare_dataset
         from nanoforge.tokenizer import train_tokenizer
-        from nanoforge.train.stages import pretrain, sft
+        from nanoforge.recipes.stages import pretrain, sft
 
         work = tmp_path_factory.mktemp("tool_run")
         quiet = dict(log=lambda *a: None)

@@ -168,7 +168,7 @@ def _order_rule(messages: list, i: int, calls: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- tool use
-# The shapes of MiniMind-3's tool use, checked here for `prepare` and by toolcalls.py before rendering (one
+# The shapes of MiniMind-3's tool use, checked here for `prepare` and by chat/messages.py before rendering (one
 # definition of each). `prefix` starts every RecordError field: '"conversations"[2].' here, "" for toolcalls.
 
 

@@ -1,4 +1,4 @@
-"""What the evaluations (evaluate.py, eval/) share: the model to score, the precision check, the records whose
+"""What the evaluations (eval/run.py, eval/) share: the model to score, the precision check, the records whose
 prompt fits, a progress line and the printed table."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Iterable, Sequence
 
 from nanoforge.device import resolve_device
 from nanoforge.errors import NanoforgeError
-from nanoforge.loader import load_model
+from nanoforge.weights.load import load_model
 
 
 def load_run(run, device: str):

@@ -31,14 +31,14 @@ from nanoforge.data.jsonl import call_function, iter_records, tool_function
 from nanoforge.eval.common import Progress, fitting, format_table
 from nanoforge.infer.generate import SamplingConfig
 from nanoforge.infer.toolloop import Rollout, run_in_batches
-from nanoforge.infer.toolparse import parse_reply
-from nanoforge.toolcalls import normalize_conversation
-from nanoforge.tools.calculator import BUILTIN_TOOLS
+from nanoforge.chat.replies import parse_reply
+from nanoforge.chat.messages import normalize_conversation
+from nanoforge.chat.calculator import BUILTIN_TOOLS
 
 
 def read_toolcall(path, limit: int | None = None) -> list[dict]:
     """One case per SFT record: prompt messages, declared schemas by name, reference calls and answer; each
-    record normalised as `prepare` renders it (toolcalls.py: JSON-string tools and tool_calls parsed)."""
+    record normalised as `prepare` renders it (chat/messages.py: JSON-string tools and tool_calls parsed)."""
     cases = []
     for line_no, record in iter_records(path, "sft"):
         if limit is not None and len(cases) >= limit:

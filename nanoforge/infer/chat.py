@@ -5,7 +5,7 @@ on, so the model sees exactly the format it learned. Piped input (`echo hi | nan
 message and one reply, for scripts.
 
 With a template in MiniMind-3's format (tokenizers from `nanoforge tokenizer train`, MiniMind-3's own) each
-reply is parsed as it streams (infer/toolparse.py, the parser the server uses): reasoning is printed apart
+reply is parsed as it streams (chat/replies.py, the parser the server uses): reasoning is printed apart
 from the answer (`--think` opens it), and tool calls are shown as calls. With `--tools calculator` the tools
 are declared in the system turn, each call is run and its result fed back, until the model answers without a
 call (at most --max-tool-turns rounds per message).
@@ -25,9 +25,9 @@ from nanoforge.infer.defaults import (DEFAULT_DEVICE, DEFAULT_MAX_NEW_TOKENS, DE
                                      PRECISION_CHOICES)
 from nanoforge.infer.generate import SamplingConfig, stream
 from nanoforge.infer.toolloop import stop_ids
-from nanoforge.infer.toolparse import THINK_OPEN, Reply, StreamParser, reply_from_events
-from nanoforge.infer.toolturn import assistant_message, parse_tool_names, tool_messages, tool_schemas
-from nanoforge.loader import load_model
+from nanoforge.chat.replies import THINK_OPEN, Reply, StreamParser, reply_from_events
+from nanoforge.chat.tools import assistant_message, parse_tool_names, tool_messages, tool_schemas
+from nanoforge.weights.load import load_model
 
 DEFAULT_MAX_TOOL_TURNS = 5
 

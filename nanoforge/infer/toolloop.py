@@ -23,8 +23,8 @@ from typing import Callable, Sequence
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.infer.generate import Completion, SamplingConfig, complete
-from nanoforge.infer.toolparse import Reply, parse_reply
-from nanoforge.infer.toolturn import assistant_message, tool_messages, tool_schemas
+from nanoforge.chat.replies import Reply, parse_reply
+from nanoforge.chat.tools import assistant_message, tool_messages, tool_schemas
 
 
 @dataclass

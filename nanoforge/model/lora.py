@@ -16,7 +16,7 @@ Names follow PEFT's layout without its adapter-name level, so a checkpoint reads
 `model.state_dict()` keeps every base key unchanged and `merge_lora` can hand back a plain GPT.
 
 A LoRA run saves only the adapters plus a reference to its base: the path and sha256 of the base
-`model.safetensors` and `weights_fingerprint` of the base tensors (loader.py records and checks them).
+`model.safetensors` and `weights_fingerprint` of the base tensors (weights/load.py records and checks them).
 `LoraModel` wraps a GPT so that the one training loop saves and restores adapters only.
 """
 from __future__ import annotations

@@ -17,7 +17,7 @@ would belong to tokens it never produced. The environment text is derived from t
 the assistant's <|im_end|>), and it is tokenised by `render_chat`, so <|im_start|>/<|im_end|> are control
 tokens and a tool result spelling one stays plain text. Every piece starts right after a control token,
 where the tokenizer's pre-tokenisation starts afresh, so for ordinary text the concatenation equals the
-render of the same conversation token for token (tests/test_rl_agent.py checks one).
+render of the same conversation token for token (tests/rl/test_agent.py checks one).
 
     mask      1 on the tokens the model sampled: each reply and the stop token that ended it; 0 on the prompt
               and on every environment token (tool results and template glue)
@@ -50,12 +50,12 @@ import torch
 from nanoforge.errors import NanoforgeError
 from nanoforge.infer.generate import SamplingConfig, sample_with_logprobs
 from nanoforge.infer.toolloop import stop_ids
-from nanoforge.infer.toolparse import Reply, parse_reply
-from nanoforge.infer.toolturn import tool_messages, tool_schemas
+from nanoforge.chat.replies import Reply, parse_reply
+from nanoforge.chat.tools import tool_messages, tool_schemas
 from nanoforge.rl.prompts import PromptRecord
 from nanoforge.rl.rewards import AgentTurns, agent_reward_parts
 from nanoforge.rl.rollout import Batch, RolloutConfig, check_fits, policy_batch
-from nanoforge.tools.calculator import BUILTIN_TOOLS
+from nanoforge.chat.calculator import BUILTIN_TOOLS
 
 
 @dataclass

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from nanoforge.errors import NanoforgeError
-from nanoforge.infer.toolparse import CALL_CLOSE, CALL_OPEN, THINK_CLOSE, THINK_OPEN, parse_reply
+from nanoforge.chat.replies import CALL_CLOSE, CALL_OPEN, THINK_CLOSE, THINK_OPEN, parse_reply
 
 RewardFn = Callable[[str, dict], float]
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from nanoforge.device import autocast_context, eval_mode
 from nanoforge.errors import NanoforgeError
 from nanoforge.infer.generate import Completion, SamplingConfig, complete
-from nanoforge.infer.toolparse import THINK_OPEN
+from nanoforge.chat.replies import THINK_OPEN
 from nanoforge.rl.losses import group_advantages
 from nanoforge.rl.prompts import PromptRecord
 

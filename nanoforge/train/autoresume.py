@@ -15,7 +15,7 @@ from pathlib import Path
 
 from nanoforge.config import load_toml
 from nanoforge.errors import NanoforgeError
-from nanoforge.train import checkpoint as ckpt
+from nanoforge.weights import checkpoint as ckpt
 
 AUTO = "auto"
 

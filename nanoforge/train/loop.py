@@ -29,7 +29,7 @@ from nanoforge.config import ModelConfig, TrainConfig, config_dicts
 from nanoforge.device import autocast_context, eval_mode, precision_note, resolve_device, resolve_precision
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.interface import TRAINABLE_INTERFACE, TrainableModel
-from nanoforge.train import checkpoint as ckpt
+from nanoforge.weights import checkpoint as ckpt
 from nanoforge.train import distributed
 from nanoforge.train.faults import kill_if_asked
 from nanoforge.train.guard import NonFiniteGuard

@@ -5,10 +5,10 @@ keeps, and what a fine-tuning run takes from its --init.
     RUN/config.toml      the config actually used ([model], [train], [run])
     RUN/tokenizer/       the tokenizer the run was trained with
     RUN/data/            raw JSONL prepared on the fly
-    RUN/checkpoints/     train/checkpoint.py's format
+    RUN/checkpoints/     weights/checkpoint.py's format
     RUN/.lock            held by the one process training into RUN (nanoforge/dirlock.py)
 
-The stages (train/stages.py) call these first, then build their batches, model and objective.
+The stages (recipes/stages.py) call these first, then build their batches, model and objective.
 """
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ from nanoforge.data.parts import merge_prepared
 from nanoforge.data.sources import data_kind, is_prepared, prepared_dir
 from nanoforge.errors import NanoforgeError
 from nanoforge.fsutil import write_text_atomic
-from nanoforge.loader import init_config, init_tokenizer_dir
+from nanoforge.weights.load import init_config, init_tokenizer_dir
 from nanoforge.train.microbatch import fit_micro_batch
 from nanoforge.tokenizer import load_tokenizer, train_tokenizer
-from nanoforge.train import checkpoint as ckpt
+from nanoforge.weights import checkpoint as ckpt
 from nanoforge.train.distributed import is_main, main_first
 
 

@@ -2,7 +2,7 @@
 save, resume, restore, and the rollback the non-finite guard asks for.
 
 Checkpoints hold full weights and optimizer state (FSDP2 gathers them on rank 0), so any world size resumes any
-other's; the layout on disk is train/checkpoint.py's.
+other's; the layout on disk is weights/checkpoint.py's.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from nanoforge import __version__
 from nanoforge.config import TrainConfig
 from nanoforge.device import resolve_precision
 from nanoforge.errors import NanoforgeError
-from nanoforge.train import checkpoint as ckpt
+from nanoforge.weights import checkpoint as ckpt
 from nanoforge.train import distributed
 from nanoforge.train.guard import NonFiniteGuard
 from nanoforge.train.stage import Stage

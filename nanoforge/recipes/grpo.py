@@ -1,0 +1,222 @@
+"""`nanoforge grpo`: the recipe of the group-relative RL stage (losses grpo, cispo, reinforce), read like the
+other stages' (recipes/stages.py): setup -> prompts and rewards -> policy and reference -> Stage -> train().
+
+The run directory is an ordinary one (config.toml with the RL options under [run], checkpoints, metrics.jsonl,
+samples, report); --data is a prompts JSONL file (rl/prompts.py), read as it is, never prepared into shards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from nanoforge.config import MODEL_FIELDS, build_config
+from nanoforge.device import resolve_device, resolve_precision
+from nanoforge.errors import NanoforgeError
+from nanoforge.chat.tools import parse_tool_names
+from nanoforge.weights.load import init_config, init_tokenizer_dir, init_weights
+from nanoforge.model.gpt import GPT
+from nanoforge.rl.agent import agent_rollout, check_agent_prompts
+from nanoforge.rl.losses import ADVANTAGES, LOSSES, NORMS
+from nanoforge.rl.prompts import PromptIterator, read_prompts
+from nanoforge.rl.reward_model import load_reward_model
+from nanoforge.rl.rewards import RewardFn, check_records, combine, parse_rewards, parse_weights
+from nanoforge.rl.rollout import RolloutConfig, check_prompts, rollout
+from nanoforge.rl.grpo_batches import RolloutBatches, policy_count, policy_objective
+from nanoforge.tokenizer import load_tokenizer
+from nanoforge.train.distributed import setup, world
+from nanoforge.train.loop import Stage
+from nanoforge.train.rundir import (check_same_origin, copy_tokenizer, fresh_run_guard, open_run, resolve_run_options,
+                                    write_run_config)
+from nanoforge.recipes.stages import make_sampler, sample_prompts, train_and_report
+
+# Training defaults under --config and the flags. RL moves a model that already answers: small steps (1e-6..1e-5
+# for real models; MiniMind's GRPO uses 3e-7 with a cosine schedule), constant, every step logged (a step is a
+# rollout: the reward curve is the point), gradients clipped at 1.
+GRPO_DEFAULTS = {"lr": 3e-6, "schedule": "constant", "warmup_steps": 0, "weight_decay": 0.0, "max_steps": 200,
+                 "eval_every": 0, "save_every": 50, "log_every": 1, "grad_clip": 1.0, "sample_every": 0}
+
+
+@dataclass
+class RLOptions:
+    """The stage's own options (saved under [run] in config.toml). None: not given (a --resume keeps the saved
+    value); DEFAULTS fills the rest."""
+    loss: str | None = None
+    num_generations: int | None = None
+    prompts_per_step: int | None = None
+    beta: float | None = None
+    epsilon: float | None = None
+    epsilon_high: float | None = None
+    advantage: str | None = None
+    loss_norm: str | None = None
+    temperature: float | None = None
+    max_new_tokens: int | None = None
+    ppo_epochs: int | None = None
+    reward: str | None = None
+    reward_weights: str | None = None
+    reward_model: str | None = None
+    trust_remote_code: bool | None = None
+    think: bool | None = None
+    tools: str | None = None
+    max_turns: int | None = None
+
+
+# MiniMind's GRPO: 2 prompts x 6 replies, temperature 0.8, beta 0.1, clip 0.2, per-sequence mean
+DEFAULTS = {"loss": "grpo", "num_generations": 6, "prompts_per_step": 2, "beta": 0.1, "epsilon": 0.2,
+            "advantage": "zscore", "loss_norm": "sequence", "temperature": 0.8, "max_new_tokens": 256,
+            "ppo_epochs": 1, "trust_remote_code": False, "think": False}
+MAX_TURNS = 3  # replies per trajectory under --tools when --max-turns is not given (call, answer, one spare)
+FLAGS = {f.name: "--" + f.name.replace("_", "-") for f in fields(RLOptions)}
+
+
+def check_options(o: dict[str, Any]) -> None:
+    for key, choices in (("loss", LOSSES), ("advantage", ADVANTAGES), ("loss_norm", NORMS)):
+        if o[key] not in choices:
+            raise NanoforgeError(f"{FLAGS[key]} {o[key]!r} is not one of {', '.join(choices)}")
+    if o.get("tools") is not None:
+        check_tool_options(o)
+    elif "max_turns" in o:
+        raise NanoforgeError("--max-turns only applies to multi-turn rollouts: add --tools calculator")
+    elif not o.get("reward") and not o.get("reward_model"):
+        raise NanoforgeError("--reward: no reward given (math, format, length, repetition, module:function) and "
+                             "no --reward-model")
+
+
+def check_tool_options(o: dict[str, Any]) -> None:
+    """--tools: known tools and the agent reward alone (docs/rl.md, multi-turn)."""
+    if not parse_tool_names(o["tools"]):
+        raise NanoforgeError("--tools: no tool named; the built-in tools: calculator")
+    given = [FLAGS[k] for k in ("reward", "reward_model") if o.get(k)]
+    if given:
+        raise NanoforgeError(f"{' and '.join(given)} with --tools: the reward of a multi-turn rollout is the agent "
+                             'reward (valid calls, the record\'s "gt" found in the final answer, unfinished '
+                             "penalty); drop " + " and ".join(given))
+
+
+def resolve_options(out: Path, options: RLOptions, resume: bool) -> dict[str, Any]:
+    """The options this run trains with: on --resume the saved ones (a different value given is an error)."""
+    resolved = resolve_run_options(out, options, DEFAULTS, resume)
+    if resolved.get("tools") is not None:
+        resolved.setdefault("max_turns", MAX_TURNS)
+    elif "reward" not in resolved and not resolved.get("reward_model"):
+        resolved["reward"] = "math"
+    check_options(resolved)
+    return resolved
+
+
+def rl_setup(stage: str, init: str | None, data: str | None, out: Path, config_file: str | None,
+             overrides: dict[str, Any], resume: bool, options: dict[str, Any]):
+    """The run directory and config of an RL run (finetune_setup's, with a prompts file instead of prepared data):
+    (run_dir, mcfg, tcfg, run_info, init_path, tokenizer, prompt records)."""
+    if resume:
+        run_dir, mcfg, tcfg, run_info, _ = open_run(out, True, None, config_file, overrides)
+        if run_info.get("stage") != stage:
+            raise NanoforgeError(f"--resume: {run_dir} is a {run_info.get('stage')!r} run, not {stage}")
+        check_same_origin(run_dir, "--init", init, run_info.get("init"))
+        init_path, tokenizer_dir = Path(run_info["init"]), run_dir / "tokenizer"
+        data = data or run_info["data"]
+    else:
+        if not init:
+            raise NanoforgeError("--init is required: the SFT run, checkpoint or HF model directory to train")
+        if not data:
+            raise NanoforgeError("--data is required: a JSONL file of prompts (chats ending in a user turn, or "
+                                 'GSM8K\'s {"question", "answer"})')
+        init_path, init_cfg = init_config(init)
+        shape = [k for k in overrides if k in MODEL_FIELDS and k != "dropout"]
+        if shape:
+            raise NanoforgeError(f"the model shape comes from --init {init}; drop "
+                                 + ", ".join(f"--{k.replace('_', '-')}" for k in shape))
+        base = {"model": init_cfg.get("model", {}),
+                "train": {**GRPO_DEFAULTS, "seq_len": init_cfg.get("model", {}).get("max_seq_len", 512)}}
+        run_dir = out
+        mcfg, tcfg = build_config(None, config_file, overrides, base=base)
+        tcfg.precision = resolve_precision(tcfg.precision, tcfg.device)
+        tokenizer_dir = init_tokenizer_dir(init_path)
+        run_info = {"stage": stage, "init": str(init_path.resolve()), "tokenizer": "tokenizer",
+                    **{k: v for k, v in options.items() if v is not None}}
+    if mcfg.dropout:
+        raise NanoforgeError(f"dropout {mcfg.dropout}: RL needs the policy that samples and the one that is trained "
+                             "to be the same distribution; use --dropout 0")
+    if tcfg.fsdp:
+        raise NanoforgeError("--fsdp: rollouts generate with the whole model on each rank; use DDP (the default "
+                             "under torchrun)")
+    records = read_prompts(data)
+    check_records(options.get("reward"), records)
+    run_info["data"] = str(Path(data).resolve())
+    tok = load_tokenizer(tokenizer_dir)
+    if options.get("think") and not tok.supports_tools:
+        raise NanoforgeError("--think needs a chat template with think blocks (MiniMind-3's format); this "
+                             "tokenizer's template has none")
+    copy_tokenizer(tokenizer_dir, run_dir)
+    write_run_config(run_dir, mcfg, tcfg, run_info)
+    return run_dir, mcfg, tcfg, run_info, init_path, tok, records
+
+
+def chosen_rewards(o: dict[str, Any]) -> list[tuple[str, RewardFn]]:
+    """--reward's functions, imported and checked (and --reward-weights against them) as the options are read,
+    before anything is written; the --reward-model joins them later, on the run's device."""
+    chosen = parse_rewards(o["reward"]) if o.get("reward") else []
+    parse_weights(o.get("reward_weights"), len(chosen) + bool(o.get("reward_model")))
+    return chosen
+
+
+def reward_function(o: dict[str, Any], chosen: list[tuple[str, RewardFn]], device):
+    """chosen_rewards and --reward-model as one function (rl/rewards.py combine): (total, parts) per reply."""
+    if o.get("reward_model"):
+        model = load_reward_model(o["reward_model"], trust_remote_code=bool(o.get("trust_remote_code")),
+                                  device=str(device))
+        chosen = [*chosen, ("model", model.reward)]
+    return combine(chosen, parse_weights(o.get("reward_weights"), len(chosen)))
+
+
+def frozen_reference(mcfg, init_path: Path, device) -> GPT:
+    """The --init model, frozen, whatever step a run resumes at: the reference of the KL term."""
+    reference = GPT(mcfg)
+    reference.load_weights(init_weights(init_path))
+    return reference.to(device).eval().requires_grad_(False)
+
+
+@fresh_run_guard
+def grpo(init: str | None, data: str | None, out: str | Path, options: RLOptions | None = None,
+         config_file: str | None = None, overrides: dict[str, Any] | None = None, resume: bool = False,
+         quiet: bool = False) -> dict[str, Any]:
+    """`nanoforge grpo`: sample G replies to each of P prompts, score them, and train the policy on their group
+    advantages with the --loss surrogate (and a k3 KL to the frozen --init model when --beta > 0)."""
+    out = Path(out)
+    o = resolve_options(out, options or RLOptions(), resume)
+    rewards = chosen_rewards(o)
+    run_dir, mcfg, tcfg, run_info, init_path, tok, records = rl_setup(
+        "grpo", init, data, out, config_file, dict(overrides or {}), resume, o)
+    prompts = sample_prompts(tcfg)
+    device = setup(resolve_device(tcfg.device))  # under torchrun: this rank's device
+    w = world()
+    iterator = PromptIterator(records, o["prompts_per_step"], tcfg.seed, w.rank, w.world_size)
+    cfg = RolloutConfig(o["num_generations"], o["temperature"], o["max_new_tokens"], o["think"], o["advantage"],
+                        tcfg.precision)
+    cfg.validate()
+    reference = frozen_reference(mcfg, init_path, device) if o["beta"] > 0 else None
+    model = GPT(mcfg)
+    if not resume:
+        model.load_weights(init_weights(init_path))
+    tools = parse_tool_names(o.get("tools"))
+    if tools:  # multi-turn: rl/agent.py's rollouts and reward
+        check_agent_prompts(tok, records, tools, cfg.think, model.model.rotary_emb.n_positions)
+        rollout_fn, reward = partial(agent_rollout, tools=tools, max_turns=o["max_turns"]), None
+    else:
+        check_prompts(tok, records, cfg.think, model.model.rotary_emb.n_positions)
+        rollout_fn, reward = rollout, reward_function(o, rewards, device)
+    batches = RolloutBatches(model, tok, iterator, cfg, reward, tcfg.seed, o["ppo_epochs"], tcfg.grad_accum,
+                             reference, rollout_fn)
+    tcfg.batch_size = batches.micro_rows  # for the header: replies per micro-batch
+    loss = policy_objective(o["loss"], o["epsilon"], o.get("epsilon_high"), o["beta"], o["loss_norm"],
+                            o["temperature"])
+    stage = Stage("grpo", batches, loss, None, None, run_info, count_fn=policy_count(o["loss_norm"]),
+                  sampler=make_sampler(run_dir, tcfg, tok, prompts, chat=True))
+    if not quiet:
+        reward_name = (f"agent (tools {','.join(tools)}, max turns {o['max_turns']})" if tools else
+                       f"{o.get('reward') or ''}{' + model' if o.get('reward_model') else ''}")
+        print(f"grpo: {len(records)} prompts, {o['prompts_per_step']} x {o['num_generations']} replies per rollout"
+              f" (x {w.world_size} processes), loss {o['loss']}, reward {reward_name}, beta {o['beta']:g}, "
+              f"ppo epochs {o['ppo_epochs']}", flush=True)
+    return train_and_report(stage, model, mcfg, tcfg, run_dir, resume, quiet)

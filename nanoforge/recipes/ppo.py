@@ -1,0 +1,116 @@
+"""`nanoforge ppo`: the recipe of the PPO stage, read like `grpo`'s (recipes/grpo.py): setup -> prompts and rewards
+-> policy, critic and reference -> Stage -> train().
+
+The trained model is a PolicyWithValue (rl/critic.py): the --init policy and a critic copied from its weights,
+one optimizer over both. Its checkpoints hold the policy's keys unchanged and the critic's under `critic.`;
+the loader drops the latter, so chat, eval and export read a PPO run as its policy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from nanoforge.device import resolve_device
+from nanoforge.errors import NanoforgeError
+from nanoforge.weights.load import init_weights
+from nanoforge.rl.critic import PolicyWithValue
+from nanoforge.recipes.grpo import chosen_rewards, frozen_reference, reward_function, rl_setup
+from nanoforge.rl.ppo_update import PPOConfig, ppo_count
+from nanoforge.rl.ppo_batches import PPOBatches, ppo_objective
+from nanoforge.rl.prompts import PromptIterator
+from nanoforge.rl.rollout import RolloutConfig, check_prompts
+from nanoforge.train.distributed import setup, world
+from nanoforge.train.loop import Stage
+from nanoforge.train.rundir import fresh_run_guard, resolve_run_options
+from nanoforge.recipes.stages import make_sampler, sample_prompts, seeded_gpt, train_and_report
+
+
+@dataclass
+class PPOOptions:
+    """The stage's own options (saved under [run] in config.toml). None: not given (a --resume keeps the saved
+    value); DEFAULTS fills the rest."""
+    num_generations: int | None = None
+    prompts_per_step: int | None = None
+    temperature: float | None = None
+    max_new_tokens: int | None = None
+    ppo_epochs: int | None = None
+    epsilon: float | None = None
+    beta: float | None = None
+    vf_coef: float | None = None
+    value_clip: float | None = None
+    gamma: float | None = None
+    lam: float | None = None
+    target_kl: float | None = None
+    reward: str | None = None
+    reward_weights: str | None = None
+    reward_model: str | None = None
+    trust_remote_code: bool | None = None
+    think: bool | None = None
+
+
+# MiniMind's PPO: 2 epochs per batch, clip 0.2, clipped value loss, GAE gamma 1 lambda 0.95, a KL penalty
+DEFAULTS = {"num_generations": 1, "prompts_per_step": 8, "temperature": 1.0, "max_new_tokens": 256,
+            "ppo_epochs": 2, "epsilon": 0.2, "beta": 0.05, "vf_coef": 0.5, "value_clip": 0.2, "gamma": 1.0,
+            "lam": 0.95, "trust_remote_code": False, "think": False}
+FLAGS = {f.name: "--" + f.name.replace("_", "-") for f in fields(PPOOptions)}
+
+
+def resolve_options(out: Path, options: PPOOptions, resume: bool) -> dict[str, Any]:
+    """The options this run trains with: on --resume the saved ones (a different value given is an error)."""
+    o = resolve_run_options(out, options, DEFAULTS, resume)
+    if "reward" not in o and not o.get("reward_model"):
+        o["reward"] = "math"
+    for key in ("num_generations", "prompts_per_step", "ppo_epochs", "max_new_tokens"):
+        if o[key] < 1:
+            raise NanoforgeError(f"{FLAGS[key]} {o[key]} must be >= 1")
+    if not o["temperature"] > 0:
+        raise NanoforgeError(f"--temperature {o['temperature']} must be > 0: PPO samples from the policy")
+    return o
+
+
+@fresh_run_guard
+def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions | None = None,
+        config_file: str | None = None, overrides: dict[str, Any] | None = None, resume: bool = False,
+        quiet: bool = False) -> dict[str, Any]:
+    """`nanoforge ppo`: sample replies to P prompts with the policy, score them, and train policy and critic
+    on them with PPO's clipped surrogate and clipped value loss (per-token KL penalty to the frozen --init
+    model in the rewards when --beta > 0, GAE advantages), --ppo-epochs updates per rollout."""
+    out = Path(out)
+    o = resolve_options(out, options or PPOOptions(), resume)
+    rewards = chosen_rewards(o)
+    cfg_ppo = PPOConfig(epsilon=o["epsilon"], vf_coef=o["vf_coef"], value_clip=o["value_clip"], beta=o["beta"],
+                        gamma=o["gamma"], lam=o["lam"], temperature=o["temperature"], target_kl=o.get("target_kl"))
+    run_dir, mcfg, tcfg, run_info, init_path, tok, records = rl_setup(
+        "ppo", init, data, out, config_file, dict(overrides or {}), resume, o)
+    if tcfg.optimizer == "muon":
+        raise NanoforgeError("--optimizer muon: not for ppo (its policy + critic module has no single lm_head "
+                             "for Muon to leave to AdamW); use --optimizer adamw")
+    prompts = sample_prompts(tcfg)
+    device = setup(resolve_device(tcfg.device))
+    w = world()
+    iterator = PromptIterator(records, o["prompts_per_step"], tcfg.seed, w.rank, w.world_size)
+    # the group advantage of RolloutConfig is GRPO's and unused here: PPO's advantages come from GAE
+    cfg = RolloutConfig(o["num_generations"], o["temperature"], o["max_new_tokens"], o["think"], "mean",
+                        tcfg.precision)
+    reference = frozen_reference(mcfg, init_path, device) if cfg_ppo.beta > 0 else None
+    if resume:  # the loop loads the checkpoint's policy and critic
+        model = PolicyWithValue.from_config(mcfg)
+    else:
+        policy = seeded_gpt(mcfg, tcfg)
+        policy.load_weights(init_weights(init_path))
+        model = PolicyWithValue.from_policy(policy)
+    check_prompts(tok, records, cfg.think, model.policy.model.rotary_emb.n_positions)
+    batches = PPOBatches(model, tok, iterator, cfg, cfg_ppo, reward_function(o, rewards, device), tcfg.seed,
+                         o["ppo_epochs"], tcfg.grad_accum, reference)
+    tcfg.batch_size = batches.micro_rows
+    sampler = make_sampler(run_dir, tcfg, tok, prompts, chat=True)
+    stage = Stage("ppo", batches, ppo_objective(cfg_ppo), None, None, run_info,
+                  count_fn=lambda batch: ppo_count(batch, cfg_ppo.norm),
+                  sampler=(lambda m, step, log: sampler(m.policy, step, log)) if sampler else None)
+    if not quiet:
+        print(f"ppo: {len(records)} prompts, {o['prompts_per_step']} x {o['num_generations']} replies per rollout"
+              f" (x {w.world_size} processes), reward {o.get('reward') or ''}"
+              f"{' + model' if o.get('reward_model') else ''}, beta {cfg_ppo.beta:g}, ppo epochs {o['ppo_epochs']}"
+              f", target kl {cfg_ppo.target_kl}", flush=True)
+    return train_and_report(stage, model, mcfg, tcfg, run_dir, resume, quiet)

@@ -1,0 +1,141 @@
+"""The RL stage's two halves for the one loop (train/stage.py's contract): `RolloutBatches`, a batch source that
+samples a rollout every ppo_epochs steps, and `policy_objective`, the loss over a rollout batch.
+
+With --ppo-epochs K the same rollout is trained on for K optimizer steps (each its grad_accum micro-batches),
+so from the second step on the policy differs from the one that sampled and the ratio and its clipping act
+(MiniMind's GRPO takes one step per rollout, where the ratio is always 1 and clipping never acts).
+
+Exact resume: a rollout is a function of the prompts it takes (the PromptIterator's position), the policy's
+weights and its seed, which is derived from (--seed, rollout index, rank) rather than carried as generator
+state; a checkpoint taken in the middle of a rollout's K steps also holds that rollout (every rank's, gathered
+to rank 0 as it is sampled, since only rank 0 writes the checkpoint).
+"""
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nanoforge.errors import NanoforgeError
+from nanoforge.rl.losses import loss_count, policy_loss
+from nanoforge.rl.prompts import PromptIterator
+from nanoforge.rl.rollout import Batch, RewardFn, RolloutConfig, rollout, rows, token_logps
+
+
+def rollout_seed(seed: int, index: int, rank: int) -> int:
+    """The sampling seed of rollout `index` on `rank`: a hash of the three (Python hashes int tuples the same
+    in every process), so no generator state needs saving and every rank draws differently."""
+    return hash((int(seed), int(index), int(rank))) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class RolloutBatches:
+    """BatchSource of the RL stages: next_batch() returns micro-batch (call % grad_accum) of the current rollout,
+    sampling a new rollout every ppo_epochs x grad_accum calls. The model is the plain (unwrapped) policy.
+    rollout_fn samples a rollout batch, rl/rollout.py `rollout` or (grpo --tools) rl/agent.py `agent_rollout`."""
+
+    def __init__(self, model, tokenizer, prompts: PromptIterator, cfg: RolloutConfig, reward_fn: RewardFn | None,
+                 seed: int, ppo_epochs: int = 1, grad_accum: int = 1, reference=None, rollout_fn=rollout):
+        rows_per_rollout = prompts.prompts_per_step * cfg.num_generations
+        if rows_per_rollout % grad_accum:
+            raise NanoforgeError(f"--grad-accum {grad_accum} must divide the {rows_per_rollout} replies of a rollout "
+                                 f"(--prompts-per-step {prompts.prompts_per_step} x --num-generations "
+                                 f"{cfg.num_generations})")
+        self.model, self.tokenizer, self.prompts, self.cfg = model, tokenizer, prompts, cfg
+        self.reward_fn, self.seed, self.reference = reward_fn, int(seed), reference
+        self.rollout_fn = rollout_fn
+        self.ppo_epochs, self.grad_accum = ppo_epochs, grad_accum
+        self.micro_rows = rows_per_rollout // grad_accum
+        self.calls = 0  # next_batch calls so far
+        self.rollouts = 0  # rollouts sampled so far
+        self.current: Batch | None = None
+        self.every_rank: list[Batch] | None = None  # all ranks' current rollouts, for the checkpoint (rank 0)
+
+    @property
+    def sequences_per_epoch(self) -> int:
+        """For --epochs (recipes/stages.py steps_from_epochs, which divides by the replies of a step): every prompt
+        once, G replies each, trained on ppo_epochs times."""
+        return len(self.prompts.records) * self.cfg.num_generations * self.ppo_epochs
+
+    @property
+    def cycle(self) -> int:
+        return self.ppo_epochs * self.grad_accum
+
+    def next_batch(self) -> Batch:
+        position = self.calls % self.cycle
+        if position == 0:
+            self._sample()
+        micro = position % self.grad_accum
+        self.calls += 1
+        return rows(self.current, micro * self.micro_rows, (micro + 1) * self.micro_rows)
+
+    def _sample(self) -> None:
+        records = self.prompts.next_prompts()
+        seed = rollout_seed(self.seed, self.rollouts, self.prompts.rank)
+        self.current = self.rollout_fn(self.model, self.tokenizer, records, self.cfg, self.reward_fn, seed,
+                                       self.reference, self.micro_rows)
+        self.rollouts += 1
+        self.every_rank = [self.current]
+        if self.prompts.world_size > 1 and self.cycle > 1:  # a checkpoint mid-rollout needs every rank's
+            gathered: list[Any] = [None] * self.prompts.world_size
+            dist.all_gather_object(gathered, encode_batch(self.current))
+            self.every_rank = [decode_batch(b) for b in gathered]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The prompt position, the counters and, between a rollout's steps, every rank's rollout (JSON-able)."""
+        state = {"prompts": self.prompts.state_dict(), "calls": self.calls, "rollouts": self.rollouts,
+                 "seed": self.seed, "cycle": self.cycle}
+        if self.calls % self.cycle:
+            state["current"] = [encode_batch(b) for b in self.every_rank]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("seed", self.seed) != self.seed:
+            raise NanoforgeError(f"cannot resume the rollouts: they were sampled with --seed {state['seed']}, this "
+                                 f"run has --seed {self.seed}")
+        self.prompts.load_state_dict(state["prompts"])
+        calls, self.rollouts = int(state["calls"]), int(state["rollouts"])
+        self.current = self.every_rank = None
+        if "current" in state:
+            saved = state["current"]
+            if len(saved) != self.prompts.world_size:
+                raise NanoforgeError(f"the checkpoint was taken in the middle of a rollout's --ppo-epochs steps by "
+                                     f"{len(saved)} processes; resume it with {len(saved)} (this run has "
+                                     f"{self.prompts.world_size}), or from a checkpoint at a rollout boundary")
+            if state.get("cycle") != self.cycle:
+                raise NanoforgeError("the checkpoint was taken in the middle of a rollout; resume it with the "
+                                     "same --ppo-epochs and --grad-accum")
+            self.every_rank = [decode_batch(b) for b in saved]
+            self.current = self.every_rank[self.prompts.rank]
+        self.calls = calls
+
+
+def encode_batch(batch: Batch) -> dict[str, Any]:
+    """A batch of CPU tensors -> JSON-able {name: [dtype, shape, base64 of the bytes]}, exact to the bit."""
+    return {k: [str(v.dtype).removeprefix("torch."), list(v.shape),
+                base64.b64encode(v.contiguous().numpy().tobytes()).decode("ascii")] for k, v in batch.items()}
+
+
+def decode_batch(encoded: dict[str, Any]) -> Batch:
+    return {key: torch.frombuffer(bytearray(base64.b64decode(data)), dtype=getattr(torch, dtype)).reshape(shape).clone()
+            for key, (dtype, shape, data) in encoded.items()}
+
+
+def policy_objective(loss: str, epsilon: float, epsilon_high: float | None, beta: float, norm: str,
+                     temperature: float):
+    """Stage.loss_fn: the policy loss of a rollout micro-batch under the current model, log-probs at the
+    sampling temperature; the rollout's stat_* figures ride along as extras (so they are logged per step)."""
+    def loss_fn(model, batch: Batch):
+        logp = token_logps(model, batch["input_ids"], temperature)  # (B, L-1)
+        total, count, extras = policy_loss(logp, batch["old_logp"], batch["advantages"], batch["loss_mask"],
+                                           loss=loss, epsilon=epsilon, epsilon_high=epsilon_high,
+                                           ref_logp=batch.get("ref_logp"), beta=beta, norm=norm)
+        extras.update({k[5:]: v for k, v in batch.items() if k.startswith("stat_")})
+        return total, count, extras
+    return loss_fn
+
+
+def policy_count(norm: str):
+    """Stage.count_fn: what the step divides by (rl/losses.py loss_count)."""
+    return lambda batch: loss_count(batch["loss_mask"], norm)

@@ -1,0 +1,459 @@
+"""`nanoforge serve RUN`: an OpenAI-compatible HTTP API for a trained run, and a web chat page at `/`.
+
+Endpoints: `GET /v1/models`, `POST /v1/chat/completions` and `POST /v1/completions` (both streaming by
+server-sent events when `"stream": true`), `GET /health`, and the page at `GET /`. The official `openai`
+clients work against it with `base_url="http://127.0.0.1:8000/v1"`. Chat takes OpenAI's `tools` and
+`tool_choice`, tool messages and `chat_template_kwargs: {"enable_thinking": true}`, and answers with
+`reasoning_content` and `tool_calls` (serve/chat_request.py, serve/chat_reply.py). For the web page, which
+cannot run Python, `GET /v1/nanoforge/tools` lists the built-in tools and `POST /v1/nanoforge/tools/run`
+runs one.
+
+Requests are read and checked, and replies written, in OpenAI's wire format by serve/protocol.py and the two
+chat modules; every error is JSON in OpenAI's shape with a 4xx status for anything the request got wrong.
+
+Concurrency: the model and its KV cache are not thread-safe, so requests are *queued*, not batched: one
+worker thread (a single-worker executor, FIFO) generates one reply at a time. The event loop only parses
+requests and relays text: a streaming reply's pieces are handed from the worker to the loop through an
+asyncio queue (`loop.call_soon_threadsafe`), so `/health` and new requests are answered while a reply is being
+generated. A client that disconnects mid-stream sets a flag the worker reads between tokens, which ends
+that generation early and frees the worker for the next request. (Batching requests together would raise
+throughput; `generate` supports batches, but interleaving streams of different lengths is left for later.)
+
+Sampling defaults are those of `nanoforge chat` (temperature 0.7, top_p 0.9, plus the non-OpenAI fields
+`top_k` 50 and `repetition_penalty` 1.1, which requests may also set): a small model loops without them.
+"""
+# No `from __future__ import annotations` here: FastAPI reads the endpoints' annotations (`request: Request`)
+# at runtime. fastapi and uvicorn are the optional `serve` extra: only `nanoforge serve` imports this module.
+import argparse
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nanoforge.device import resolve_device
+from nanoforge.errors import NanoforgeError
+from nanoforge.infer import defaults as chat_defaults
+from nanoforge.serve import protocol
+from nanoforge.infer.chat import resolve_precision
+from nanoforge.serve.chat_reply import ChatChunks, call_id_prefix, chat_body, finish_reason, reply_message
+from nanoforge.serve.chat_request import parse_chat_request
+from nanoforge.infer.generate import Completion, SamplingConfig, stream_completion
+from nanoforge.serve.protocol import APIError, GenerationRequest, Limits
+from nanoforge.infer.toolloop import stop_ids
+from nanoforge.weights.load import load_model
+from nanoforge.chat.calculator import BUILTIN_TOOLS, run_tool_call
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_MAX_BODY_BYTES = 1_000_000
+DEFAULT_MAX_PENDING = 64  # requests waiting for the worker; more get a 503 rather than an ever-growing queue
+DEFAULT_REQUEST_TIMEOUT = 300.0  # seconds from a request's arrival after which its generation is cut short
+PAGE = Path(__file__).with_name("static") / "chat.html"
+
+log = logging.getLogger("nanoforge.serve")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# generation: one at a time, on one worker thread
+
+
+class _Cancelled(Exception):
+    pass
+
+
+def stream_reply(model, tokenizer, prompt_ids: list[int], cfg: SamplingConfig, stop_ids: list[int], precision: str,
+                 cancelled: threading.Event | None = None,
+                 deadline: float | None = None) -> Iterator[str | Completion]:
+    """`generate.stream_completion`: text pieces, then one `Completion`. Abandoned (raising _Cancelled) once
+    `cancelled` is set. Past `deadline` (a time.monotonic() value) the reply ends after the token in hand, with
+    finish_reason "length", as if max_tokens had been reached."""
+    def keep_going() -> bool:
+        if cancelled is not None and cancelled.is_set():
+            raise _Cancelled()
+        return deadline is None or time.monotonic() < deadline
+
+    return stream_completion(model, tokenizer, prompt_ids, cfg, stop_ids, precision, keep_going)
+
+
+class _Worker:
+    """The single generation thread and its queue: a one-worker executor runs jobs in arrival order."""
+
+    def __init__(self, model, tokenizer, precision: str, max_pending: int,
+                 request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT):
+        self.model, self.tokenizer, self.precision = model, tokenizer, precision
+        self.max_pending = max_pending
+        self.request_timeout = request_timeout
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoforge-generate")
+        self.live: set[threading.Event] = set()
+        self._lock = threading.Lock()
+        self.pending = 0  # jobs submitted and not yet finished, the running one included
+
+    def check_room(self) -> None:
+        """503 when too many requests wait already. A soft bound: checked here, counted when submitted."""
+        if self.pending >= self.max_pending:
+            raise APIError(503, f"the server is busy: {self.pending} requests are already waiting; retry later",
+                           code="server_busy", type="server_error")
+
+    def _submit(self, fn: Callable):
+        def job():
+            try:
+                return fn()
+            finally:
+                with self._lock:
+                    self.pending -= 1
+
+        with self._lock:
+            self.pending += 1
+        return asyncio.get_running_loop().run_in_executor(self.executor, job)
+
+    def deadline(self) -> float | None:
+        """When a request arriving now must stop generating: the timeout counts its wait in the queue too."""
+        return time.monotonic() + self.request_timeout if self.request_timeout else None
+
+    async def complete(self, req: GenerationRequest, stop_ids: list[int]) -> Completion:
+        self.check_room()
+        deadline = self.deadline()
+
+        def job() -> Completion:  # stream_reply's last item is the Completion that complete() would give
+            *_, done = stream_reply(self.model, self.tokenizer, req.prompt_ids, req.cfg, stop_ids, self.precision,
+                                    deadline=deadline)
+            return done
+
+        return await self._submit(job)
+
+    async def stream(self, req: GenerationRequest, stop_ids: list[int]):
+        """Async iterator over the reply's text pieces, then its Completion. The worker thread hands each
+        item to the event loop's queue; leaving the loop early (a client gone) stops the generation."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancelled = threading.Event()
+        deadline = self.deadline()
+
+        def put(item) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop has closed: the server is shutting down
+                cancelled.set()
+
+        def job() -> None:
+            if cancelled.is_set():
+                return  # the client left while the request waited its turn
+            try:
+                for item in stream_reply(self.model, self.tokenizer, req.prompt_ids, req.cfg, stop_ids,
+                                         self.precision, cancelled, deadline):
+                    put(item)
+            except _Cancelled:
+                pass
+            except BaseException as e:  # handed to the loop, which reports it on the stream
+                put(e)
+
+        self.live.add(cancelled)
+        self._submit(job)
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, Completion):
+                    return
+        finally:
+            cancelled.set()
+            self.live.discard(cancelled)
+
+    def shutdown(self) -> None:
+        for event in list(self.live):
+            event.set()
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the app
+
+
+def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_tokens_cap: int | None = None,
+               max_pending: int = DEFAULT_MAX_PENDING, precision: str = "fp32",
+               defaults: SamplingConfig | None = None, request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT):
+    """The FastAPI app serving `model` under the name `model_name`.
+
+    api_key         when set, every /v1 request needs `Authorization: Bearer <api_key>` (else 401)
+    max_body_bytes  larger request bodies get 413 before they are read in full
+    max_tokens_cap  the largest max_tokens accepted (default and upper bound: the model's context)
+    max_pending     requests allowed to wait for the generation worker; more get 503
+    defaults        sampling used for fields a request leaves out (default: `nanoforge chat`'s)
+    request_timeout seconds from a request's arrival (queue wait included) after which its generation stops
+                    at the next token with finish_reason "length", streaming or not (a 200 with the text so
+                    far, never a 504: a stream's 200 is sent before generation starts); None or 0: no limit
+    """
+    if defaults is None:
+        defaults = SamplingConfig(temperature=chat_defaults.DEFAULT_TEMPERATURE, top_k=chat_defaults.DEFAULT_TOP_K,
+                                  top_p=chat_defaults.DEFAULT_TOP_P,
+                                  repetition_penalty=chat_defaults.DEFAULT_REPETITION_PENALTY,
+                                  max_new_tokens=chat_defaults.DEFAULT_MAX_NEW_TOKENS)
+    limits = Limits(model.model.rotary_emb.n_positions, max_tokens_cap, defaults)
+    worker = _Worker(model, tokenizer, precision, max_pending, request_timeout)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        worker.shutdown()  # stop replies in progress, so Ctrl-C does not wait for them to finish
+
+    app = FastAPI(title="nanoforge", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.worker = worker
+    _add_error_handlers(app)
+    _add_model_routes(app, worker, model_name, api_key)
+    _add_generation_routes(app, worker, tokenizer, limits, model_name, api_key, max_body_bytes)
+    _add_tool_routes(app, api_key, max_body_bytes)
+    return app
+
+
+def _add_error_handlers(app) -> None:
+    """Every error as JSON in OpenAI's shape: refusals with their status, unknown paths, and crashes (500)."""
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(APIError(exc.status_code, message, code=code).body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, exc: Exception):
+        log.exception("unexpected error serving %s %s", request.method, request.url.path)
+        error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+        return JSONResponse(error.body(), status_code=500)
+
+
+def _add_model_routes(app, worker: _Worker, model_name: str, api_key: str | None) -> None:
+    """/health, the chat page at /, and /v1/models."""
+    page = PAGE.read_text(encoding="utf-8")
+    card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "nanoforge"}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_name, "queued": worker.pending}
+
+    @app.get("/", response_class=HTMLResponse)
+    async def index():
+        return HTMLResponse(page)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        protocol.check_api_key(request.headers.get("authorization", ""), api_key)
+        return {"object": "list", "data": [dict(card)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def one_model(name: str, request: Request):
+        protocol.check_api_key(request.headers.get("authorization", ""), api_key)
+        if name != model_name:
+            raise APIError(404, f"no model {name!r}; this server serves {model_name!r}", param="model",
+                           code="model_not_found")
+        return dict(card)
+
+
+def _add_generation_routes(app, worker: _Worker, tokenizer, limits: Limits, model_name: str,
+                           api_key: str | None, max_body_bytes: int) -> None:
+    """POST /v1/chat/completions and /v1/completions."""
+    chat_stop_ids = stop_ids(tokenizer)  # as in `nanoforge chat`
+    text_stop_ids = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        protocol.check_api_key(request.headers.get("authorization", ""), api_key)
+        req = parse_chat_request(await _read_json(request, max_body_bytes), tokenizer, limits)
+        reply_id, now, id_prefix = f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), call_id_prefix()
+
+        def body(done: Completion) -> dict:
+            message, warnings = reply_message(done.text, req, id_prefix)
+            _log_warnings(reply_id, warnings)
+            finish = finish_reason(done.finish_reason, bool(message.get("tool_calls")))
+            return chat_body(model_name, reply_id, now, message, finish, protocol.usage(req.prompt_ids, done))
+
+        return await _answer(worker, req, chat_stop_ids, reply_id, body,
+                             lambda: ChatChunks(model_name, reply_id, now, req, id_prefix))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        protocol.check_api_key(request.headers.get("authorization", ""), api_key)
+        req = protocol.parse_completion_request(await _read_json(request, max_body_bytes), tokenizer, limits)
+        reply_id, now = f"cmpl-{secrets.token_hex(12)}", int(time.time())
+
+        def body(done: Completion) -> dict:
+            return protocol.text_body(model_name, reply_id, now, done, protocol.usage(req.prompt_ids, done))
+
+        return await _answer(worker, req, text_stop_ids, reply_id, body,
+                             lambda: protocol.TextChunks(model_name, reply_id, now))
+
+
+def _add_tool_routes(app, api_key: str | None, max_body_bytes: int) -> None:
+    """The built-in tools for the web page, which cannot run Python: GET /v1/nanoforge/tools (their schemas)
+    and POST /v1/nanoforge/tools/run {"name", "arguments"} -> {"content": the result}. Only the built-in
+    tools (chat/calculator.py: no eval, bounded work) run; anything else is answered "Error: ...", as a
+    tool result the model can read."""
+    @app.get("/v1/nanoforge/tools")
+    async def tools(request: Request):
+        protocol.check_api_key(request.headers.get("authorization", ""), api_key)
+        return {"object": "list", "data": list(BUILTIN_TOOLS.values())}
+
+    @app.post("/v1/nanoforge/tools/run")
+    async def run_tool(request: Request):
+        protocol.check_api_key(request.headers.get("authorization", ""), api_key)
+        body = await _read_json(request, max_body_bytes)
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+            raise APIError(400, "the body must be {\"name\": a built-in tool, \"arguments\": its JSON object}",
+                           param="name")
+        arguments = body.get("arguments", {})
+        if not isinstance(arguments, (str, dict)):
+            raise APIError(400, "arguments must be an object or a JSON string of one", param="arguments")
+        return {"content": run_tool_call({"name": body["name"], "arguments": arguments}, BUILTIN_TOOLS)}
+
+
+def _log_warnings(reply_id: str, warnings: list[str]) -> None:
+    for warning in warnings:
+        log.warning("%s: %s", reply_id, warning)
+
+
+async def _read_json(request: Request, max_body_bytes: int) -> Any:
+    """The body as JSON, refusing (413) one over max_body_bytes before reading past the limit."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+        raise APIError(413, f"the request body is {declared} bytes; the limit is {max_body_bytes}",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body_bytes:
+            raise APIError(413, f"the request body is over the limit of {max_body_bytes} bytes",
+                           code="request_too_large")
+        chunks.append(chunk)
+    return protocol.parse_json(b"".join(chunks))
+
+
+async def _answer(worker: _Worker, req: GenerationRequest, stop_ids: list[int], reply_id: str,
+                  body: Callable[[Completion], dict], chunks: Callable[[], Any]):
+    """Answer a checked request: `body(done)` as JSON, or an event stream of `chunks()`'s chunks (a
+    protocol.TextChunks or chat_reply.ChatChunks) ending in [DONE]."""
+    if not req.stream:
+        try:
+            done = await worker.complete(req, stop_ids)
+        except NanoforgeError as e:
+            raise APIError(400, str(e)) from None
+        return JSONResponse(body(done))
+
+    worker.check_room()  # a 503 has to come before the stream's 200
+    stream = chunks()
+
+    async def events():
+        yield protocol.sse(stream.first())
+        try:
+            async for item in worker.stream(req, stop_ids):
+                if isinstance(item, Completion):
+                    usage = protocol.usage(req.prompt_ids, item) if req.include_usage else None
+                    for chunk in stream.end(item, usage):
+                        yield protocol.sse(chunk)
+                    _log_warnings(reply_id, stream.warnings())
+                else:
+                    for chunk in stream.feed(item):
+                        yield protocol.sse(chunk)
+        except Exception as e:  # the 200 is already sent: report it in the stream, as OpenAI does
+            ours = isinstance(e, NanoforgeError)
+            if not ours:
+                log.exception("generation failed")
+            error = APIError(400 if ours else 500, str(e), type="invalid_request_error" if ours else "server_error")
+            yield protocol.sse(error.body())
+        yield protocol.sse("[DONE]")
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# running it
+
+
+def _check_can_listen(host: str, port: int) -> None:
+    """Bind (host, port) once, as uvicorn will, so a port in use or a host that is not this machine's is a
+    clear error now instead of a log line after the model has loaded."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no obstacle
+            sock.bind(address)
+    except OSError as e:
+        why = "is already in use; choose another --port" if e.errno == errno.EADDRINUSE else f"cannot be used: {e}"
+        raise NanoforgeError(f"{host}:{port} {why}") from None
+
+
+def run_server(run_dir, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
+               device: str = "auto", precision: str = "auto", model_name: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_tokens_cap: int | None = None,
+               log_level: str = "info", request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT,
+               max_pending: int = DEFAULT_MAX_PENDING) -> None:
+    """`nanoforge serve RUN`: load the run's latest checkpoint and serve it with uvicorn until Ctrl-C.
+
+    The model is named after the run directory unless `model_name` is given."""
+    _check_can_listen(host, port)  # before minutes of loading, and before saying "serving"
+    target = resolve_device(device)
+    precision = resolve_precision(precision, target)
+    model, tokenizer, checkpoint = load_model(run_dir, device=target)
+    name = model_name or Path(run_dir).resolve().name
+    app = create_app(model, tokenizer, name, api_key=api_key, max_body_bytes=max_body_bytes,
+                     max_tokens_cap=max_tokens_cap, precision=precision, request_timeout=request_timeout,
+                     max_pending=max_pending)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"loaded {checkpoint} ({model.num_params() / 1e6:.1f}M parameters) on {target}, {precision}",
+          file=sys.stderr)
+    print(f"serving {name!r}: web chat at http://{shown}:{port}/, OpenAI API at http://{shown}:{port}/v1"
+          + (" (API key required)" if api_key else ""), file=sys.stderr)
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        print(f"warning: listening on {host} without --api-key: anyone who can reach this machine can use the "
+              f"model", file=sys.stderr)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m nanoforge.serve.app RUN [--host H] [--port P] [--api-key KEY]` (the key may also come
+    from the NANOFORGE_API_KEY environment variable, which, unlike an argument, `ps` does not show)."""
+    parser = argparse.ArgumentParser(prog="python -m nanoforge.serve.app", description=main.__doc__)
+    parser.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint) or a checkpoint directory")
+    parser.add_argument("--host", default=DEFAULT_HOST)
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--api-key", default=os.environ.get("NANOFORGE_API_KEY") or None)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--precision", default="auto", choices=chat_defaults.PRECISION_CHOICES)
+    parser.add_argument("--model-name")
+    parser.add_argument("--max-tokens-cap", type=int)
+    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT,
+                        help="seconds after which a reply is cut short with finish_reason 'length' (0: no limit)")
+    parser.add_argument("--max-pending", type=int, default=DEFAULT_MAX_PENDING,
+                        help="requests allowed to wait for the model; more are answered 503 server_busy")
+    args = parser.parse_args(argv)
+    try:
+        run_server(args.run, host=args.host, port=args.port, api_key=args.api_key, device=args.device,
+                   precision=args.precision, model_name=args.model_name, max_tokens_cap=args.max_tokens_cap,
+                   log_level=args.log_level, request_timeout=args.request_timeout, max_pending=args.max_pending)
+    except NanoforgeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

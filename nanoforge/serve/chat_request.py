@@ -1,0 +1,224 @@
+"""Reading a `/v1/chat/completions` body into a prompt: the messages (system, user, assistant with
+`tool_calls` and `reasoning_content`, `tool` results), the `tools` offered, `tool_choice`, and the template
+switches of `chat_template_kwargs` (`enable_thinking`, or its other name `open_thinking`).
+
+What is accepted, as OpenAI's API sends it:
+  - `tools`: a list of `{"type": "function", "function": {"name", "description"?, "parameters"?}}`; names as
+    OpenAI allows them (letters, digits, _ and -, at most 64), since the template writes them into JSON text.
+  - `tool_choice`: "auto" (the default: tools are offered, calls come back) or "none" (the tools are left out
+    of the prompt and no tool calls come back). "required" and a named function are refused: a small model
+    cannot be made to call a tool, and promising it would be a lie.
+  - messages: content a string or text parts; an assistant message's content may be null when it has
+    `tool_calls` (whose `arguments` are a JSON object, as a string or an object); `tool` messages (their
+    `tool_call_id` is optional: the template matches results to calls by order).
+Tools, tool calls or tool messages sent to a model whose chat template has no tool support (a plain ChatML
+tokenizer) are refused with a 400 that says so, rather than rendered into something it never learnt.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from nanoforge import safejson
+from nanoforge.errors import NanoforgeError
+from nanoforge.serve.protocol import (GenerationRequest, Limits, bad_request, check_fits, check_unicode, field,
+                                      sampling)
+
+ROLES = ("system", "user", "assistant", "tool")
+TEMPLATE_SWITCHES = ("enable_thinking", "open_thinking")
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+THINK_OPENED = "<think>\n"  # a prompt ending with this leaves the reply inside the think block
+
+
+def parse_chat_request(body: Any, tokenizer, limits: Limits) -> GenerationRequest:
+    """A /v1/chat/completions body -> a checked request (APIError when it is not one)."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    field(body, "model", (str,), "a string")
+    messages = chat_messages(body)
+    tools = parse_tools(body.get("tools"))
+    offered = bool(tools) and parse_tool_choice(body.get("tool_choice")) == "auto"
+    switches = template_switches(body.get("chat_template_kwargs"))
+    field(body, "parallel_tool_calls", (bool,), "a boolean")  # the model may write several calls either way
+    cfg, stream, include_usage = sampling(body, limits)
+    if not tokenizer.supports_tools:
+        _refuse_tools(messages, offered)
+    try:
+        prompt_ids, _, text = tokenizer.render_chat_with_text(messages, add_generation_prompt=True,
+                                                              tools=tools if offered else None, **switches)
+    except NanoforgeError as e:
+        raise bad_request(str(e), param="messages") from None
+    check_fits(prompt_ids, limits, "messages")
+    return GenerationRequest(prompt_ids, cfg, stream, include_usage, structured=tokenizer.supports_tools,
+                             thinking_open=text.endswith(THINK_OPENED), tools_offered=offered)
+
+
+def _refuse_tools(messages: list[dict], offered: bool) -> None:
+    why = ("this model's chat template has no tool support (plain ChatML: no way to show tools, calls or "
+           "results); serve a model whose tokenizer has the thinking/tool template (`nanoforge tokenizer train` "
+           "writes one), or send plain messages")
+    if offered:
+        raise bad_request(f"tools were sent, but {why}", param="tools")
+    for i, message in enumerate(messages):
+        if message["role"] == "tool" or message.get("tool_calls"):
+            what = "is a tool result" if message["role"] == "tool" else "has tool_calls"
+            raise bad_request(f"messages[{i}] {what}, but {why}", param=f"messages[{i}]")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# tools, tool_choice, template switches
+
+
+def parse_tools(tools) -> list[dict] | None:
+    """The `tools` field -> the schemas for the template (None when absent or empty)."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("tools must be a list of {\"type\": \"function\", \"function\": {...}} objects",
+                          param="tools")
+    return [_tool(i, tool) for i, tool in enumerate(tools)] or None
+
+
+def _tool(i: int, tool) -> dict:
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise bad_request(f"{where} must be an object with \"type\": \"function\" (the only kind of tool)",
+                          param=f"{where}.type" if isinstance(tool, dict) else where)
+    function = tool.get("function")
+    if not isinstance(function, dict):
+        raise bad_request(f"{where}.function must be an object with a name", param=f"{where}.function")
+    name = function.get("name")
+    if not (isinstance(name, str) and TOOL_NAME.fullmatch(name)):
+        raise bad_request(f"{where}.function.name must be 1 to 64 letters, digits, _ or -, got "
+                          f"{json.dumps(name)[:60]}", param=f"{where}.function.name")
+    out = {"name": name}
+    description = function.get("description")
+    if description is not None:
+        if not isinstance(description, str):
+            raise bad_request(f"{where}.function.description must be a string", param=f"{where}.function.description")
+        out["description"] = check_unicode(description, f"{where}.function.description")
+    parameters = function.get("parameters")
+    if parameters is not None:
+        if not isinstance(parameters, dict):
+            raise bad_request(f"{where}.function.parameters must be a JSON Schema object",
+                              param=f"{where}.function.parameters")
+        out["parameters"] = parameters
+    return {"type": "function", "function": out}
+
+
+def parse_tool_choice(choice) -> str:
+    """"auto" (also for absent) or "none"; everything else a 400."""
+    if choice is None or choice in ("auto", "none"):
+        return choice or "auto"
+    if choice == "required" or isinstance(choice, dict):
+        raise bad_request("tool_choice: only \"auto\" and \"none\" are supported (this server cannot force a "
+                          "small model to call a tool)", param="tool_choice")
+    raise bad_request(f"tool_choice must be \"auto\" or \"none\", got {json.dumps(choice)[:60]}",
+                      param="tool_choice")
+
+
+def template_switches(kwargs) -> dict:
+    """`chat_template_kwargs` -> the keyword arguments for the template: only its boolean switches."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise bad_request("chat_template_kwargs must be an object such as {\"enable_thinking\": true}",
+                          param="chat_template_kwargs")
+    for key, value in kwargs.items():
+        if key not in TEMPLATE_SWITCHES:
+            raise bad_request(f"chat_template_kwargs.{key} is not known; the template's switches are "
+                              f"{', '.join(TEMPLATE_SWITCHES)}", param=f"chat_template_kwargs.{key}")
+        if not isinstance(value, bool):
+            raise bad_request(f"chat_template_kwargs.{key} must be true or false", param=f"chat_template_kwargs.{key}")
+    return dict(kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# messages
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """The `messages` field -> the conversation for the template (only the fields it reads)."""
+    messages = body.get("messages")
+    if messages is None:
+        raise bad_request("messages is required: a list of {role, content} objects", param="messages")
+    if not isinstance(messages, list):
+        raise bad_request("messages must be a list of {role, content} objects", param="messages")
+    if not messages:
+        raise bad_request("messages is empty; send at least one message", param="messages")
+    return [_message(i, message) for i, message in enumerate(messages)]
+
+
+def _message(i: int, message) -> dict:
+    if not isinstance(message, dict):
+        raise bad_request(f"messages[{i}] must be an object with role and content", param=f"messages[{i}]")
+    role = message.get("role")
+    role = "system" if role == "developer" else role  # "developer": OpenAI's newer name for the system role
+    if role not in ROLES:
+        raise bad_request(f"messages[{i}].role {json.dumps(role)[:40]} is not one of {', '.join(ROLES)}",
+                          param=f"messages[{i}].role")
+    if role != "assistant":
+        return {"role": role, "content": _content(message, i)}
+    out: dict = {"role": role}
+    calls = message.get("tool_calls")
+    if calls is not None:
+        out["tool_calls"] = _tool_calls(i, calls)
+    out["content"] = None if message.get("content") is None and calls else _content(message, i)
+    reasoning = message.get("reasoning_content")
+    if reasoning is not None:
+        if not isinstance(reasoning, str):
+            raise bad_request(f"messages[{i}].reasoning_content must be a string", param=f"messages[{i}].reasoning_content")
+        out["reasoning_content"] = check_unicode(reasoning, f"messages[{i}].reasoning_content")
+    return out
+
+
+def _content(message: dict, i: int) -> str:
+    content, param = message.get("content"), f"messages[{i}].content"
+    if isinstance(content, list):  # OpenAI's content parts; text is all a language model can read
+        if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            return check_unicode("".join(p["text"] for p in content), param)
+        raise bad_request(f"{param}: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported",
+                          param=param)
+    if not isinstance(content, str):
+        null_ok = " (null only in an assistant message with tool_calls)" if message.get("role") == "assistant" else ""
+        raise bad_request(f"{param} must be a string{null_ok}, got {json.dumps(content)[:60]}", param=param)
+    return check_unicode(content, param)
+
+
+def _tool_calls(i: int, calls) -> list[dict]:
+    """An assistant message's `tool_calls` -> the calls for the template, arguments as given (a JSON object
+    as text, written into the prompt as it is, or an object the template serialises)."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise bad_request(f"{where} must be a list of calls", param=where)
+    out = []
+    for k, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise bad_request(f"{where}[{k}] must be {{\"type\": \"function\", \"function\": {{\"name\", "
+                              f"\"arguments\"}}}}", param=f"{where}[{k}]")
+        name = function.get("name")
+        if not (isinstance(name, str) and TOOL_NAME.fullmatch(name)):
+            raise bad_request(f"{where}[{k}].function.name must be 1 to 64 letters, digits, _ or -",
+                              param=f"{where}[{k}].function.name")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            arguments = _arguments_text(arguments, f"{where}[{k}].function.arguments")
+        elif not isinstance(arguments, dict):
+            raise bad_request(f"{where}[{k}].function.arguments must be a JSON object (as a string)",
+                              param=f"{where}[{k}].function.arguments")
+        out.append({"type": "function", "function": {"name": name, "arguments": arguments}})
+    return out
+
+
+def _arguments_text(text: str, param: str) -> str:
+    if not text.strip():
+        return "{}"
+    try:
+        parsed = safejson.loads(check_unicode(text, param))
+    except ValueError as e:
+        raise bad_request(f"{param} must be a JSON object as a string, got invalid JSON: {e}", param=param) from None
+    if not isinstance(parsed, dict):
+        raise bad_request(f"{param} must be a JSON object as a string, got {text[:60]!r}", param=param)
+    return text

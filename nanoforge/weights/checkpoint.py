@@ -1,0 +1,149 @@
+"""One checkpoint format for every stage: a directory per step, written atomically.
+
+    checkpoints/step_000100/
+        model.safetensors   weights (tied lm_head omitted, as in HF Llama)
+        trainer.pt          optimizer, grad-scaler and RNG states: tensors and plain containers only,
+                            so it loads with torch.load(weights_only=True) and never unpickles code
+        state.json          step, data position, counters, config, versions
+
+The directory is written under a temporary name, every file is fsynced, then it is renamed into place and
+the parent directory fsynced. A reader therefore sees either a complete checkpoint or none: a process
+killed mid-write leaves only a `.tmp-*` directory, which is ignored and cleaned up by the next save.
+Building a model from a checkpoint is weights/load.py's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from nanoforge.errors import NanoforgeError
+from nanoforge.fsutil import fsync_dir, fsync_file, read_json, replace_dir
+
+STEP_DIR = re.compile(r"^step_(\d{6,})$")
+FORMAT_VERSION = 1
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := STEP_DIR.match(p.name)) and (p / "state.json").is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """Accept a checkpoint directory or a run directory (then its latest checkpoint)."""
+    path = Path(path)
+    if (path / "state.json").is_file() and (path / "model.safetensors").exists():
+        return path
+    if not path.exists():
+        raise NanoforgeError(f"{path}: no such run or checkpoint directory")
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise NanoforgeError(f"{path}: no checkpoint found (expected {path}/checkpoints/step_NNNNNN/)")
+    return latest
+
+
+def rng_states() -> dict[str, Any]:
+    states: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = [torch.cuda.get_rng_state()]  # the current device's (each rank's own GPU)
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["cpu"])
+    cuda = list(states.get("cuda", []))
+    if cuda and torch.cuda.is_available():
+        # Older checkpoints hold every visible GPU's state (get_rng_state_all); restoring all of them fails with
+        # IndexError on a machine with fewer GPUs. Take the one for the current device when there, else the first.
+        i = torch.cuda.current_device()
+        torch.cuda.set_rng_state(cuda[i] if i < len(cuda) else cuda[0])
+
+
+def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Tensor], trainer: dict[str, Any],
+                    state: dict[str, Any], keep_last: int = 3) -> Path:
+    """Write checkpoint `step` atomically, then delete all but the newest `keep_last`.
+
+    On any failure (full disk, permissions) the temporary directory is removed, the previous checkpoints
+    are untouched, and a NanoforgeError says what happened."""
+    root = Path(run_dir) / "checkpoints"
+    final = root / step_dir_name(step)
+    tmp = root / f".tmp-{step_dir_name(step)}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp-*"):  # left by a process killed mid-write
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+        cpu_weights = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
+        save_file(cpu_weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        torch.save(trainer, tmp / "trainer.pt")
+        state = {"format_version": FORMAT_VERSION, "step": step, **state}
+        # state.json last: its presence marks the directory complete even before the rename.
+        (tmp / "state.json").write_text(json.dumps(state, indent=1, ensure_ascii=False), encoding="utf-8")
+        for name in ("model.safetensors", "trainer.pt", "state.json"):
+            fsync_file(tmp / name)
+        fsync_dir(tmp)
+        replace_dir(tmp, final)  # re-saving a step (e.g. after a rollback) swaps, never leaves a gap
+        fsync_dir(root)
+    except (OSError, SafetensorError, RuntimeError) as e:  # safetensors and torch.save wrap ENOSPC their own way
+        shutil.rmtree(tmp, ignore_errors=True)
+        last = latest_checkpoint(run_dir)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        try:  # torch.save reports a full disk as an iostream error; the free space says what happened
+            reason += f" ({shutil.disk_usage(root).free / 1e6:.1f} MB free on that filesystem)"
+        except OSError:
+            pass
+        raise NanoforgeError(f"could not write checkpoint {final}: {reason}. "
+                             f"The last good checkpoint is {last or 'none'}.") from e
+    for old in list_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_state(ckpt: Path) -> dict[str, Any]:
+    state = read_json(ckpt / "state.json", "checkpoint state")
+    if state.get("format_version") != FORMAT_VERSION:
+        raise NanoforgeError(f"{ckpt / 'state.json'}: checkpoint format {state.get('format_version')!r} "
+                             f"is not the supported version {FORMAT_VERSION}")
+    return state
+
+
+def load_weights_file(ckpt: Path) -> dict[str, torch.Tensor]:
+    return read_weights(ckpt / "model.safetensors")
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A model.safetensors file (a checkpoint's, or a LoRA run's base) -> its tensors. Never a pickle."""
+    try:
+        return load_file(str(path))
+    except (OSError, SafetensorError, ValueError) as e:
+        raise NanoforgeError(f"{path}: cannot read weights (truncated or corrupted?): {e}") from None
+
+
+def load_trainer_file(ckpt: Path) -> dict[str, Any]:
+    path = ckpt / "trainer.pt"
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for a damaged zip; all mean the same to the user
+        raise NanoforgeError(f"{path}: cannot read optimizer state (truncated or corrupted?): {e}") from None
+

@@ -1,0 +1,104 @@
+"""The code's shape, checked: imports point down the pipeline, no cycles, imports at the top, and no function
+or module past the sizes docs/design.md sets. Parsed with `ast`; nothing is imported."""
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "nanoforge"
+
+# The pipeline, bottom to top: a module may import from its own layer or any below it, never above.
+LAYERS = [
+    ["errors", "config", "device", "fsutil", "dirlock", "safejson"],
+    ["chat"],
+    ["tokenizer"],
+    ["data"],
+    ["model", "plan"],
+    ["weights"],
+    ["infer"],
+    ["train"],
+    ["rl"],
+    ["report", "eval", "serve"],
+    ["recipes", "bench"],
+    ["demo"],
+    ["cli", "commands", "__main__"],
+]
+# Imports inside a function, each for a stated reason: `--help` must not load torch, and FastAPI is optional.
+LAZY_IMPORTS = {("cli", "nanoforge.commands"), ("commands", "nanoforge.serve.app")}
+MAX_FUNCTION_LINES, MAX_MODULE_LINES = 80, 500
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def layer_of(module: str) -> int:
+    top = module.split(".")[0] if module else "__init__"
+    for i, names in enumerate(LAYERS):
+        if top in names or top == "__init__":
+            return i if top != "__init__" else 0
+    raise AssertionError(f"nanoforge/{module.replace('.', '/')}: its package {top!r} has no layer in LAYERS")
+
+
+def imports(module: str):
+    """(imported module, line, at top level) for every `nanoforge.*` import of a module."""
+    tree = ast.parse(MODULES[module].read_text())
+    top_level = {id(node) for node in tree.body}
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("nanoforge"):
+            # `from nanoforge.train import checkpoint` imports the module nanoforge.train.checkpoint
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}"[10:] in MODULES else node.module
+                     for a in node.names]
+        for name in names:
+            if name.startswith("nanoforge"):
+                yield name[len("nanoforge."):] if name != "nanoforge" else "", node.lineno, id(node) in top_level
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_point_down_the_pipeline_and_sit_at_the_top(module):
+    for target, line, top in imports(module):
+        where = f"nanoforge/{module.replace('.', '/')}.py:{line}"
+        assert layer_of(target) <= layer_of(module), f"{where}: imports nanoforge.{target}, a layer above it"
+        assert top or (module, f"nanoforge.{target}") in LAZY_IMPORTS, f"{where}: an import inside a function"
+
+
+def test_no_import_cycles():
+    graph = {m: {t for t, _, _ in imports(m) if t in MODULES and t != m} for m in MODULES}
+    state = {}
+
+    def visit(m, path):
+        state[m] = "open"
+        for t in graph[m]:
+            assert state.get(t) != "open", "import cycle: " + " -> ".join(path + [m, t])
+            if t not in state:
+                visit(t, path + [m])
+        state[m] = "done"
+
+    for m in graph:
+        if m not in state:
+            visit(m, [])
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_functions_and_modules_fit_on_a_screen(module):
+    source = MODULES[module].read_text()
+    assert len(source.splitlines()) <= MAX_MODULE_LINES, f"{MODULES[module]}: over {MAX_MODULE_LINES} lines"
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            assert length <= MAX_FUNCTION_LINES, (f"{MODULES[module]}:{node.lineno}: {node.name} is {length} lines "
+                                                  f"(at most {MAX_FUNCTION_LINES})")
+
+
+def test_the_checks_can_fail():
+    """The rules above catch what they are for: an upward import and an unknown package are refused."""
+    assert layer_of("train.loop") > layer_of("data.batches")
+    with pytest.raises(AssertionError):
+        layer_of("utils.misc")
