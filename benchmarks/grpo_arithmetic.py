@@ -36,7 +36,7 @@ from nanoforge.model.gpt import GPT  # noqa: E402
 from nanoforge.recipes.grpo import RLOptions, grpo  # noqa: E402
 from nanoforge.recipes.ppo import PPOOptions, ppo  # noqa: E402
 from nanoforge.rl.rewards import answer_number  # noqa: E402
-from nanoforge.tokenizer import train_tokenizer  # noqa: E402
+from nanoforge.data.sources import train_tokenizer  # noqa: E402
 from nanoforge.weights import checkpoint as ckpt  # noqa: E402
 from nanoforge.recipes.stages import sft  # noqa: E402
 

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from nanoforge.data.prepare import prepare_dataset  # noqa: E402  (no torch import: workers start faster)
-from nanoforge.tokenizer import train_tokenizer  # noqa: E402
+from nanoforge.data.sources import train_tokenizer  # noqa: E402
 
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "minimind"
 

@@ -93,7 +93,7 @@ def main() -> None:
     from nanoforge.data.batches import SFTBatches
     from nanoforge.data.prepare import prepare_dataset
     from nanoforge.data.shards import TokenShards
-    from nanoforge.tokenizer import train_tokenizer
+    from nanoforge.data.sources import train_tokenizer
 
     files = [DATA / f for f in FILES]
     with tempfile.TemporaryDirectory() as tmp:

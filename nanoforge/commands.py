@@ -23,7 +23,7 @@ from nanoforge.plan import format_plan, make_plan
 from nanoforge.recipes.grpo import RLOptions, grpo
 from nanoforge.recipes.ppo import PPOOptions, ppo
 from nanoforge.report.markdown import write_report
-from nanoforge.tokenizer import train_tokenizer
+from nanoforge.data.sources import train_tokenizer
 from nanoforge.train.autoresume import AUTO, resolve_resume
 from nanoforge.train.distributed import is_main, leave
 from nanoforge.train.loop import TrainingInterrupted

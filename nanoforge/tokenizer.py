@@ -17,18 +17,16 @@ the ids differ from HF's apply_chat_template + encode (which would make those re
 """
 from __future__ import annotations
 
-import codecs
 import functools
 import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 from nanoforge.chat.template import (CHAT_TEMPLATE, IM_END, THINKING_TOOLS_TEMPLATE, TOOL_TAGS, ChatTemplateError,
                                      assistant_mask, assistant_turns, check_disguise, compile_template, disguise,
                                      without_empty_think)
-from nanoforge.data.jsonl import DataError, check_input_file, detect_kind, iter_records
 from nanoforge.errors import NanoforgeError
 from nanoforge.fsutil import read_json, write_json
 from nanoforge.chat.messages import normalize_conversation
@@ -44,7 +42,6 @@ SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| 
                  r"|\s+(?!\S)|\s+")
 DEFAULT_MODEL_MAX_LENGTH = 32768
 PLAIN_TEXT_SUFFIXES = (".txt", ".text", ".md")
-_TEXT_BLOCK_BYTES = 1 << 20  # plain-text files are fed to the trainer in ~1 MB blocks cut at newlines
 
 
 # ---------------------------------------------------------------------------------------------- class
@@ -354,11 +351,12 @@ def _read_chat_template(directory: Path, config: dict) -> str | None:
 # ---------------------------------------------------------------------------------------------- train
 
 
-def train_tokenizer(files, vocab_size: int = 6400, out_dir: str | os.PathLike | None = None,
-                    min_frequency: int = 2) -> Tokenizer:
-    """Train a byte-level BPE tokenizer on JSONL (pretrain/SFT/DPO, detected per line) or plain-text files.
+def train_bpe(texts: Iterable[str], vocab_size: int = 6400, out_dir: str | os.PathLike | None = None,
+              min_frequency: int = 2) -> Tokenizer:
+    """Train a byte-level BPE tokenizer on a stream of texts (data/sources.py's train_tokenizer reads them from
+    files).
 
-    The files are streamed through `train_from_iterator`, so their size is limited by disk, not memory.
+    The texts are streamed through `train_from_iterator`, so their size is limited by disk, not memory.
     The special tokens take ids 0..15; the 256 byte symbols are all in the initial alphabet, so any text
     round-trips even if some bytes never occur in the training files. The six thinking and tool tags
     (<think>, <tool_call>, ...) take the last six ids, as added tokens that are not special, and the tokenizer
@@ -366,15 +364,10 @@ def train_tokenizer(files, vocab_size: int = 6400, out_dir: str | os.PathLike | 
     """
     from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 
-    files = [files] if isinstance(files, (str, os.PathLike)) else list(files)
-    if not files:
-        raise NanoforgeError("no training files given for the tokenizer")
     minimum = len(SPECIAL_TOKENS) + 256 + len(TOOL_TAGS)
     if vocab_size < minimum:
         raise NanoforgeError(f"vocab_size {vocab_size} is too small: byte-level BPE needs the 256 bytes plus "
                              f"{len(SPECIAL_TOKENS)} special tokens and {len(TOOL_TAGS)} tags, so at least {minimum}")
-    paths = [check_input_file(f) for f in files]
-
     inner = HFTokenizer(models.BPE())
     inner.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
@@ -383,53 +376,9 @@ def train_tokenizer(files, vocab_size: int = 6400, out_dir: str | os.PathLike | 
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(TOOL_TAGS), min_frequency=min_frequency,
                                   special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    inner.train_from_iterator(_training_texts(paths), trainer=trainer)
+    inner.train_from_iterator(texts, trainer=trainer)
     inner.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TOOL_TAGS])
     tokenizer = Tokenizer(inner, chat_template=THINKING_TOOLS_TEMPLATE)
     if out_dir is not None:
         tokenizer.save(out_dir)
     return tokenizer
-
-
-def _training_texts(paths: list[Path]) -> Iterator[str]:
-    for path in paths:
-        yield from (_plain_text_blocks if path.suffix.lower() in PLAIN_TEXT_SUFFIXES else _jsonl_texts)(path)
-
-
-def _jsonl_texts(path: Path) -> Iterator[str]:
-    """Every text a model will see in this file: pretrain text, message contents of SFT and DPO records."""
-    for _, record in iter_records(path, None):
-        kind = detect_kind(record)
-        if kind == "pretrain":
-            yield record["text"]
-        elif kind == "sft":
-            for message in record["conversations"]:
-                yield from (message.get(k) for k in ("content", "reasoning_content") if isinstance(message.get(k), str))
-        else:  # dpo: the shared prefix once, then both final answers
-            yield from (message["content"] for message in record["chosen"])
-            yield record["rejected"][-1]["content"]
-
-
-def _plain_text_blocks(path: Path) -> Iterator[str]:
-    """~1 MB blocks of a text file, cut after a newline, decoded incrementally (never the whole file)."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    carry, line_no = "", 1
-    with open(path, "rb") as f:
-        while True:
-            raw = f.read(_TEXT_BLOCK_BYTES)
-            try:
-                text = carry + decoder.decode(raw, final=not raw)
-            except UnicodeDecodeError:
-                raise DataError("invalid UTF-8; re-encode the file as UTF-8", path, line_no) from None
-            if not raw:
-                if text:
-                    yield text
-                return
-            cut = text.rfind("\n") + 1
-            if cut == 0 and len(text) < 4 * _TEXT_BLOCK_BYTES:
-                carry = text  # no newline yet: keep reading, up to a bound for one-line files
-                continue
-            cut = cut or len(text)
-            line_no += text.count("\n", 0, cut)
-            yield text[:cut]
-            carry = text[cut:]

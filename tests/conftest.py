@@ -126,7 +126,7 @@ def tiny_corpus(directory: Path) -> list[Path]:
 def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     """Directory of a vocab-512 byte-level BPE tokenizer trained on ../shared/data/tiny/*.jsonl (or, without
     the shared data, on a small corpus written here)."""
-    from nanoforge.tokenizer import train_tokenizer
+    from nanoforge.data.sources import train_tokenizer
 
     work = tmp_path_factory.mktemp("tiny_tokenizer")
     shared = shared_data_dir()

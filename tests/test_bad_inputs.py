@@ -168,7 +168,7 @@ GOOD_CASES = [
 def world(tmp_path_factory, tiny_tokenizer_dir):
     """A small pretrained run, one of another shape, prepared data, and data prepared with another tokenizer."""
     from conftest import tiny_corpus
-    from nanoforge.tokenizer import train_tokenizer
+    from nanoforge.data.sources import train_tokenizer
     work = tmp_path_factory.mktemp("bad_inputs_world")
     corpus = tiny_corpus(work)
     quiet = lambda *a: None  # noqa: E731

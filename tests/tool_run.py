@@ -55,7 +55,7 @@ def make_tool_run(tmp_path_factory, tokenizer) -> Path:
     if "run" not in _RUNS:
         from conftest import tiny_corpus
         from nanoforge.data.prepare import prepare_dataset
-        from nanoforge.tokenizer import train_tokenizer
+        from nanoforge.data.sources import train_tokenizer
         from nanoforge.recipes.stages import pretrain, sft
 
         work = tmp_path_factory.mktemp("tool_run")

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from nanoforge import safejson
-from nanoforge.data.jsonl import DataError, RecordError, validate_record
+from nanoforge.chat.messages import RecordError
+from nanoforge.data.jsonl import DataError, validate_record
 from nanoforge.errors import NanoforgeError
 
 ROWS_PER_CHUNK = 1024  # rows handed to a tokenizer worker at a time

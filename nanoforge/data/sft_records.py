@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 
 from nanoforge.chat.template import ChatTemplateError
-from nanoforge.data.jsonl import has_tool_calls
+from nanoforge.chat.messages import has_tool_calls
 
 # Fixed: which records drop their empty think blocks depends only on P, the file's index and the line.
 DROP_THINK_SEED = 16

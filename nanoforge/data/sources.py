@@ -2,14 +2,18 @@
 on the fly; and the kind of data they hold. Training (train/rundir.py) and `nanoforge eval` both ask here."""
 from __future__ import annotations
 
+import codecs
+import os
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from nanoforge.data.columnar import check_columnar, columnar_kind, is_columnar, is_hf_dataset_dir
-from nanoforge.data.jsonl import check_input_file, detect_kind, iter_records
+from nanoforge.data.jsonl import DataError, check_input_file, detect_kind, iter_records
 from nanoforge.data.shards import read_manifest
 from nanoforge.errors import NanoforgeError
-from nanoforge.tokenizer import PLAIN_TEXT_SUFFIXES
+from nanoforge.tokenizer import PLAIN_TEXT_SUFFIXES, Tokenizer, train_bpe
+
+_TEXT_BLOCK_BYTES = 1 << 20  # plain-text files are fed to the trainer in ~1 MB blocks cut at newlines
 
 
 def is_plain_text(path) -> bool:
@@ -53,3 +57,58 @@ def data_kind(data: Sequence[str]) -> str:
         return "pretrain"
     _, record = next(iter_records(first, None))  # checked like every record (file:line: field: errors)
     return detect_kind(record)
+
+
+def train_tokenizer(files, vocab_size: int = 6400, out_dir: str | os.PathLike | None = None,
+                    min_frequency: int = 2) -> Tokenizer:
+    """`nanoforge tokenizer train`: a byte-level BPE tokenizer (tokenizer.train_bpe) on JSONL (pretrain/SFT/DPO,
+    detected per line) or plain-text files, every file checked before training starts."""
+    files = [files] if isinstance(files, (str, os.PathLike)) else list(files)
+    if not files:
+        raise NanoforgeError("no training files given for the tokenizer")
+    paths = [check_input_file(f) for f in files]
+    return train_bpe(_training_texts(paths), vocab_size, out_dir, min_frequency)
+
+
+def _training_texts(paths: list[Path]) -> Iterator[str]:
+    for path in paths:
+        yield from (_plain_text_blocks if path.suffix.lower() in PLAIN_TEXT_SUFFIXES else _jsonl_texts)(path)
+
+
+def _jsonl_texts(path: Path) -> Iterator[str]:
+    """Every text a model will see in this file: pretrain text, message contents of SFT and DPO records."""
+    for _, record in iter_records(path, None):
+        kind = detect_kind(record)
+        if kind == "pretrain":
+            yield record["text"]
+        elif kind == "sft":
+            for message in record["conversations"]:
+                yield from (message.get(k) for k in ("content", "reasoning_content") if isinstance(message.get(k), str))
+        else:  # dpo: the shared prefix once, then both final answers
+            yield from (message["content"] for message in record["chosen"])
+            yield record["rejected"][-1]["content"]
+
+
+def _plain_text_blocks(path: Path) -> Iterator[str]:
+    """~1 MB blocks of a text file, cut after a newline, decoded incrementally (never the whole file)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    carry, line_no = "", 1
+    with open(path, "rb") as f:
+        while True:
+            raw = f.read(_TEXT_BLOCK_BYTES)
+            try:
+                text = carry + decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError:
+                raise DataError("invalid UTF-8; re-encode the file as UTF-8", path, line_no) from None
+            if not raw:
+                if text:
+                    yield text
+                return
+            cut = text.rfind("\n") + 1
+            if cut == 0 and len(text) < 4 * _TEXT_BLOCK_BYTES:
+                carry = text  # no newline yet: keep reading, up to a bound for one-line files
+                continue
+            cut = cut or len(text)
+            line_no += text.count("\n", 0, cut)
+            yield text[:cut]
+            carry = text[cut:]

@@ -36,7 +36,7 @@ from nanoforge.infer.generate import SamplingConfig, complete
 from nanoforge.weights.load import load_model
 from nanoforge.model.gpt import GPT
 from nanoforge.report.markdown import read_run, write_report
-from nanoforge.tokenizer import train_tokenizer
+from nanoforge.data.sources import train_tokenizer
 from nanoforge.train.loop import evaluate
 from nanoforge.train.metrics import format_duration
 from nanoforge.train.objectives import causal_lm_loss

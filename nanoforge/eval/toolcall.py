@@ -27,7 +27,8 @@ import json
 from typing import Callable
 
 from nanoforge import safejson
-from nanoforge.data.jsonl import call_function, iter_records, tool_function
+from nanoforge.chat.messages import call_function, tool_function
+from nanoforge.data.jsonl import iter_records
 from nanoforge.eval.common import Progress, fitting, format_table
 from nanoforge.infer.generate import SamplingConfig
 from nanoforge.infer.toolloop import Rollout, run_in_batches

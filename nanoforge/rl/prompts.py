@@ -17,10 +17,9 @@ from typing import Any
 
 import torch
 
-from nanoforge.data.jsonl import (DataError, RecordError, _keys, _type_name, check_input_file, has_tool_calls,
-                                  line_json, line_text, validate_record)
+from nanoforge.chat.messages import RecordError, _keys, _type_name, has_tool_calls, normalize_conversation
+from nanoforge.data.jsonl import DataError, check_input_file, line_json, line_text, validate_record
 from nanoforge.errors import NanoforgeError
-from nanoforge.chat.messages import normalize_conversation
 
 _PLACEHOLDER = {"role": "assistant", "content": ""}
 _OWN_KEYS = ("conversations", "question", "answer", "gt")

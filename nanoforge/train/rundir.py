@@ -32,7 +32,8 @@ from nanoforge.errors import NanoforgeError
 from nanoforge.fsutil import write_text_atomic
 from nanoforge.weights.load import init_config, init_tokenizer_dir
 from nanoforge.train.microbatch import fit_micro_batch
-from nanoforge.tokenizer import load_tokenizer, train_tokenizer
+from nanoforge.data.sources import train_tokenizer
+from nanoforge.tokenizer import load_tokenizer
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.train.distributed import is_main, main_first
 

@@ -7,7 +7,8 @@ import pickle
 
 import pytest
 
-from nanoforge.data.jsonl import DataError, RecordError, SkipCounter, iter_records, validate_record
+from nanoforge.chat.messages import RecordError
+from nanoforge.data.jsonl import DataError, SkipCounter, iter_records, validate_record
 from nanoforge.errors import NanoforgeError
 
 U, A, S = "user", "assistant", "system"

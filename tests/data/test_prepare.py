@@ -16,7 +16,8 @@ from nanoforge.data.jsonl import DataError
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import TokenShards, check_tokenizer
 from nanoforge.errors import NanoforgeError
-from nanoforge.tokenizer import CHAT_TEMPLATE, Tokenizer, train_tokenizer
+from nanoforge.data.sources import train_tokenizer
+from nanoforge.tokenizer import CHAT_TEMPLATE, Tokenizer
 
 QUIET = dict(log=lambda message: None)
 

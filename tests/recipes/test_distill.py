@@ -66,7 +66,7 @@ def test_loss_mixes_ce_and_kl_as_documented():
 
 
 def test_tokenizer_mismatch_is_a_clear_error(teacher, tmp_path):
-    from nanoforge.tokenizer import train_tokenizer
+    from nanoforge.data.sources import train_tokenizer
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"other words number {i} here"}) + "\n" for i in range(300)))
     other_tok = train_tokenizer([corpus], vocab_size=300, out_dir=tmp_path / "tok")
