@@ -38,7 +38,7 @@ from nanoforge.recipes.ppo import PPOOptions, ppo  # noqa: E402
 from nanoforge.rl.rewards import answer_number  # noqa: E402
 from nanoforge.data.sources import train_tokenizer  # noqa: E402
 from nanoforge.weights import checkpoint as ckpt  # noqa: E402
-from nanoforge.recipes.stages import sft  # noqa: E402
+from nanoforge.recipes.sft import sft  # noqa: E402
 
 QUIET = dict(log=lambda *a: None)
 

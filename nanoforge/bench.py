@@ -39,7 +39,7 @@ from nanoforge.train.loop import Stage, train
 from nanoforge.train.metrics import observed_peak, peak_memory_bytes
 from nanoforge.train.microbatch import fit_micro_batch
 from nanoforge.train.objectives import causal_lm_loss
-from nanoforge.recipes.stages import lm_batches
+from nanoforge.recipes.common import lm_batches
 
 
 class RandomTokens:

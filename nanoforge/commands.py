@@ -28,7 +28,10 @@ from nanoforge.train.autoresume import AUTO, resolve_resume
 from nanoforge.train.distributed import is_main, leave
 from nanoforge.train.loop import TrainingInterrupted
 from nanoforge.train.rundir import check_resume_options
-from nanoforge.recipes.stages import distill, dpo, lora_merge, pretrain, sft
+from nanoforge.recipes.distill import distill
+from nanoforge.recipes.dpo import dpo
+from nanoforge.recipes.pretrain import pretrain
+from nanoforge.recipes.sft import lora_merge, sft
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ import pytest
 
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.weights import checkpoint as ckpt
-from nanoforge.recipes.stages import pretrain
+from nanoforge.recipes.pretrain import pretrain
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

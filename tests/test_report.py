@@ -13,7 +13,9 @@ from nanoforge.data.prepare import prepare_dataset
 from nanoforge.errors import NanoforgeError
 from nanoforge.infer.samples import DEFAULT_PROMPTS
 from nanoforge.report.markdown import NO_MATPLOTLIB, count_params, read_run, write_report
-from nanoforge.recipes.stages import SAMPLE_MAX_TOKENS, pretrain, sft
+from nanoforge.recipes.common import SAMPLE_MAX_TOKENS
+from nanoforge.recipes.pretrain import pretrain
+from nanoforge.recipes.sft import sft
 
 FAST = {"tensorboard": False, "precision": "fp32", "device": "cpu", "max_steps": 12, "log_every": 2,
         "warmup_steps": 2, "save_every": 0}

@@ -56,7 +56,8 @@ def make_tool_run(tmp_path_factory, tokenizer) -> Path:
         from conftest import tiny_corpus
         from nanoforge.data.prepare import prepare_dataset
         from nanoforge.data.sources import train_tokenizer
-        from nanoforge.recipes.stages import pretrain, sft
+        from nanoforge.recipes.pretrain import pretrain
+        from nanoforge.recipes.sft import sft
 
         work = tmp_path_factory.mktemp("tool_run")
         quiet = dict(log=lambda *a: None)

@@ -41,7 +41,8 @@ from nanoforge.train.loop import evaluate
 from nanoforge.train.metrics import format_duration
 from nanoforge.train.objectives import causal_lm_loss
 from nanoforge.train.optim import build_optimizer
-from nanoforge.recipes.stages import pretrain, sft
+from nanoforge.recipes.pretrain import pretrain
+from nanoforge.recipes.sft import sft
 
 # -------------------------------------------------------------------------------------------------- scoring
 

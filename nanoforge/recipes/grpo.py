@@ -1,5 +1,5 @@
 """`nanoforge grpo`: the recipe of the group-relative RL stage (losses grpo, cispo, reinforce), read like the
-other stages' (recipes/stages.py): setup -> prompts and rewards -> policy and reference -> Stage -> train().
+other recipes' (recipes/pretrain.py, sft.py, ...): setup -> prompts and rewards -> policy and reference -> Stage -> train().
 
 The run directory is an ordinary one (config.toml with the RL options under [run], checkpoints, metrics.jsonl,
 samples, report); --data is a prompts JSONL file (rl/prompts.py), read as it is, never prepared into shards.
@@ -29,7 +29,7 @@ from nanoforge.train.distributed import setup, world
 from nanoforge.train.loop import Stage
 from nanoforge.train.rundir import (check_same_origin, copy_tokenizer, fresh_run_guard, open_run, resolve_run_options,
                                     write_run_config)
-from nanoforge.recipes.stages import make_sampler, sample_prompts, train_and_report
+from nanoforge.recipes.common import make_sampler, sample_prompts, train_and_report
 
 # Training defaults under --config and the flags. RL moves a model that already answers: small steps (1e-6..1e-5
 # for real models; MiniMind's GRPO uses 3e-7 with a cosine schedule), constant, every step logged (a step is a

@@ -23,7 +23,7 @@ from nanoforge.rl.rollout import RolloutConfig, check_prompts
 from nanoforge.train.distributed import setup, world
 from nanoforge.train.loop import Stage
 from nanoforge.train.rundir import fresh_run_guard, resolve_run_options
-from nanoforge.recipes.stages import make_sampler, sample_prompts, seeded_gpt, train_and_report
+from nanoforge.recipes.common import make_sampler, sample_prompts, seeded_gpt, train_and_report
 
 
 @dataclass

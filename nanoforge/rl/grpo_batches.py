@@ -54,7 +54,7 @@ class RolloutBatches:
 
     @property
     def sequences_per_epoch(self) -> int:
-        """For --epochs (recipes/stages.py steps_from_epochs, which divides by the replies of a step): every prompt
+        """For --epochs (recipes/common.py steps_from_epochs, which divides by the replies of a step): every prompt
         once, G replies each, trained on ppo_epochs times."""
         return len(self.prompts.records) * self.cfg.num_generations * self.ppo_epochs
 

@@ -174,7 +174,7 @@ class MetricsLog:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.quiet = quiet
-        # samples written during training (see recipes/stages.py) are cut back to the same step as the metrics
+        # samples written during training (see recipes/common.py) are cut back to the same step as the metrics
         for path in (self.path, self.run_dir / "samples.jsonl"):
             truncate_metrics(path, resume_step or 0)
         self.file = open(self.path, "a", encoding="utf-8")

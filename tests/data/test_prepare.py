@@ -340,7 +340,7 @@ def test_plain_text_does_not_shift_the_jsonl_split(tmp_path, tiny_tokenizer):
 
 
 def test_pretrain_on_one_text_file_reports_val_loss(tmp_path, tiny_tokenizer_dir):
-    from nanoforge.recipes.stages import pretrain
+    from nanoforge.recipes.pretrain import pretrain
 
     path = tmp_path / "book.txt"
     path.write_text(awkward_text(600), encoding="utf-8", newline="")

@@ -92,7 +92,7 @@ def bench(tmp_path_factory, tiny_tokenizer):
     from nanoforge.data.prepare import prepare_dataset
     from nanoforge.model.gpt import GPT
     from nanoforge.weights.load import load_model
-    from nanoforge.recipes.stages import pretrain
+    from nanoforge.recipes.pretrain import pretrain
 
     work = tmp_path_factory.mktemp("eval_bench")
     pairs = _line_pairs()

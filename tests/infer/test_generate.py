@@ -37,7 +37,7 @@ def make_tiny_run(tmp_path_factory, tokenizer):
     if "run" not in _RUNS:
         from conftest import tiny_corpus
         from nanoforge.data.prepare import prepare_dataset
-        from nanoforge.recipes.stages import pretrain
+        from nanoforge.recipes.pretrain import pretrain
 
         work = tmp_path_factory.mktemp("tiny_run")
         files = tiny_corpus(work)[:1]

@@ -79,7 +79,7 @@ def test_active_flops_count_only_routed_experts():
 def test_moe_model_trains_and_logs_aux_loss(tmp_path, tiny_tokenizer):
     from conftest import tiny_corpus
     from nanoforge.data.prepare import prepare_dataset
-    from nanoforge.recipes.stages import pretrain
+    from nanoforge.recipes.pretrain import pretrain
     files = tiny_corpus(tmp_path)[:1]
     prepare_dataset("pretrain", files, tiny_tokenizer, tmp_path / "data", val_fraction=0.1, workers=1,
                     log=lambda *a: None)

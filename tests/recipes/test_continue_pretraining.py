@@ -8,7 +8,7 @@ import torch
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.errors import NanoforgeError
 from nanoforge.weights import checkpoint as ckpt
-from nanoforge.recipes.stages import pretrain
+from nanoforge.recipes.pretrain import pretrain
 
 FAST = {"tensorboard": False, "log_every": 1, "eval_every": 0, "precision": "fp32", "warmup_steps": 1,
         "seq_len": 64, "batch_size": 2}

@@ -7,7 +7,8 @@ import torch
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.errors import NanoforgeError
 from nanoforge.train.objectives import make_distill_loss
-from nanoforge.recipes.stages import distill, pretrain
+from nanoforge.recipes.distill import distill
+from nanoforge.recipes.pretrain import pretrain
 
 FAST = {"tensorboard": False, "log_every": 5, "eval_every": 0, "precision": "fp32", "warmup_steps": 2,
         "seq_len": 64}

@@ -341,7 +341,7 @@ def test_dpo_stage_end_to_end_with_cached_reference_and_resume(hh_dir, tiny_toke
     exact resume."""
     import shutil
     from nanoforge.weights import checkpoint as ckpt
-    from nanoforge.recipes.stages import dpo
+    from nanoforge.recipes.dpo import dpo
     mcfg, _ = build_config("tiny", None, {"vocab_size": tiny_tokenizer.vocab_size, "max_seq_len": 192})
     torch.manual_seed(0)
     base = GPT(mcfg)

@@ -14,7 +14,8 @@ from nanoforge.errors import NanoforgeError
 from nanoforge.model.lora import LoraConfig
 from nanoforge.weights.load import load_model
 from nanoforge.weights import checkpoint as ckpt
-from nanoforge.recipes.stages import lora_merge, pretrain, sft
+from nanoforge.recipes.pretrain import pretrain
+from nanoforge.recipes.sft import lora_merge, sft
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = {"tensorboard": False, "log_every": 1, "eval_every": 0, "precision": "fp32", "warmup_steps": 2}

@@ -13,7 +13,8 @@ from nanoforge.data.shards import TokenShards
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.gpt import GPT
 from nanoforge.weights import checkpoint as ckpt
-from nanoforge.recipes.stages import pretrain, sft
+from nanoforge.recipes.pretrain import pretrain
+from nanoforge.recipes.sft import sft
 
 QUIET = dict(log=lambda *a: None)
 FAST = {"tensorboard": False, "log_every": 1, "eval_every": 0, "precision": "fp32", "warmup_steps": 2}

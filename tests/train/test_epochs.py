@@ -12,7 +12,8 @@ from nanoforge.data.batches import PretrainBatches, SFTBatches
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import TokenShards
 from nanoforge.weights import checkpoint as ckpt
-from nanoforge.recipes.stages import pretrain, sft
+from nanoforge.recipes.pretrain import pretrain
+from nanoforge.recipes.sft import sft
 
 FAST = {"tensorboard": False, "log_every": 1, "eval_every": 0, "precision": "fp32", "warmup_steps": 1,
         "d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "seq_len": 64, "max_seq_len": 64}

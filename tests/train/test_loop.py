@@ -23,7 +23,7 @@ from nanoforge.model.gpt import GPT
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.train.loop import INJECT_ENV, Stage, train
 from nanoforge.train.objectives import causal_lm_loss
-from nanoforge.recipes.stages import pretrain
+from nanoforge.recipes.pretrain import pretrain
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = {"tensorboard": False, "log_every": 1, "eval_every": 0, "precision": "fp32", "warmup_steps": 2,

@@ -13,7 +13,7 @@ from nanoforge.data.prepare import prepare_dataset
 from nanoforge.errors import NanoforgeError
 from nanoforge.train.microbatch import divisors_doubling, fit_micro_batch
 from nanoforge.weights import checkpoint as ckpt
-from nanoforge.recipes.stages import pretrain
+from nanoforge.recipes.pretrain import pretrain
 
 FAST = {"tensorboard": False, "log_every": 1, "eval_every": 0, "precision": "fp32", "warmup_steps": 2,
         "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "seq_len": 32, "max_seq_len": 64}

@@ -124,7 +124,7 @@ def test_muon_resume_is_bit_identical(tmp_path, tiny_tokenizer, shared_data):
     import shutil
     from test_loop import FAST, losses, weights
     from nanoforge.data.prepare import prepare_dataset
-    from nanoforge.recipes.stages import pretrain
+    from nanoforge.recipes.pretrain import pretrain
     data = tmp_path / "data"
     prepare_dataset("pretrain", [shared_data / "tiny" / "pretrain_tiny.jsonl"], tiny_tokenizer, data,
                     val_fraction=0.1, workers=1, log=lambda *a: None)

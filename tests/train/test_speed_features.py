@@ -9,7 +9,7 @@ import torch
 from nanoforge.config import ModelConfig
 from nanoforge.model.gpt import GPT
 from nanoforge.train.loop import INJECT_ENV
-from nanoforge.recipes.stages import pretrain
+from nanoforge.recipes.pretrain import pretrain
 
 from test_loop import FAST, corpus_files, pretrain_dir, weights  # noqa: F401  (fixtures)
 

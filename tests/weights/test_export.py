@@ -27,7 +27,7 @@ def run_dir(tmp_path_factory, tiny_tokenizer):
     """A real tiny run: prepared data and a few fp32 pretraining steps."""
     from conftest import tiny_corpus
     from nanoforge.data.prepare import prepare_dataset
-    from nanoforge.recipes.stages import pretrain
+    from nanoforge.recipes.pretrain import pretrain
 
     root = tmp_path_factory.mktemp("export_run")
     files = tiny_corpus(root)[:1]

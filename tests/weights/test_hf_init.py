@@ -8,7 +8,8 @@ import torch
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.weights.export import export_hf
 from nanoforge.weights.load import load_model
-from nanoforge.recipes.stages import pretrain, sft
+from nanoforge.recipes.pretrain import pretrain
+from nanoforge.recipes.sft import sft
 
 FAST = {"tensorboard": False, "log_every": 1, "eval_every": 0, "precision": "fp32", "warmup_steps": 1}
 

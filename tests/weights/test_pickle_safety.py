@@ -114,7 +114,7 @@ def test_loading_a_run_whose_weights_are_a_pickle_is_refused(run_copy, tmp_path)
 
 @pytest.mark.slow
 def test_resuming_from_a_malicious_trainer_pt_is_refused(run_copy, tmp_path):
-    from nanoforge.recipes.stages import pretrain
+    from nanoforge.recipes.pretrain import pretrain
 
     marker = tmp_path / "PWNED"
     latest = ckpt.latest_checkpoint(run_copy)

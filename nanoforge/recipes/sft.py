@@ -1,0 +1,83 @@
+"""`nanoforge sft`, `nanoforge lora` and `nanoforge lora merge`: the recipes. Each opens its run directory
+(train/rundir.py), builds its batches, model and objective, and hands them to the one loop (train/loop.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from nanoforge.config import build_config, config_dicts
+from nanoforge.errors import NanoforgeError
+from nanoforge.model.lora import LoraConfig, LoraModel
+from nanoforge.recipes.common import (
+    SFT_DEFAULTS,
+    lm_batches,
+    make_sampler,
+    sample_prompts,
+    seeded_gpt,
+    train_and_report,
+)
+from nanoforge.train.loop import Stage
+from nanoforge.train.objectives import causal_lm_loss
+from nanoforge.train.rundir import copy_tokenizer, finetune_setup, fresh_run_guard, saved_run_info, write_run_config
+from nanoforge.weights import checkpoint as ckpt
+from nanoforge.weights.load import (
+    adapter_metadata,
+    check_base,
+    init_tokenizer_dir,
+    init_weights,
+    load_adapter_checkpoint,
+)
+
+LORA_DEFAULTS = {**SFT_DEFAULTS, "lr": 1e-4}  # adapters start at zero and tolerate a larger step (MiniMind's too)
+
+
+@fresh_run_guard
+def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str | None = None,
+        overrides: dict[str, Any] | None = None, resume: bool = False, quiet: bool = False,
+        lora=None) -> dict[str, Any]:
+    """`nanoforge sft` (and `nanoforge lora`, with a LoraConfig): next-token loss on assistant replies only,
+    conversations packed without padding. With LoRA only the adapters train and checkpoints hold only them,
+    with a reference (path, sha256, fingerprint) to the base they belong to."""
+    if resume and saved_run_info(out).get("stage") == "lora":
+        lora = LoraConfig.from_dict(saved_run_info(out))
+    name = "lora" if lora else "sft"
+    run_dir, mcfg, tcfg, run_info, init_path, tok, data_dir = finetune_setup(
+        name, init, data, out, config_file, dict(overrides or {}), resume, quiet,
+        LORA_DEFAULTS if lora else SFT_DEFAULTS, lora.to_dict() if lora else None)
+    prompts = sample_prompts(tcfg)
+    batches, val_batches, _ = lm_batches(data_dir, tcfg, tok, quiet, need="sft")
+    model = seeded_gpt(mcfg, tcfg)
+    if lora:
+        base_weights = init_weights(init_path)  # every time: the checkpoints hold adapters only
+        if resume:
+            check_base(run_info, init_path)
+        else:
+            run_info.update(adapter_metadata(init_path, base_weights))
+            write_run_config(run_dir, mcfg, tcfg, run_info)
+        model.load_weights(base_weights)
+        model = LoraModel(model, lora)
+    elif not resume:
+        model.load_weights(init_weights(init_path))
+    stage = Stage(name, batches, causal_lm_loss, val_batches, None, run_info,
+                  sampler=make_sampler(run_dir, tcfg, tok, prompts, chat=True))
+    return train_and_report(stage, model, mcfg, tcfg, run_dir, resume, quiet)
+
+
+def lora_merge(run: str | Path, out: str | Path) -> Path:
+    """`nanoforge lora merge`: fold a LoRA run's adapters into its base and write a plain run directory
+    (config, tokenizer, one checkpoint) that chat, export and further training read like any other."""
+    src = ckpt.resolve_checkpoint(run)
+    state = ckpt.load_state(src)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise NanoforgeError(f"{out} exists and is not empty; choose another --out")
+    model = load_adapter_checkpoint(src)
+    cfg = state.get("config", {})
+    mcfg, tcfg = build_config(None, None, None, base={"model": cfg.get("model", {}), "train": cfg.get("train", {})})
+    run_info = {"stage": "lora-merge", "merged_from": str(src.resolve()), "tokenizer": "tokenizer"}
+    copy_tokenizer(init_tokenizer_dir(src), out)
+    write_run_config(out, mcfg, tcfg, run_info)
+    ckpt.save_checkpoint(out, state["step"], model.state_dict_for_save(), {},
+                         {"stage": "lora-merge", "config": config_dicts(mcfg, tcfg), "run": run_info,
+                          "run_state": {"step": state["step"]}, "data": {}})
+    return out
