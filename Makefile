@@ -1,11 +1,11 @@
 # make demo  - set up .venv and run the whole pipeline on a small corpus (CPU, minutes)
-# make test  - set up .venv and run the test suite (what CI runs)
+# make test  - set up .venv, lint (ruff) and run the test suite (what CI runs)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-fast demo bench clean
+.PHONY: setup lint test test-fast demo bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -14,10 +14,13 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(BIN)/ruff check nanoforge tests benchmarks
+
+test: lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-test-fast: $(STAMP)
+test-fast: lint
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 demo: $(STAMP)

@@ -101,7 +101,7 @@ def add_data_parsers(sub, fmt) -> None:
     """demo, report, tokenizer and prepare: the data and the results around training."""
     demo = sub.add_parser("demo", help="the whole pipeline on documentation found on this machine (CPU, minutes)",
                           formatter_class=fmt)
-    demo.add_argument("--out", default="runs/demo", metavar="DIR", help="work directory (a previous demo's is replaced)")
+    demo.add_argument("--out", default="runs/demo", metavar="DIR", help="work directory (a previous demo's goes)")
     demo.add_argument("--minutes", type=FLOAT_GT0, default=5.0, help="time budget; training steps are sized to fit it")
 
     rep = sub.add_parser("report", help="markdown report (loss, lr, grad norm, tokens/s, memory plots; config, data, "
@@ -163,7 +163,7 @@ def add_training_parsers(sub, fmt) -> None:
 
     sft = sub.add_parser("sft", help="supervised fine-tuning on conversations (loss on assistant replies)",
                          formatter_class=fmt)
-    sft.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the pretrained run, checkpoint or HF model directory to start from")
+    sft.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the pretrained run, checkpoint or HF dir to use")
     sft.add_argument("--data", nargs="*", default=[], metavar="PATH",
                      help="a directory from `prepare --kind sft`, or conversation JSONL files")
     sft.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
@@ -174,7 +174,7 @@ def add_training_parsers(sub, fmt) -> None:
     lora.add_argument("action", nargs="?", choices=["merge"], help="merge: write RUN's base with the adapters "
                       "folded in to --out")
     lora.add_argument("run", nargs="?", metavar="RUN", help="with merge: the LoRA run or checkpoint")
-    lora.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the base run, checkpoint or HF model directory to adapt")
+    lora.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the base run, checkpoint or HF model dir to adapt")
     lora.add_argument("--data", nargs="*", default=[], metavar="PATH",
                       help="a directory from `prepare --kind sft`, or conversation JSONL files")
     lora.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")

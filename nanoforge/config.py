@@ -108,7 +108,7 @@ class TrainConfig:
     precision: str = "auto"  # auto | fp32 | bf16 | fp16; auto: bf16 where the device computes it natively, else fp32
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     compile: bool = False  # torch.compile the model for training (evaluation and sampling use it uncompiled)
-    activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1/3 more compute
+    activation_checkpointing: bool = False  # recompute block activations in backward: less memory, ~1/3 more compute
     tf32: bool = True  # CUDA: fp32 matmuls on tensor cores (TF32)
     sync_timing: bool = False  # CUDA: synchronise at phase boundaries so data/fwd_bwd/optim times are exact (slower)
     fsdp: bool = False  # under torchrun: shard parameters, gradients and optimizer state (FSDP2) instead of DDP

@@ -92,7 +92,7 @@ def make_plan(mcfg: ModelConfig, tcfg: TrainConfig, device: str = "rtx3090", glo
     room = memory * (1 - RESERVED_FRACTION) - weights - grads - optimizer
     max_mb = max(0, int(room // per_sample))
     if max_mb == 0:
-        raise NanoforgeError(f"the model's weights, gradients and optimizer state ({(weights + grads + optimizer) / GiB:.1f} "
+        raise NanoforgeError(f"the weights, gradients and optimizer state ({(weights + grads + optimizer) / GiB:.1f} "
                              f"GiB) leave no room for activations on {device} ({memory / GiB:.0f} GiB): use a smaller "
                              f"preset, FSDP across more devices, or LoRA")
     target = global_batch if global_batch is not None else tcfg.batch_size * tcfg.grad_accum

@@ -245,7 +245,7 @@ def outcomes(world, tmp_path_factory):
            for cid, (tmp, _) in jobs.items()}
     if os.environ.get("NANOFORGE_BAD_INPUTS_DUMP"):  # how docs/bad-inputs.md got its messages
         with open(os.environ["NANOFORGE_BAD_INPUTS_DUMP"], "w") as f:
-            for cid, (tmp, r, *_) in out.items():
+            for cid, (_, r, *_) in out.items():
                 f.write(f"### {cid} rc={r.returncode}\n$ nanoforge {' '.join(jobs[cid][1])}\n{r.stderr}\n")
     return out
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nanoforge.config import PRESETS, build_config, load_toml
+from nanoforge.config import build_config, load_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))

@@ -172,7 +172,7 @@ def assistant_turns(text: str, structural, im_start_id: int, im_end_id: int, exp
     turn at the end (the generation prompt) is not one. The turns are matched to the `expected` assistant
     messages in order; a template that drops or merges assistant turns is refused."""
     spans, opened = [], None
-    for start, end, token in structural:
+    for _start, end, token in structural:
         if token == im_start_id:
             opened = end + len("assistant\n") if text.startswith("assistant\n", end) else None
         elif token == im_end_id and opened is not None:

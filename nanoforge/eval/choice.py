@@ -301,7 +301,7 @@ def evaluate_choices(run, bench_path, fmt: str = "auto", shots: int = 0, dev_pat
     bar.close()
 
     items = []
-    for q, (a, b), prompt in zip(questions, spans, prompts):
+    for q, (a, b) in zip(questions, spans):
         lp = logprobs[a:b]
         per_byte = [v / max(len(c.encode("utf-8")), 1) for v, c in zip(lp, q.choices)]
         pred_norm, pred_sum = int(np.argmax(per_byte)), int(np.argmax(lp))

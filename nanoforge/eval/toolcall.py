@@ -105,7 +105,7 @@ def _rollouts(model, tokenizer, cases, cfg, batch_size, bar, **loop_args) -> tup
     seconds, done = 0.0, 0
     for tools, members in groups.items():
         got, spent = run_in_batches(model, tokenizer, [cases[i]["prompt"] for i in members], cfg, batch_size,
-                                    lambda n: bar.update(done + n), tools=tools, **loop_args)
+                                    lambda n: bar.update(done + n), tools=tools, **loop_args)  # noqa: B023 (called at once)
         for i, rollout in zip(members, got):
             rollouts[i] = rollout
         seconds, done = seconds + spent, done + len(members)

@@ -183,7 +183,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight and put plain nn.Linear back, in place. The result is an
     ordinary GPT (HF-loadable `state_dict_for_save()`), with every parameter trainable again."""
     gpt = _unwrap(model)
-    for name, module in list(gpt.named_modules()):
+    for _name, module in list(gpt.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, LoraLinear):
                 setattr(module, child_name, child.merged_linear())

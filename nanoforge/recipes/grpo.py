@@ -1,5 +1,5 @@
 """`nanoforge grpo`: the recipe of the group-relative RL stage (losses grpo, cispo, reinforce), read like the
-other recipes' (recipes/pretrain.py, sft.py, ...): setup -> prompts and rewards -> policy and reference -> Stage -> train().
+other recipes (recipes/pretrain.py, sft.py, ...): setup -> prompts, rewards -> policy, reference -> Stage -> train().
 
 The run directory is an ordinary one (config.toml with the RL options under [run], checkpoints, metrics.jsonl,
 samples, report); --data is a prompts JSONL file (rl/prompts.py), read as it is, never prepared into shards.

@@ -168,7 +168,8 @@ def _message(i: int, message) -> dict:
     reasoning = message.get("reasoning_content")
     if reasoning is not None:
         if not isinstance(reasoning, str):
-            raise bad_request(f"messages[{i}].reasoning_content must be a string", param=f"messages[{i}].reasoning_content")
+            field = f"messages[{i}].reasoning_content"
+            raise bad_request(f"{field} must be a string", param=field)
         out["reasoning_content"] = check_unicode(reasoning, f"messages[{i}].reasoning_content")
     return out
 

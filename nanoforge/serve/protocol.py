@@ -165,9 +165,9 @@ def check_unicode(text: str, param: str) -> str:
 
 def check_fits(prompt_ids: list[int], limits: Limits, param: str) -> None:
     if len(prompt_ids) >= limits.context:
-        raise bad_request(f"the prompt is {len(prompt_ids)} tokens, but this model's context is {limits.context} tokens "
-                   f"including the reply; shorten it to under {limits.context} tokens",
-                   param=param, code="context_length_exceeded")
+        raise bad_request(f"the prompt is {len(prompt_ids)} tokens, but this model's context is {limits.context} "
+                          f"tokens including the reply; shorten it to under {limits.context} tokens",
+                          param=param, code="context_length_exceeded")
 
 
 def parse_completion_request(body: Any, tokenizer, limits: Limits) -> GenerationRequest:
@@ -182,7 +182,8 @@ def parse_completion_request(body: Any, tokenizer, limits: Limits) -> Generation
         raise bad_request("prompt is required and must be a string (or a list of one string)", param="prompt")
     check_unicode(prompt, "prompt")
     if body.get("echo") or body.get("suffix"):
-        raise bad_request("echo and suffix are not supported by this server", param="echo" if body.get("echo") else "suffix")
+        raise bad_request("echo and suffix are not supported by this server",
+                          param="echo" if body.get("echo") else "suffix")
     cfg, stream, include_usage = sampling(body, limits)
     # An empty prompt continues from a document boundary, as GPT-2 did from <|endoftext|>.
     prompt_ids = tokenizer.encode(prompt) if prompt else [tokenizer.eos_id if tokenizer.eos_id is not None else 0]

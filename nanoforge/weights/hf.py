@@ -126,7 +126,8 @@ def read_hf_weights(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
         files = [hf_dir / "model.safetensors"]
     elif index.is_file():
         try:
-            files = [hf_dir / f for f in sorted(set(safejson.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))]
+            weight_map = safejson.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = [hf_dir / f for f in sorted(set(weight_map.values()))]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise NanoforgeError(f"{index}: unreadable index ({e})") from None
     else:

@@ -268,7 +268,7 @@ def test_lora_run_recomputes_blocks_under_activation_checkpointing(tmp_path):
         gpt.load_weights(load_file(str(base_file)))
         model = LoraModel(gpt, LoraConfig(rank=4, dropout=0.1))
         count = []
-        gpt.model.layers[0].register_forward_pre_hook(lambda *a: count.append(1))  # recompute re-enters it
+        gpt.model.layers[0].register_forward_pre_hook(lambda *a, count=count: count.append(1))  # recompute re-enters it
         train(Stage("lora", ToyBatches(mcfg.vocab_size), causal_lm_loss), model, mcfg, tcfg, tmp_path / str(on),
               quiet=True)
         calls[on], adapters[on] = len(count), lora_state_dict(model)

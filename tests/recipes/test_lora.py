@@ -38,7 +38,7 @@ def test_lora_trains_adapters_only_and_merges(base_and_data, tmp_path):
     root = base_and_data
     base_ckpt = ckpt.latest_checkpoint(root / "base")
     base_before = ckpt.load_weights_file(base_ckpt)
-    s = sft(str(root / "base"), [str(root / "sft")], tmp_path / "lora", overrides={**FAST, "max_steps": 6,
+    sft(str(root / "base"), [str(root / "sft")], tmp_path / "lora", overrides={**FAST, "max_steps": 6,
             "lr": 1e-2, "save_every": 3, "keep_last": 5}, lora=LoraConfig(rank=4, alpha=8, targets="q,k,v,o,gate,up,down"),
             quiet=True)
     adapters = ckpt.load_weights_file(ckpt.latest_checkpoint(tmp_path / "lora"))

@@ -318,7 +318,7 @@ def test_tool_run_rollouts_with_the_calculator(tool_run_dir, think):
     cfg = SamplingConfig(temperature=0, max_new_tokens=64)
     trajectories = agent_rollouts(model, tok, prompts, records, TOOLS, cfg, max_turns=3, think=think)
     response = (tok.token_to_id("<tool_response>"), tok.token_to_id("</tool_response>"))
-    for t, p, r in zip(trajectories, prompts, records):
+    for t, p in zip(trajectories, prompts):
         assert isinstance(t, Trajectory) and t.ids[:len(p)] == p and t.turns >= 1
         assert len(t.ids) == len(t.mask) == len(t.logprobs)
         # every masked run is one reply as generated, closed by <|im_end|> when it stopped

@@ -1,7 +1,6 @@
 """The training loop: exact resume, gradient accumulation, the non-finite guard, checkpoints, signals."""
 import json
 import math
-import os
 import shutil
 import signal
 import subprocess
@@ -14,9 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from nanoforge.config import build_config
-from nanoforge.data.batches import PretrainBatches
 from nanoforge.data.prepare import prepare_dataset
-from nanoforge.data.shards import TokenShards
 from nanoforge.device import resolve_precision
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.gpt import GPT

@@ -1,7 +1,6 @@
 """--micro-batch auto|N: the largest micro-batch that fits, the global batch kept by accumulation."""
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch

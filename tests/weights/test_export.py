@@ -78,7 +78,7 @@ def random_model(**overrides) -> GPT:
                                 max_seq_len=64, init_std=0.15), **overrides})
     model = GPT(cfg)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.ndim == 1:
                 p.uniform_(0.5, 1.5)
     return model.eval()

@@ -6,7 +6,6 @@ from pathlib import Path
 import torch
 
 from nanoforge.data.prepare import prepare_dataset
-from nanoforge.weights.export import export_hf
 from nanoforge.weights.load import load_model
 from nanoforge.recipes.pretrain import pretrain
 from nanoforge.recipes.sft import sft
