@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from nanoforge import __version__, dirlock
-from nanoforge.data.chunks import ChunkResult, SourceStats, chunk_tasks, run_chunks
+from nanoforge.data.chunks import ChunkResult, SourceStats, chunk_tasks, run_chunks, token_dtype
 from nanoforge.data.columnar import check_columnar, is_columnar
 from nanoforge.data.jsonl import KINDS, DataError, check_input_file
 from nanoforge.data.parts import plan_part
@@ -83,7 +83,7 @@ def _prepare_locked(kind, inputs, tokenizer, out_dir: Path, val_fraction, worker
     workers = workers or os.cpu_count() or 1
     # no more processes than chunks: starting a worker costs ~0.5 s, more than a small input takes
     workers = max(1, min(workers, math.ceil(sum(p.stat().st_size for p in paths) / chunk_bytes)))
-    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
+    dtype = np.dtype(token_dtype(tokenizer))
 
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     writers = {}
