@@ -54,12 +54,8 @@ def run(args: argparse.Namespace) -> int:
 
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The config fields given on the command line (cli.add_config_flags's --field-name flags)."""
-    out = {}
-    for name, f in {**MODEL_FIELDS, **TRAIN_FIELDS}.items():
-        text = getattr(args, f"cfg_{name}", None)
-        if text is not None:
-            out[name] = parse_value(name, f, text)
-    return out
+    given = {name: (f, getattr(args, f"cfg_{name}", None)) for name, f in {**MODEL_FIELDS, **TRAIN_FIELDS}.items()}
+    return {name: parse_value(name, f, text) for name, (f, text) in given.items() if text is not None}
 
 
 def cmd_demo(args) -> None:
