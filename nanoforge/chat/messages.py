@@ -34,7 +34,6 @@ class RecordError(NanoforgeError, ValueError):
         self.message, self.field = message, field
 
 
-
 def _type_name(value: Any) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
             float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
@@ -73,9 +72,8 @@ def check_messages(messages: Any, name: str, tools: bool = False) -> None:
             calls, answered = len(parsed or []), 0
         elif role == "tool":
             answered += 1
-    last = messages[-1]["role"]
-    if last != "assistant":
-        raise RecordError(f'must end with an assistant message, ends with "{last}"', f'"{name}"')
+    if messages[-1]["role"] != "assistant":
+        raise RecordError(f'must end with an assistant message, ends with "{messages[-1]["role"]}"', f'"{name}"')
 
 
 def _check_role_and_content(message: Any, where: str, tools: bool) -> None:
@@ -245,8 +243,6 @@ def _check_call(call: Any, where: str, declared: set[str] | None, json_arguments
     if not isinstance(arguments, dict if json_arguments else (dict, str)):
         raise RecordError(f"must be an object of arguments (or a JSON string of one), got {_type_name(arguments)}",
                           f"{where}.arguments")
-
-
 
 
 def normalize_conversation(messages, tools=None) -> tuple[list[dict], list | None]:
