@@ -144,9 +144,8 @@ def _write_result(result: ChunkResult, writers: dict, docs_seen: int, val_fracti
     for split, doc_sel, tok_sel in (("train", ~is_val, ~token_is_val), ("val", is_val, token_is_val)):
         if doc_sel.any():
             mask = None if result.mask is None else result.mask[tok_sel]
-            writers[split].write(result.tokens[tok_sel], result.doc_lens[doc_sel],
-                                 int(result.doc_bytes[doc_sel].sum()), mask,
-                                 open_last=result.continues and bool(doc_sel[-1]))
+            writers[split].write(result.tokens[tok_sel], result.doc_lens[doc_sel], int(result.doc_bytes[doc_sel].sum()),
+                                 mask, open_last=result.continues and bool(doc_sel[-1]))
     return docs_seen + n - result.continues  # ...but is counted once, by the chunk that ends it
 
 
