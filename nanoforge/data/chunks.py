@@ -63,13 +63,10 @@ class SourceStats:
     records_before: int = 0
 
     def to_json(self) -> dict:
-        entry = {"path": str(self.path.resolve()), "bytes": self.size, "sha256": self.hasher.hexdigest(),
-                 "records": self.records, "skipped": self.skips.skipped}
-        if self.val_start is not None:
-            entry["val_from_byte"] = self.val_start
-        if self.byte_range is not None:
-            entry["byte_range"] = list(self.byte_range)
-        return entry
+        return {"path": str(self.path.resolve()), "bytes": self.size, "sha256": self.hasher.hexdigest(),
+                "records": self.records, "skipped": self.skips.skipped,
+                **({"val_from_byte": self.val_start} if self.val_start is not None else {}),
+                **({"byte_range": list(self.byte_range)} if self.byte_range is not None else {})}
 
 
 # ---- reading chunks

@@ -101,9 +101,8 @@ def compute_reference_logps(model: nn.Module, shards: TokenShards, batch_size: i
     device = torch.device(device)
     offsets = shards.doc_offsets()  # (D+1,)
     lengths = np.diff(offsets)
-    fits = np.repeat(pair_fits(lengths, seq_len), 2)  # (D,)
     out = np.full(shards.num_docs, np.nan, dtype=np.float32)
-    docs = np.flatnonzero(fits)
+    docs = np.flatnonzero(np.repeat(pair_fits(lengths, seq_len), 2))  # the documents of the pairs that fit
     docs = docs[np.argsort(lengths[docs], kind="stable")]
     with eval_mode(model):
         for start in range(0, len(docs), batch_size):
