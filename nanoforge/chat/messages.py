@@ -184,8 +184,7 @@ def _declared_tools(messages: list, name: str) -> set[str] | None:
             raise RecordError("only the opening system message declares tools", f'"{name}"[{i}].tools')
     if not isinstance(messages[0], dict) or messages[0].get("tools") is None:
         return None
-    where = f'"{name}"[0].tools'
-    names = set()
+    where, names = f'"{name}"[0].tools', set()
     for j, tool in enumerate(parsed_tools(messages[0]["tools"], where)):
         inner = tool_function(tool)
         if not (isinstance(inner.get("name"), str) and inner["name"]):
@@ -238,8 +237,7 @@ def _check_call(call: Any, where: str, declared: set[str] | None, json_arguments
     if "arguments" not in call:
         raise RecordError('missing "arguments" (an object, or a JSON string of one)', where)
     arguments = call["arguments"]
-    if json_arguments:
-        arguments = _json_field(arguments, f"{where}.arguments", safejson.loads)
+    arguments = _json_field(arguments, f"{where}.arguments", safejson.loads) if json_arguments else arguments
     if not isinstance(arguments, dict if json_arguments else (dict, str)):
         raise RecordError(f"must be an object of arguments (or a JSON string of one), got {_type_name(arguments)}",
                           f"{where}.arguments")
