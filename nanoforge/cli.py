@@ -125,9 +125,8 @@ def add_data_parsers(sub, fmt) -> None:
                       "(a manifest referencing their shards; no token is copied)")
     prep.add_argument("parts", nargs="*", metavar="DIR", help="with merge: the prepared directories, in order")
     prep.add_argument("--kind", choices=["pretrain", "sft", "dpo"], help="record format")
-    prep.add_argument("--data", nargs="+", metavar="FILE",
-                      help="JSONL or Parquet files, HF datasets directories (save_to_disk), or (pretrain) "
-                           "plain-text .txt/.md files")
+    prep.add_argument("--data", nargs="+", metavar="FILE", help="JSONL or Parquet files, HF datasets directories "
+                      "(save_to_disk), or (pretrain) plain-text .txt/.md files")
     prep.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory or tokenizer.json")
     prep.add_argument("--out", required=True, metavar="DIR", help="output directory (written atomically)")
     prep.add_argument("--val-fraction", type=number(float, "[0, 1)"), default=0.01,
@@ -213,8 +212,7 @@ def add_training_parsers(sub, fmt) -> None:
 
 def add_tool_parsers(sub, fmt) -> None:
     """plan, bench, eval and export: before, beside and after training."""
-    plan = sub.add_parser("plan", help="memory, batch and time a run will need, before running it",
-                          formatter_class=fmt)
+    plan = sub.add_parser("plan", help="memory, batch and time a run will need, before running it", formatter_class=fmt)
     plan.add_argument("--device", default="rtx3090", help="cpu, rtx3090, rtx4090, a100-40g, a100-80g, h100, h200, "
                       "l4, t4")
     plan.add_argument("--global-batch", type=INT_GE1, help="target sequences per optimizer step (default: "
@@ -238,8 +236,7 @@ def add_tool_parsers(sub, fmt) -> None:
     add_config_flags(bench)
 
     ev = sub.add_parser("eval", help="loss / bits per byte on data, multiple-choice benchmarks, GSM8K, tool calls, "
-                        "samples",
-                        formatter_class=fmt)
+                        "samples", formatter_class=fmt)
     ev.add_argument("run", metavar="RUN", help="run directory, checkpoint or HF model directory")
     ev.add_argument("--data", nargs="+", metavar="PATH",
                     help="pretraining or SFT JSONL files, or a prepared directory (default, when no --bench or "
@@ -305,9 +302,8 @@ def add_inference_parsers(sub, fmt) -> None:
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOFORGE_API_KEY, else none)")
     add_device_flags(serve)
-    serve.add_argument("--request-timeout", type=FLOAT_GE0, default=300.0,
-                       help="seconds a request may take, queueing included; the reply then ends with "
-                            "finish_reason length (0: no limit)")
+    serve.add_argument("--request-timeout", type=FLOAT_GE0, default=300.0, help="seconds a request may take, queueing "
+                       "included; the reply then ends with finish_reason length (0: no limit)")
     serve.add_argument("--max-pending", type=INT_GE1, default=64,
                        help="requests waiting beyond this get 503 server_busy")
     chat.add_argument("--system", help="system prompt")
@@ -317,7 +313,6 @@ def add_inference_parsers(sub, fmt) -> None:
                       help="built-in tools to offer and run when the model calls them: calculator")
     chat.add_argument("--max-tool-turns", type=INT_GE1, default=5, help="tool rounds per message before giving up")
     add_device_flags(chat)
-
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, defaults) -> None:
@@ -385,9 +380,8 @@ def add_grpo_parser(sub, fmt) -> None:
 def add_ppo_parser(sub, fmt) -> None:
     """`nanoforge ppo`: defaults None, so a --resume can tell a given option from an omitted one (the defaults
     are in nanoforge/recipes/ppo.py)."""
-    p = sub.add_parser("ppo", help="reinforcement learning with PPO: a critic from the policy's weights, GAE, "
-                       "clipped policy and value losses, KL penalty, early stop on approximate KL",
-                       formatter_class=fmt)
+    p = sub.add_parser("ppo", help="reinforcement learning with PPO: a critic from the policy's weights, GAE, clipped "
+                       "policy and value losses, KL penalty, early stop on approximate KL", formatter_class=fmt)
     p.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the SFT run, checkpoint or HF model directory to "
                    "train (its weights also start the critic); also the frozen reference of the KL penalty")
     p.add_argument("--data", metavar="FILE.jsonl", help="prompts: chats ending in a user turn (or an empty "

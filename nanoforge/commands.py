@@ -54,12 +54,8 @@ def run(args: argparse.Namespace) -> int:
 
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The config fields given on the command line (cli.add_config_flags's --field-name flags)."""
-    out = {}
-    for name, f in {**MODEL_FIELDS, **TRAIN_FIELDS}.items():
-        text = getattr(args, f"cfg_{name}", None)
-        if text is not None:
-            out[name] = parse_value(name, f, text)
-    return out
+    given = {name: (f, getattr(args, f"cfg_{name}", None)) for name, f in {**MODEL_FIELDS, **TRAIN_FIELDS}.items()}
+    return {name: parse_value(name, f, text) for name, (f, text) in given.items() if text is not None}
 
 
 def cmd_demo(args) -> None:
@@ -91,9 +87,8 @@ def cmd_prepare(args) -> None:
 
 def cmd_pretrain(args) -> None:
     preset = args.preset or (None if (args.config or args.resume or args.init) else "mini")
-    summary = pretrain(args.data, args.out, preset=preset, config_file=args.config,
-                       overrides=config_overrides(args), resume=args.resume, tokenizer=args.tokenizer,
-                       quiet=args.quiet, init=args.init)
+    summary = pretrain(args.data, args.out, preset=preset, config_file=args.config, overrides=config_overrides(args),
+                       resume=args.resume, tokenizer=args.tokenizer, quiet=args.quiet, init=args.init)
     print(f"pretrain finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
 
 
@@ -177,9 +172,8 @@ def cmd_export(args) -> None:
 def cmd_serve(args) -> None:
     from nanoforge.serve.app import run_server  # here: it needs fastapi and uvicorn, the optional `serve` extra
     run_server(args.run, host=args.host, port=args.port,
-               api_key=args.api_key or os.environ.get("NANOFORGE_API_KEY") or None,
-               device=args.device, precision=args.precision, request_timeout=args.request_timeout or None,
-               max_pending=args.max_pending)
+               api_key=args.api_key or os.environ.get("NANOFORGE_API_KEY") or None, device=args.device,
+               precision=args.precision, request_timeout=args.request_timeout or None, max_pending=args.max_pending)
 
 
 def cmd_generate(args) -> None:

@@ -50,9 +50,7 @@ class ModelConfig:
 
     @property
     def ffn_dim(self) -> int:
-        if self.ffn_hidden:
-            return self.ffn_hidden
-        return 64 * math.ceil(self.d_model * 8 / 3 / 64)
+        return self.ffn_hidden or 64 * math.ceil(self.d_model * 8 / 3 / 64)
 
     def validate(self) -> None:
         _finite(self)
@@ -242,21 +240,19 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
+_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
 def parse_value(name: str, f: dataclasses.Field, text: str) -> Any:
     """Turn a command-line string into the field's type, with an error naming the field."""
     kind = f.type if isinstance(f.type, type) else {"int": int, "float": float, "bool": bool, "str": str}[f.type]
     try:
         if kind is bool:
-            low = text.lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
+            return _BOOL_WORDS[text.lower()]
         if kind is int:
             return int(float(text)) if ("e" in text.lower() and float(text).is_integer()) else int(text)
         return kind(text)
-    except ValueError:
+    except (ValueError, KeyError):
         raise ConfigError(f"--{name.replace('_', '-')}: {text!r} is not a valid {kind.__name__}") from None
 
 
@@ -276,8 +272,7 @@ def build_config(preset: str | None = None, config_file: str | Path | None = Non
                  base: dict[str, dict[str, Any]] | None = None) -> tuple[ModelConfig, TrainConfig]:
     """Merge, in order: dataclass defaults, `base` (e.g. a saved run config), the preset, the TOML file,
     then command-line overrides. Unknown keys are errors, never silently ignored."""
-    model: dict[str, Any] = {}
-    train: dict[str, Any] = {}
+    model, train = {}, {}  # field -> value, merged layer by layer
     layers: list[tuple[str, dict[str, dict[str, Any]]]] = []
     if base:
         layers.append(("saved config", base))
@@ -353,7 +348,4 @@ def _toml_scalar(value: Any) -> str:
 
 
 def config_dicts(model: ModelConfig, train: TrainConfig | None = None) -> dict[str, dict[str, Any]]:
-    out = {"model": dataclasses.asdict(model)}
-    if train is not None:
-        out["train"] = dataclasses.asdict(train)
-    return out
+    return {"model": dataclasses.asdict(model), **({"train": dataclasses.asdict(train)} if train is not None else {})}

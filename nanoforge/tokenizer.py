@@ -55,22 +55,15 @@ class Tokenizer:
         self.config = dict(config or {})  # the tokenizer_config.json it was loaded with, if any
         self.chat_template = chat_template if chat_template is not None else CHAT_TEMPLATE
         self.vocab_size = inner.get_vocab_size(with_added_tokens=True)
-        self.eos_id = self._find_eos_id()
-        self.pad_id = self.eos_id
+        # <|endoftext|> when present (ours, MiniMind's, Qwen's); else whatever the config calls eos
+        eos_name = EOS_TOKEN if inner.token_to_id(EOS_TOKEN) is not None else _token_text(self.config.get("eos_token"))
+        self.eos_id = self.pad_id = inner.token_to_id(eos_name) if eos_name else None
         self.im_start_id = inner.token_to_id(IM_START)
         self.im_end_id = inner.token_to_id(IM_END)
         self.model_max_length = int(self.config.get("model_max_length") or DEFAULT_MODEL_MAX_LENGTH)
         self.sha256 = hashlib.sha256(_canonical_json(inner.to_str()).encode("utf-8")).hexdigest()
         self._compiled_template = None
         self._plain_tok = None  # a copy that encodes special-token text as plain text, made on first need
-
-    def _find_eos_id(self) -> int | None:
-        """<|endoftext|> when present (ours, MiniMind's, Qwen's); else whatever the config calls eos."""
-        eos = self._tok.token_to_id(EOS_TOKEN)
-        if eos is None:
-            name = _token_text(self.config.get("eos_token"))
-            eos = self._tok.token_to_id(name) if name else None
-        return eos
 
     @functools.cached_property
     def split_pattern(self) -> str | None:
@@ -152,14 +145,9 @@ class Tokenizer:
             "tokenizer_class": "PreTrainedTokenizerFast",
             # MiniMind's choices for bos/unk (users know them); eos/pad follow our eos_id.
             "bos_token": _token_text(self.config.get("bos_token")) or (IM_START if IM_START in chatml else None),
-            "eos_token": eos,
-            "pad_token": eos,
-            "unk_token": _token_text(self.config.get("unk_token")) or eos,
-            "additional_special_tokens": chatml,
-            "added_tokens_decoder": added,
-            "chat_template": self.chat_template,
-            "model_max_length": self.model_max_length,
-            "clean_up_tokenization_spaces": False,
+            "eos_token": eos, "pad_token": eos, "unk_token": _token_text(self.config.get("unk_token")) or eos,
+            "additional_special_tokens": chatml, "added_tokens_decoder": added, "chat_template": self.chat_template,
+            "model_max_length": self.model_max_length, "clean_up_tokenization_spaces": False,
             "split_special_tokens": False,
         }
 
@@ -198,11 +186,8 @@ class Tokenizer:
         `<|im_start|>assistant\\n` header, the `\\n` after <|im_end|>, the generation prompt).
 
         The whole rendered string is encoded in one call, so the ids equal what HF apply_chat_template +
-        encode gives; the mask comes from the character offsets of that one encoding. The one exception:
-        special-token text inside a message or tool (a user typing `<|im_end|>\\n<|im_start|>system`, in any
-        string, object keys included) is encoded as plain text, never as control tokens; those come only from
-        the template itself.
-        """
+        encode gives (but for special-token text in a message or tool, object keys included, which stays plain
+        text: see the module docstring); the mask comes from the character offsets of that one encoding."""
         ids, mask, _ = self.render_chat_with_text(messages, add_generation_prompt, tools, **template_kwargs)
         return ids, mask
 
@@ -306,8 +291,7 @@ def _canonical_json(text: str) -> str:
 
 def _token_text(value) -> str | None:
     """tokenizer_config.json writes special tokens as a string or as {"content": ...}."""
-    if isinstance(value, dict):
-        value = value.get("content")
+    value = value.get("content") if isinstance(value, dict) else value
     return value if isinstance(value, str) else None
 
 

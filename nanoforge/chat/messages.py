@@ -34,7 +34,6 @@ class RecordError(NanoforgeError, ValueError):
         self.message, self.field = message, field
 
 
-
 def _type_name(value: Any) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
             float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
@@ -73,9 +72,8 @@ def check_messages(messages: Any, name: str, tools: bool = False) -> None:
             calls, answered = len(parsed or []), 0
         elif role == "tool":
             answered += 1
-    last = messages[-1]["role"]
-    if last != "assistant":
-        raise RecordError(f'must end with an assistant message, ends with "{last}"', f'"{name}"')
+    if messages[-1]["role"] != "assistant":
+        raise RecordError(f'must end with an assistant message, ends with "{messages[-1]["role"]}"', f'"{name}"')
 
 
 def _check_role_and_content(message: Any, where: str, tools: bool) -> None:
@@ -186,8 +184,7 @@ def _declared_tools(messages: list, name: str) -> set[str] | None:
             raise RecordError("only the opening system message declares tools", f'"{name}"[{i}].tools')
     if not isinstance(messages[0], dict) or messages[0].get("tools") is None:
         return None
-    where = f'"{name}"[0].tools'
-    names = set()
+    where, names = f'"{name}"[0].tools', set()
     for j, tool in enumerate(parsed_tools(messages[0]["tools"], where)):
         inner = tool_function(tool)
         if not (isinstance(inner.get("name"), str) and inner["name"]):
@@ -240,13 +237,10 @@ def _check_call(call: Any, where: str, declared: set[str] | None, json_arguments
     if "arguments" not in call:
         raise RecordError('missing "arguments" (an object, or a JSON string of one)', where)
     arguments = call["arguments"]
-    if json_arguments:
-        arguments = _json_field(arguments, f"{where}.arguments", safejson.loads)
+    arguments = _json_field(arguments, f"{where}.arguments", safejson.loads) if json_arguments else arguments
     if not isinstance(arguments, dict if json_arguments else (dict, str)):
         raise RecordError(f"must be an object of arguments (or a JSON string of one), got {_type_name(arguments)}",
                           f"{where}.arguments")
-
-
 
 
 def normalize_conversation(messages, tools=None) -> tuple[list[dict], list | None]:

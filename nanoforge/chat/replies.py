@@ -81,14 +81,10 @@ class StreamParser:
     back until it is known; whatever the splitting, the events' texts join to the whole-text parse."""
 
     def __init__(self, thinking_open: bool, id_prefix: str = "call_"):
-        self.id_prefix = id_prefix
-        self.state = "reasoning" if thinking_open else "head"
+        self.id_prefix, self.state = id_prefix, "reasoning" if thinking_open else "head"
         self.saw_think = thinking_open
         self.started = False  # the current reasoning/content has passed its leading newlines
-        self.buf = ""
-        self.calls = 0
-        self.blocks = 0
-        self.closed = False
+        self.buf, self.calls, self.blocks, self.closed = "", 0, 0, False  # blocks: tool-call blocks, good or not
 
     def feed(self, piece: str) -> list:
         if self.closed:

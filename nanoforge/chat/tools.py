@@ -29,12 +29,9 @@ def tool_schemas(names) -> list[dict] | None:
 
 def assistant_message(reply: Reply) -> dict:
     """The reply as a history message: content, and reasoning_content / tool_calls when it has them."""
-    message = {"role": "assistant", "content": reply.content}
-    if reply.reasoning is not None:
-        message["reasoning_content"] = reply.reasoning
-    if reply.tool_calls:
-        message["tool_calls"] = reply.tool_calls
-    return message
+    return {"role": "assistant", "content": reply.content,
+            **({"reasoning_content": reply.reasoning} if reply.reasoning is not None else {}),
+            **({"tool_calls": reply.tool_calls} if reply.tool_calls else {})}
 
 
 def tool_messages(reply: Reply, enabled) -> list[dict]:

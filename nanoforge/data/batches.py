@@ -30,12 +30,12 @@ class EpochOrder:
     a position (epoch, cursor) that goes into the checkpoint, and steps of the next batch_size*world_size items
     (continuing into the next epoch's order when this one runs out), of which rank r takes [r*B, (r+1)*B)."""
 
-    def _init_order(self, batch_size: int, seq_len: int, seed: int, rank: int, world_size: int) -> None:
+    def _init_order(self, batch_size: int, seq_len: int, seed: int, rank: int, world_size: int, unit: str) -> None:
         _check_positive(batch_size=batch_size, seq_len=seq_len, world_size=world_size)
         if not 0 <= rank < world_size:
             raise NanoforgeError(f"rank {rank} is not in [0, world_size={world_size})")
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, int(seed)
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.unit = rank, world_size, unit  # unit: what an item is, for messages
         self.epoch = self.cursor = 0  # cursor: items of this epoch's order already consumed (by all ranks)
         self._order_epoch, self._order = None, None
 
@@ -63,17 +63,22 @@ class EpochOrder:
                 self.epoch, self.cursor = self.epoch + 1, 0
         return items[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
 
-    def _load_position(self, state: dict, same: dict, unit: str) -> None:
-        """Continue from `state`, whose `same` values (data size, seq_len, seed) must be this run's: else the
-        position would point at different items. Batch size and process count may change."""
-        for key, have in same.items():
+    def state_dict(self) -> dict:
+        """Where we are in the data, as plain JSON-able values (goes into the checkpoint's state.json)."""
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "seq_len": self.seq_len,
+                **self.data_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state`, whose seq_len, seed and data size (`data_size`, set by each kind) must be this
+        run's: else the position would point at different items. Batch size and process count may change."""
+        for key, have in {"seed": self.seed, "seq_len": self.seq_len, **self.data_size}.items():
             if key in state and state[key] != have:
                 raise NanoforgeError(f"cannot resume the data position: it was saved with {key}={state[key]} but "
                                      f"this run has {key}={have}; use the same data, --seq-len and --seed as the "
                                      "original run")
         epoch, cursor = int(state["epoch"]), int(state["cursor"])
         if epoch < 0 or not 0 <= cursor < len(self._order_for(epoch)):
-            raise NanoforgeError(f"invalid data position in checkpoint: epoch {epoch}, {unit} {cursor}")
+            raise NanoforgeError(f"invalid data position in checkpoint: epoch {epoch}, {self.unit} {cursor}")
         self.epoch, self.cursor = epoch, cursor
 
 
@@ -93,9 +98,10 @@ class PretrainBatches(EpochOrder):
 
     def __init__(self, shards: TokenShards, batch_size: int, seq_len: int, seed: int, rank: int = 0,
                  world_size: int = 1):
-        self._init_order(batch_size, seq_len, seed, rank, world_size)
+        self._init_order(batch_size, seq_len, seed, rank, world_size, "window")
         self.shards = shards
         self.num_windows = max(shards.num_tokens - 1, 0) // seq_len
+        self.data_size = {"num_windows": self.num_windows}
         needed = batch_size * world_size
         if self.num_windows < needed:
             raise NanoforgeError(
@@ -115,15 +121,6 @@ class PretrainBatches(EpochOrder):
     def next_batch(self) -> dict[str, torch.Tensor]:
         """The next batch for this rank: input_ids and labels, (batch_size, seq_len) int64 each."""
         return _windows_batch(self.shards, self._step_items(), self.seq_len)
-
-    def state_dict(self) -> dict:
-        """Where we are in the data, as plain JSON-able values (goes into the checkpoint's state.json)."""
-        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "seq_len": self.seq_len,
-                "num_windows": self.num_windows}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._load_position(state, {"seed": self.seed, "seq_len": self.seq_len, "num_windows": self.num_windows},
-                            "window")
 
 
 class EvalBatches:
@@ -241,7 +238,7 @@ class SFTBatches(EpochOrder):
 
     def __init__(self, shards: TokenShards, batch_size: int, seq_len: int, seed: int = 0, rank: int = 0,
                  world_size: int = 1, shuffle: bool = True, pad_id: int = 0):
-        self._init_order(batch_size, seq_len, seed, rank, world_size)
+        self._init_order(batch_size, seq_len, seed, rank, world_size, "row")
         if not shards.has_mask:
             raise NanoforgeError(f"{shards.directory}: prepared as {shards.kind!r} data; SFT needs "
                                  f"`nanoforge prepare --kind sft`")
@@ -255,6 +252,7 @@ class SFTBatches(EpochOrder):
             if keep[i]:
                 report.truncated += 1
         self.keep = keep  # tokens used per conversation (0 = skipped)
+        self.data_size = {"conversations": len(keep)}
         self.usable = np.flatnonzero(keep >= 2)
         report.skipped = len(full) - len(self.usable)
         self.report = report
@@ -262,8 +260,7 @@ class SFTBatches(EpochOrder):
             raise NanoforgeError(f"{shards.directory} ({shards.split}): no conversation fits a window of "
                                  f"{seq_len} tokens with an assistant reply; raise --seq-len")
         rows = self._order_for(0)
-        report.rows = len(rows)
-        report.positions = len(rows) * seq_len
+        report.rows, report.positions = len(rows), len(rows) * seq_len
         report.real = int((keep[self.usable] - 1).sum())
         if len(rows) < batch_size * world_size and shuffle:
             raise NanoforgeError(f"{shards.directory} ({shards.split}) packs into {len(rows)} rows of {seq_len}, "
@@ -286,8 +283,7 @@ class SFTBatches(EpochOrder):
         segments = np.full(T, -1, dtype=np.int64)
         pos = 0
         for s, doc in enumerate(docs):
-            n = int(self.keep[doc])
-            start = int(self.offsets[doc])
+            n, start = int(self.keep[doc]), int(self.offsets[doc])
             tokens = self.shards.read(start, n).astype(np.int64)
             mask = self.shards.read_mask(start, n).astype(bool)
             ids[pos:pos + n - 1] = tokens[:-1]
@@ -303,14 +299,6 @@ class SFTBatches(EpochOrder):
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         return self._batch(self._step_items())
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "seq_len": self.seq_len,
-                "conversations": int(len(self.keep))}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._load_position(state, {"seed": self.seed, "seq_len": self.seq_len, "conversations": len(self.keep)},
-                            "row")
 
     def eval_batches(self, max_batches: int) -> Iterator[dict[str, torch.Tensor]]:
         """The first max_batches batches of rows in file order (for validation; use shuffle=False)."""

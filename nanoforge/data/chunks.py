@@ -63,13 +63,10 @@ class SourceStats:
     records_before: int = 0
 
     def to_json(self) -> dict:
-        entry = {"path": str(self.path.resolve()), "bytes": self.size, "sha256": self.hasher.hexdigest(),
-                 "records": self.records, "skipped": self.skips.skipped}
-        if self.val_start is not None:
-            entry["val_from_byte"] = self.val_start
-        if self.byte_range is not None:
-            entry["byte_range"] = list(self.byte_range)
-        return entry
+        return {"path": str(self.path.resolve()), "bytes": self.size, "sha256": self.hasher.hexdigest(),
+                "records": self.records, "skipped": self.skips.skipped,
+                **({"val_from_byte": self.val_start} if self.val_start is not None else {}),
+                **({"byte_range": list(self.byte_range)} if self.byte_range is not None else {})}
 
 
 # ---- reading chunks
@@ -266,65 +263,55 @@ def _encode_chunk_in_worker(task: ChunkTask) -> ChunkResult:
     return encode_chunk(task, _worker_tokenizer)
 
 
+def token_dtype(tokenizer) -> type:
+    """How prepared tokens are stored: uint16 when the vocabulary fits, else uint32."""
+    return np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+
+
 def encode_chunk(task: ChunkTask, tokenizer) -> ChunkResult:
-    """Parse, validate and tokenize the lines of one chunk. Raises the DataError of its first bad line."""
+    """Parse, validate and tokenize the lines (or Parquet / datasets rows) of one chunk. Raises the DataError of
+    its first bad line; a row's errors say `row N`."""
     if task.plain_text:
         return _encode_text(task, tokenizer)
-    if task.rows is not None:
-        return _encode_rows(task, tokenizer)
     skips = SkipCounter()
-    records = list(parse_lines(task.data.split(b"\n"), task.kind, task.path, task.first_line, task.skip_invalid,
-                               skips))
-    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+    records = (list(parse_lines(task.data.split(b"\n"), task.kind, task.path, task.first_line, task.skip_invalid,
+                                skips)) if task.rows is None else _checked_rows(task, skips))
     encode = {"pretrain": _encode_pretrain, "sft": _encode_sft, "dpo": _encode_dpo}[task.kind]
-    tokens, lens, nbytes, mask = encode(records, tokenizer, dtype, task, skips)
+    try:
+        tokens, lens, nbytes, mask = encode(records, tokenizer, token_dtype(tokenizer), task, skips)
+    except DataError as e:
+        raise (e if task.rows is None else as_row_error(e)) from None
     return ChunkResult(task.file_index, tokens, lens, nbytes, mask, skips)
 
 
-def _encode_rows(task: ChunkTask, tokenizer) -> ChunkResult:
-    """encode_chunk for Parquet / datasets rows: each row checked as a JSONL record is, errors at `row N`."""
-    skips, records = SkipCounter(), []
-    for offset, record in enumerate(task.rows):
-        row = task.first_line + offset
+def _checked_rows(task: ChunkTask, skips: SkipCounter) -> list[tuple[int, dict]]:
+    """(row number, record) of each row that passes the checks of a JSONL record."""
+    records = []
+    for row, record in enumerate(task.rows, start=task.first_line):
         try:
             records.append((row, check_row(task.kind, record, task.path, row)))
         except DataError as e:
             if not task.skip_invalid:
                 raise
             skips.add(e)
-    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
-    encode = {"pretrain": _encode_pretrain, "sft": _encode_sft, "dpo": _encode_dpo}[task.kind]
-    try:
-        tokens, lens, nbytes, mask = encode(records, tokenizer, dtype, task, skips)
-    except DataError as e:
-        raise as_row_error(e) from None
-    return ChunkResult(task.file_index, tokens, lens, nbytes, mask, skips)
+    return records
 
 
 def _encode_pretrain(records, tokenizer, dtype, task: ChunkTask, skips: SkipCounter):
     """Each document is encode(text) + [eos]. Texts go through the batch encoder a few hundred KB at a time
     (bounds the Rust-side memory of one call) and are collected into one flat list: one numpy conversion per
     chunk is much cheaper than one per document."""
-    flat, lens, nbytes, batch, batch_chars = [], [], [], [], 0
-    eos = tokenizer.eos_id
-
-    def flush():
-        for ids in tokenizer.encode_batch(batch):
-            flat.extend(ids)
-            flat.append(eos)
-            lens.append(len(ids) + 1)
-        batch.clear()
-
-    for _, record in records:
-        text = record["text"]
-        nbytes.append(len(text.encode("utf-8")))
-        batch.append(text)
-        batch_chars += len(text)
-        if batch_chars >= ENCODE_BATCH_CHARS:
-            flush()
-            batch_chars = 0
-    if batch:
-        flush()
+    texts = [record["text"] for _, record in records]
+    flat, lens, start, chars = [], [], 0, 0
+    for end, text in enumerate(texts, start=1):
+        chars += len(text)
+        if chars >= ENCODE_BATCH_CHARS or end == len(texts):
+            for ids in tokenizer.encode_batch(texts[start:end]):
+                flat.extend(ids)
+                flat.append(tokenizer.eos_id)
+                lens.append(len(ids) + 1)
+            start, chars = end, 0
+    nbytes = [len(text.encode("utf-8")) for text in texts]
     return (np.array(flat, dtype=dtype), np.array(lens, dtype=np.int64), np.array(nbytes, dtype=np.int64), None)
 
 
@@ -350,14 +337,11 @@ def _encode_text(task: ChunkTask, tokenizer) -> ChunkResult:
             raise DataError(f"invalid UTF-8 (byte 0x{piece[e.start]:02x}); re-encode the file as UTF-8",
                             task.path, line + piece.count(b"\n", 0, e.start)) from None
         line += piece.count(b"\n")
-    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
-    flat = [i for ids in tokenizer.encode_batch(texts) for i in ids]
-    if task.text_end:
-        flat.append(tokenizer.eos_id)
+    flat = [i for ids in tokenizer.encode_batch(texts) for i in ids] + ([tokenizer.eos_id] if task.text_end else [])
     nbytes = sum(len(p) for p in pieces)
-    return ChunkResult(task.file_index, np.array(flat, dtype=dtype), np.array([len(flat)], dtype=np.int64),
-                       np.array([nbytes], dtype=np.int64), None, SkipCounter(), continues=not task.text_end,
-                       text_split="val" if task.text_val else "train")
+    return ChunkResult(task.file_index, np.array(flat, dtype=token_dtype(tokenizer)),
+                       np.array([len(flat)], dtype=np.int64), np.array([nbytes], dtype=np.int64), None, SkipCounter(),
+                       continues=not task.text_end, text_split="val" if task.text_val else "train")
 
 
 def _encode_sft(records, tokenizer, dtype, task: ChunkTask, skips: SkipCounter):

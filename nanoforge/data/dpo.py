@@ -101,9 +101,8 @@ def compute_reference_logps(model: nn.Module, shards: TokenShards, batch_size: i
     device = torch.device(device)
     offsets = shards.doc_offsets()  # (D+1,)
     lengths = np.diff(offsets)
-    fits = np.repeat(pair_fits(lengths, seq_len), 2)  # (D,)
     out = np.full(shards.num_docs, np.nan, dtype=np.float32)
-    docs = np.flatnonzero(fits)
+    docs = np.flatnonzero(np.repeat(pair_fits(lengths, seq_len), 2))  # the documents of the pairs that fit
     docs = docs[np.argsort(lengths[docs], kind="stable")]
     with eval_mode(model):
         for start in range(0, len(docs), batch_size):
@@ -185,7 +184,7 @@ class DPOBatches(EpochOrder):
 
     def __init__(self, shards: TokenShards, ref_logps: np.ndarray, batch_size: int, seq_len: int, seed: int = 0,
                  rank: int = 0, world_size: int = 1, pad_id: int = 0, shuffle: bool = True):
-        self._init_order(batch_size, seq_len, seed, rank, world_size)
+        self._init_order(batch_size, seq_len, seed, rank, world_size, "pair")
         _check_dpo_shards(shards)
         ref_logps = np.asarray(ref_logps, dtype=np.float32)
         if ref_logps.shape != (shards.num_docs,):
@@ -194,6 +193,7 @@ class DPOBatches(EpochOrder):
         self.shards, self.ref_logps, self.pad_id, self.shuffle = shards, ref_logps, pad_id, shuffle
         self.offsets = shards.doc_offsets()  # (D+1,)
         self.num_pairs = shards.num_docs // 2
+        self.data_size = {"pairs": self.num_pairs}
         self.usable = np.flatnonzero(pair_fits(np.diff(self.offsets), seq_len))  # (P',) pair indices
         self.skipped = self.num_pairs - len(self.usable)
         if np.isnan(ref_logps[2 * self.usable]).any() or np.isnan(ref_logps[2 * self.usable + 1]).any():
@@ -226,13 +226,6 @@ class DPOBatches(EpochOrder):
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         return self.batch([int(p) for p in self._step_items()])
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "seq_len": self.seq_len,
-                "pairs": int(self.num_pairs)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._load_position(state, {"seed": self.seed, "seq_len": self.seq_len, "pairs": self.num_pairs}, "pair")
 
     def eval_batches(self, max_batches: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """The usable pairs in file order, batch_size at a time, at most max_batches batches (validation)."""

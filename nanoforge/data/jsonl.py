@@ -31,22 +31,15 @@ _SNIFF_BYTES = 8192
 
 
 class DataError(NanoforgeError):
-    """A problem with one input file, located by path, line (1-based) and field.
-
-    `field` is written the way a person would index into the record, e.g. `"conversations"[3].role`.
-    """
+    """A problem with one input file, located by path, line (1-based) and field, which is written the way a
+    person would index into the record, e.g. `"conversations"[3].role`."""
 
     def __init__(self, message: str, path: str | os.PathLike | None = None, line: int | None = None,
                  field: str | None = None):
         self.message, self.line, self.field = message, line, field
         self.path = None if path is None else str(path)
-        super().__init__(self._format())
-
-    def _format(self) -> str:
-        where = self.path if self.path is not None else "<record>"
-        line = f":{self.line}" if self.line is not None else ""
-        field = f" {self.field}:" if self.field is not None else ""
-        return f"{where}{line}:{field} {self.message}"
+        where = (self.path if self.path is not None else "<record>") + (f":{line}" if line is not None else "")
+        super().__init__(f"{where}:{f' {field}:' if field is not None else ''} {message}")
 
     def __reduce__(self):
         # Errors raised in worker processes are pickled back to the parent; keep every attribute.
@@ -55,10 +48,8 @@ class DataError(NanoforgeError):
 
 @dataclass
 class SkipCounter:
-    """Collects records skipped with skip_invalid=True so the caller can report them.
-
-    Keeps the count and the first `keep` messages (enough to see what is wrong, bounded for huge files).
-    """
+    """Collects records skipped with skip_invalid=True so the caller can report them: the count and the first
+    `keep` messages (enough to see what is wrong, bounded for huge files)."""
 
     skipped: int = 0
     examples: list[str] = dataclass_field(default_factory=list)
@@ -76,9 +67,8 @@ class SkipCounter:
     def summary(self) -> str:
         if not self.skipped:
             return "no invalid records"
-        lines = [f"skipped {self.skipped} invalid record(s); first ones:"]
-        lines += [f"  {message}" for message in self.examples]
-        return "\n".join(lines)
+        return "\n".join([f"skipped {self.skipped} invalid record(s); first ones:"] +
+                         [f"  {message}" for message in self.examples])
 
 
 # ---------------------------------------------------------------------------------------------- schema
@@ -175,12 +165,9 @@ def line_json(text: str, path: str | os.PathLike, line_no: int) -> Any:
 
 
 def parse_line(raw: bytes, kind: str | None, path: str | os.PathLike, line_no: int) -> dict | None:
-    """Decode, parse and validate one raw line. Returns None for a blank line; raises DataError.
-
-    Shared (through parse_lines) by iter_records and the parallel workers of `prepare`, so both report errors
-    identically.
-    kind=None detects the kind of each record from its keys.
-    """
+    """Decode, parse and validate one raw line (kind=None: of the kind its keys say). Returns None for a blank
+    line; raises DataError. Shared (through parse_lines) by iter_records and the parallel workers of `prepare`,
+    so both report errors identically."""
     text = line_text(raw, path, line_no)
     if text is None:
         return None
@@ -239,11 +226,8 @@ def check_input_file(path: str | os.PathLike) -> Path:
 def iter_records(path: str | os.PathLike, kind: str | None, skip_invalid: bool = False,
                  counter: SkipCounter | None = None) -> Iterator[tuple[int, dict]]:
     """Yield (line_no, record) for every valid record of `kind` in the JSONL file at `path` (kind=None: of
-    any kind, detected per record).
-
-    Invalid records raise DataError, or with skip_invalid=True are skipped and added to `counter`.
-    A file with no records at all (or none valid) raises DataError naming the path.
-    """
+    any kind, detected per record). Invalid records raise DataError, or with skip_invalid=True are skipped and
+    added to `counter`. A file with no records at all (or none valid) raises DataError naming the path."""
     if kind is not None and kind not in KINDS:
         raise NanoforgeError(f"unknown data kind {kind!r}; expected one of {', '.join(KINDS)}")
     path = check_input_file(path)

@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from nanoforge import __version__, dirlock
-from nanoforge.data.chunks import ChunkResult, SourceStats, chunk_tasks, run_chunks
+from nanoforge.data.chunks import ChunkResult, SourceStats, chunk_tasks, run_chunks, token_dtype
 from nanoforge.data.columnar import check_columnar, is_columnar
 from nanoforge.data.jsonl import KINDS, DataError, check_input_file
 from nanoforge.data.parts import plan_part
@@ -83,7 +83,7 @@ def _prepare_locked(kind, inputs, tokenizer, out_dir: Path, val_fraction, worker
     workers = workers or os.cpu_count() or 1
     # no more processes than chunks: starting a worker costs ~0.5 s, more than a small input takes
     workers = max(1, min(workers, math.ceil(sum(p.stat().st_size for p in paths) / chunk_bytes)))
-    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
+    dtype = np.dtype(token_dtype(tokenizer))
 
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     writers = {}
@@ -97,16 +97,16 @@ def _prepare_locked(kind, inputs, tokenizer, out_dir: Path, val_fraction, worker
                                records_before=i.records_before) for i in inputs]
         tasks = chunk_tasks(kind, sources, chunk_bytes, skip_invalid, val_fraction, tokenizer.split_pattern,
                             drop_empty_think, text_column)
-        docs_seen = 0
+        docs_seen, per_record = 0, 2 if kind == "dpo" else 1  # a dpo record is two documents (chosen, rejected)
         with closing(run_chunks(tasks, tokenizer, workers)) as results:  # closing stops the workers
             current = None
             for result in results:
                 source = sources[result.file_index]
                 if identity["count"] > 1 and result.file_index != current:  # the whole input's count here
                     current, docs_seen = result.file_index, source.records_before
-                source.records += (len(result.doc_lens) - result.continues) // _docs_per_record(kind)
+                source.records += (len(result.doc_lens) - result.continues) // per_record
                 source.skips.merge(result.skips)
-                docs_seen = _write_result(result, writers, docs_seen, val_fraction, _docs_per_record(kind))
+                docs_seen = _write_result(result, writers, docs_seen, val_fraction, per_record)
         for source in sources:
             if source.records == 0:
                 raise DataError(f"has no valid {kind} records" +
@@ -128,11 +128,6 @@ def _prepare_locked(kind, inputs, tokenizer, out_dir: Path, val_fraction, worker
     return manifest
 
 
-def _docs_per_record(kind: str) -> int:
-    """A dpo record is stored as two documents (chosen, rejected); every other kind as one."""
-    return 2 if kind == "dpo" else 1
-
-
 def _write_result(result: ChunkResult, writers: dict, docs_seen: int, val_fraction: float,
                   docs_per_record: int = 1) -> int:
     """Send each record of the chunk (1 document, or 2 for a dpo pair) to train or val; return the running
@@ -149,9 +144,8 @@ def _write_result(result: ChunkResult, writers: dict, docs_seen: int, val_fracti
     for split, doc_sel, tok_sel in (("train", ~is_val, ~token_is_val), ("val", is_val, token_is_val)):
         if doc_sel.any():
             mask = None if result.mask is None else result.mask[tok_sel]
-            writers[split].write(result.tokens[tok_sel], result.doc_lens[doc_sel],
-                                 int(result.doc_bytes[doc_sel].sum()), mask,
-                                 open_last=result.continues and bool(doc_sel[-1]))
+            writers[split].write(result.tokens[tok_sel], result.doc_lens[doc_sel], int(result.doc_bytes[doc_sel].sum()),
+                                 mask, open_last=result.continues and bool(doc_sel[-1]))
     return docs_seen + n - result.continues  # ...but is counted once, by the chunk that ends it
 
 
@@ -229,9 +223,7 @@ def _manifest(kind, tokenizer, dtype, val_fraction, sources, splits, workers, se
     input_bytes = sum(s.size for s in sources)
     tokens = sum(s["tokens"] for s in splits.values())
     return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "kind": kind,
+        "format": FORMAT, "format_version": FORMAT_VERSION, "kind": kind,
         "tokenizer": {"sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id},
         "dtype": dtype.name,
         **({"layout": "pairs"} if kind == "dpo" else {}),  # doc 2i chosen, 2i+1 rejected
@@ -243,23 +235,17 @@ def _manifest(kind, tokenizer, dtype, val_fraction, sources, splits, workers, se
         "stats": {"seconds": round(seconds, 3), "workers": workers,
                   "tokens_per_s": round(tokens / max(seconds, 1e-9)),
                   "mb_per_s": round(input_bytes / 1e6 / max(seconds, 1e-9), 3)},
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "nanoforge_version": __version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "nanoforge_version": __version__,
     }
 
 
-def _fsync_tree(directory: Path) -> None:
-    """Flush every file and directory under `directory` to disk before it is renamed into place."""
-    for root, _, names in os.walk(directory):
+def _swap_into_place(tmp: Path, out_dir: Path, force: bool) -> None:
+    """Flush every file and directory under the finished temp dir to disk, then rename it onto out_dir
+    (fsutil.replace_dir: an old out_dir is deleted only once the new one is in place)."""
+    for root, _, names in os.walk(tmp):
         for name in names:
             fsync_file(os.path.join(root, name))
         fsync_dir(Path(root))
-
-
-def _swap_into_place(tmp: Path, out_dir: Path, force: bool) -> None:
-    """Rename the finished temp dir onto out_dir (fsutil.replace_dir: an old out_dir is deleted only once the
-    new one is in place)."""
-    _fsync_tree(tmp)
     check_out_dir(out_dir, force)  # checked at the start too; someone may have written there since
     replace_dir(tmp, out_dir)
     fsync_dir(out_dir.parent)
@@ -269,14 +255,13 @@ def _log_source(source: SourceStats, log) -> None:
     if source.val_start is not None:
         log(f"{source.path}: plain text, {source.size:,} bytes: train the first {source.val_start:,}, "
             f"val the last {source.size - source.val_start:,} (from line {source.val_line:,})")
-        return
-    if source.kept_whole:
+    elif source.kept_whole:
         log(f"{source.path}: plain text, kept whole in train: {source.kept_whole}")
-        return
-    log(f"{source.path}: {source.records} records" +
-        (f", skipped {source.skips.skipped} invalid" if source.skips.skipped else ""))
-    if source.skips.skipped:
+    elif source.skips.skipped:
+        log(f"{source.path}: {source.records} records, skipped {source.skips.skipped} invalid")
         log(source.skips.summary())
+    else:
+        log(f"{source.path}: {source.records} records")
 
 
 def _log_summary(manifest: dict, out_dir: Path, log) -> None:

@@ -26,14 +26,9 @@ def drops_empty_think(share: float, file_index: int, line_no: int) -> bool:
     return int.from_bytes(digest[:8], "big") / 2 ** 64 < share
 
 
-def tool_use(conversation: list) -> tuple[bool, bool]:
-    """(has tool calls, has tool results) of a validated conversation."""
-    return (any(has_tool_calls(m) for m in conversation), any(m.get("role") == "tool" for m in conversation))
-
-
 def render_sft_record(tokenizer, conversation: list, drop_empty_think: bool = False):
     """(ids, mask, text) of one conversation; ChatTemplateError when it cannot be rendered faithfully."""
-    calls, results = tool_use(conversation)
+    calls, results = any(has_tool_calls(m) for m in conversation), any(m.get("role") == "tool" for m in conversation)
     what = " and ".join(w for w, used in (("tool calls", calls), ("tool results", results)) if used)
     try:
         ids, mask, text = tokenizer.render_chat_with_text(conversation, drop_empty_think=drop_empty_think)

@@ -94,8 +94,7 @@ class TokenShards:
     def _map(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
         if not path.is_file():
             raise NanoforgeError(f"{path}: missing; the prepared directory is incomplete, re-run `nanoforge prepare`")
-        expected = count * dtype.itemsize
-        actual = path.stat().st_size
+        expected, actual = count * dtype.itemsize, path.stat().st_size
         if actual != expected:
             raise NanoforgeError(f"{path}: {actual} bytes but the manifest says {expected}; the file is corrupt "
                                  "or truncated, re-run `nanoforge prepare`")
@@ -143,6 +142,5 @@ class TokenShards:
         shard = int(np.searchsorted(self._doc_starts, i, side="right")) - 1
         local = i - int(self._doc_starts[shard])
         start, end = int(self._idx[shard][local]), int(self._idx[shard][local + 1])
-        tokens = np.array(self._tokens[shard][start:end])
         mask = np.array(self._masks[shard][start:end]) if self._masks else None
-        return tokens, mask
+        return np.array(self._tokens[shard][start:end]), mask

@@ -44,11 +44,9 @@ def prepared_dir(data: Sequence) -> Path | None:
 
 def data_kind(data: Sequence[str]) -> str:
     """The kind of the given data: a prepared directory's manifest, or the first record of a JSONL file."""
-    prepared = prepared_dir(data)
-    if prepared is not None:
-        return read_manifest(prepared)["kind"]
+    prepared_dir(data)  # raises for no data, or a directory among files
     first = Path(data[0])
-    if is_prepared(first):  # one of several prepared parts
+    if is_prepared(first):  # the prepared directory, or one of several prepared parts
         return read_manifest(first)["kind"]
     if is_columnar(first):  # Parquet, a datasets directory: the columns say
         return columnar_kind(check_columnar(first))
