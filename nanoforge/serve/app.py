@@ -44,17 +44,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanoforge.device import resolve_device
 from nanoforge.errors import NanoforgeError
 from nanoforge.infer import defaults as chat_defaults
 from nanoforge.serve import protocol
-from nanoforge.infer.chat import resolve_precision
+from nanoforge.infer.chat import load_for_inference
 from nanoforge.serve.chat_reply import ChatChunks, call_id_prefix, chat_body, finish_reason, reply_message
 from nanoforge.serve.chat_request import parse_chat_request
 from nanoforge.infer.generate import Completion, SamplingConfig, stream_completion
 from nanoforge.serve.protocol import APIError, GenerationRequest, Limits
 from nanoforge.infer.toolloop import stop_ids
-from nanoforge.weights.load import load_model
 from nanoforge.chat.calculator import BUILTIN_TOOLS, run_tool_call
 
 DEFAULT_HOST = "127.0.0.1"
@@ -95,8 +93,7 @@ class _Worker:
     def __init__(self, model, tokenizer, precision: str, max_pending: int,
                  request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT):
         self.model, self.tokenizer, self.precision = model, tokenizer, precision
-        self.max_pending = max_pending
-        self.request_timeout = request_timeout
+        self.max_pending, self.request_timeout = max_pending, request_timeout
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoforge-generate")
         self.live: set[threading.Event] = set()
         self._lock = threading.Lock()
@@ -410,16 +407,12 @@ def run_server(run_dir, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_
 
     The model is named after the run directory unless `model_name` is given."""
     _check_can_listen(host, port)  # before minutes of loading, and before saying "serving"
-    target = resolve_device(device)
-    precision = resolve_precision(precision, target)
-    model, tokenizer, checkpoint = load_model(run_dir, device=target)
+    model, tokenizer, _, precision = load_for_inference(run_dir, device, precision, announce=True)
     name = model_name or Path(run_dir).resolve().name
     app = create_app(model, tokenizer, name, api_key=api_key, max_body_bytes=max_body_bytes,
                      max_tokens_cap=max_tokens_cap, precision=precision, request_timeout=request_timeout,
                      max_pending=max_pending)
     shown = f"[{host}]" if ":" in host else host
-    print(f"loaded {checkpoint} ({model.num_params() / 1e6:.1f}M parameters) on {target}, {precision}",
-          file=sys.stderr)
     print(f"serving {name!r}: web chat at http://{shown}:{port}/, OpenAI API at http://{shown}:{port}/v1"
           + (" (API key required)" if api_key else ""), file=sys.stderr)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
