@@ -64,8 +64,7 @@ class ReplyDeltas:
     def __init__(self, req: GenerationRequest, id_prefix: str):
         self.parser = StreamParser(req.thinking_open, id_prefix) if req.structured else None
         self.tools_offered = req.tools_offered
-        self.calls = 0
-        self.dropped = 0
+        self.calls, self.dropped = 0, 0
         self.errors: list[str] = []
 
     def feed(self, piece: str) -> list[dict]:
@@ -112,8 +111,7 @@ class ChatChunks:
         self.deltas = ReplyDeltas(req, id_prefix)
 
     def chunk(self, delta: dict, finish: str | None = None) -> dict:
-        return {"id": self.reply_id, "object": "chat.completion.chunk", "created": self.now,
-                "model": self.model_name,
+        return {"id": self.reply_id, "object": "chat.completion.chunk", "created": self.now, "model": self.model_name,
                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
                 "system_fingerprint": None}
 

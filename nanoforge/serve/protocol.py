@@ -125,12 +125,9 @@ def sampling(body: dict, limits: Limits) -> tuple[SamplingConfig, bool, bool]:
     top_p = number(body, "top_p", d.top_p, 0.0, 1.0, low_open=True)
     top_k = integer(body, "top_k", d.top_k, 0, 1_000_000)
     repetition_penalty = number(body, "repetition_penalty", d.repetition_penalty, 0.0, 10.0, low_open=True)
-    cap_hint = f" (the cap for this model, whose context is {limits.context} tokens)"
-    max_tokens = integer(body, "max_tokens", None, 1, limits.max_tokens_cap, cap_hint)
-    if max_tokens is None:  # the newer name for the same thing
-        max_tokens = integer(body, "max_completion_tokens", None, 1, limits.max_tokens_cap, cap_hint)
-    if max_tokens is None:
-        max_tokens = min(d.max_new_tokens, limits.max_tokens_cap)
+    cap, cap_hint = limits.max_tokens_cap, f" (the cap for this model, whose context is {limits.context} tokens)"
+    max_tokens = (integer(body, "max_tokens", None, 1, cap, cap_hint)  # or its newer name, else the default
+                  or integer(body, "max_completion_tokens", None, 1, cap, cap_hint) or min(d.max_new_tokens, cap))
     seed = integer(body, "seed", None, 0, 2**63 - 1)
     integer(body, "n", 1, 1, 1, " (this server returns one choice per request)")
     for name in ("presence_penalty", "frequency_penalty"):
