@@ -176,11 +176,8 @@ def final_metrics(run: RunMetrics) -> list[tuple[str, Any, int]]:
 def summarize(run: RunMetrics) -> list[tuple[str, str]]:
     """(label, value) rows for one run's table."""
     model, train, info = run.config.get("model", {}), run.config.get("train", {}), run.config.get("run", {})
-    rows: list[tuple[str, str]] = []
-    if info.get("stage"):
-        rows.append(("stage", str(info["stage"])))
-    if info.get("init"):
-        rows.append(("initialised from", str(info["init"])))
+    rows = [(label, str(info[key])) for key, label in (("stage", "stage"), ("init", "initialised from"))
+            if info.get(key)]
     if model:
         params = count_params(model)
         if params is not None:
@@ -312,12 +309,9 @@ def _run_section(run: RunMetrics, out_path: Path, Figure, png_name: str) -> list
         lines += ["### Final metrics", "", "| metric | value | step |", "|---|---|---|"]
         lines += [f"| {key} | {fmt_number(value)} | {step} |" for key, value, step in final] + [""]
     lines += ["### Time", ""] + _table(time_rows(run))
-    params = parameter_rows(run)
-    if params:
-        lines += ["### Parameters", ""] + _table(params)
-    data = data_rows(run)
-    if data:
-        lines += ["### Data", ""] + _table(data)
+    for heading, rows in (("Parameters", parameter_rows(run)), ("Data", data_rows(run))):
+        if rows:
+            lines += [f"### {heading}", ""] + _table(rows)
     step, samples = latest_samples(run)
     if samples:
         lines += [f"### Samples (step {step})", "", "| prompt | completion | finish |", "|---|---|---|"]
