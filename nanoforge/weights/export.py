@@ -70,29 +70,16 @@ def hf_config(cfg: ModelConfig, tokenizer) -> dict[str, Any]:
     model_type = "qwen3_moe" if cfg.n_experts else "qwen3" if cfg.qk_norm else "llama"
     bos_name = tokenizer.hf_config().get("bos_token")
     config: dict[str, Any] = {
-        "architectures": [HF_ARCHITECTURES[model_type]],
-        "model_type": model_type,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
+        "architectures": [HF_ARCHITECTURES[model_type]], "model_type": model_type, "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
         "hidden_act": "silu",
         # what the model can attend over: max_seq_len, times the YaRN factor when scaled (as our RoPE tables)
         "max_position_embeddings": int(cfg.max_seq_len * max(1.0, cfg.rope_scaling_factor)),
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": cfg.init_std,
-        "bos_token_id": tokenizer.token_to_id(bos_name) if bos_name else None,
-        "eos_token_id": tokenizer.eos_id,
-        "pad_token_id": tokenizer.pad_id,
-        "torch_dtype": "float32",
-        "use_cache": True,
+        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False, "attention_dropout": 0.0, "initializer_range": cfg.init_std,
+        "bos_token_id": tokenizer.token_to_id(bos_name) if bos_name else None, "eos_token_id": tokenizer.eos_id,
+        "pad_token_id": tokenizer.pad_id, "torch_dtype": "float32", "use_cache": True,
     }
     if model_type == "llama":
         config.update(mlp_bias=False, pretraining_tp=1)
