@@ -277,8 +277,7 @@ def _add_bits_per_byte(result: dict, totals: _Totals, text_bytes: int, byte_tabl
     return nbytes
 
 
-# ----------------------------------------------------------------------------------------------------------
-# what `nanoforge eval` calls
+# ------------------------------------------------------------------------------ what `nanoforge eval` calls
 
 
 def run_eval(run, data=None, bench=None, fmt: str = "auto", shots: int = 0, dev=None, samples: bool = False,

@@ -65,8 +65,7 @@ PAGE = Path(__file__).with_name("static") / "chat.html"
 log = logging.getLogger("nanoforge.serve")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# generation: one at a time, on one worker thread
+# ---------------------------------------------------------- generation: one at a time, on one worker thread
 
 
 class _Cancelled(Exception):
@@ -178,8 +177,7 @@ class _Worker:
         self.executor.shutdown(wait=True, cancel_futures=True)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# the app
+# -------------------------------------------------------------------------------------------------- the app
 
 
 def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
@@ -381,8 +379,7 @@ async def _answer(worker: _Worker, req: GenerationRequest, stop_ids: list[int], 
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-# ----------------------------------------------------------------------------------------------------------
-# running it
+# ----------------------------------------------------------------------------------------------- running it
 
 
 def _check_can_listen(host: str, port: int) -> None:

@@ -66,8 +66,7 @@ def _refuse_tools(messages: list[dict], offered: bool) -> None:
             raise bad_request(f"messages[{i}] {what}, but {why}", param=f"messages[{i}]")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# tools, tool_choice, template switches
+# -------------------------------------------------------------------- tools, tool_choice, template switches
 
 
 def parse_tools(tools) -> list[dict] | None:
@@ -134,8 +133,7 @@ def template_switches(kwargs) -> dict:
     return dict(kwargs)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# messages
+# ------------------------------------------------------------------------------------------------- messages
 
 
 def chat_messages(body: dict) -> list[dict]:

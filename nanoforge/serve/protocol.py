@@ -19,8 +19,7 @@ from nanoforge.infer.generate import Completion, SamplingConfig
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 
-# ----------------------------------------------------------------------------------------------------------
-# errors in OpenAI's shape
+# --------------------------------------------------------------------------------- errors in OpenAI's shape
 
 
 class APIError(Exception):
@@ -63,8 +62,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param, code)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# reading and checking requests
+# ---------------------------------------------------------------------------- reading and checking requests
 
 
 def field(body: dict, name: str, kinds: tuple, what: str, default=None):
@@ -188,8 +186,7 @@ def parse_completion_request(body: Any, tokenizer, limits: Limits) -> Generation
     return GenerationRequest(prompt_ids, cfg, stream, include_usage)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# replies
+# -------------------------------------------------------------------------------------------------- replies
 
 
 def usage(prompt_ids: list[int], completion: Completion) -> dict:
