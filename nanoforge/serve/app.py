@@ -72,20 +72,6 @@ class _Cancelled(Exception):
     pass
 
 
-def stream_reply(model, tokenizer, prompt_ids: list[int], cfg: SamplingConfig, stop_ids: list[int], precision: str,
-                 cancelled: threading.Event | None = None,
-                 deadline: float | None = None) -> Iterator[str | Completion]:
-    """`generate.stream_completion`: text pieces, then one `Completion`. Abandoned (raising _Cancelled) once
-    `cancelled` is set. Past `deadline` (a time.monotonic() value) the reply ends after the token in hand, with
-    finish_reason "length", as if max_tokens had been reached."""
-    def keep_going() -> bool:
-        if cancelled is not None and cancelled.is_set():
-            raise _Cancelled()
-        return deadline is None or time.monotonic() < deadline
-
-    return stream_completion(model, tokenizer, prompt_ids, cfg, stop_ids, precision, keep_going)
-
-
 class _Worker:
     """The single generation thread and its queue: a one-worker executor runs jobs in arrival order."""
 
@@ -116,6 +102,19 @@ class _Worker:
             self.pending += 1
         return asyncio.get_running_loop().run_in_executor(self.executor, job)
 
+    def _replies(self, req: GenerationRequest, stop_ids: list[int], cancelled: threading.Event | None = None,
+                 deadline: float | None = None) -> Iterator[str | Completion]:
+        """`generate.stream_completion`: text pieces, then one `Completion`. Abandoned (raising _Cancelled) once
+        `cancelled` is set. Past `deadline` (a time.monotonic() value) the reply ends after the token in hand,
+        with finish_reason "length", as if max_tokens had been reached."""
+        def keep_going() -> bool:
+            if cancelled is not None and cancelled.is_set():
+                raise _Cancelled()
+            return deadline is None or time.monotonic() < deadline
+
+        return stream_completion(self.model, self.tokenizer, req.prompt_ids, req.cfg, stop_ids, self.precision,
+                                 keep_going)
+
     def deadline(self) -> float | None:
         """When a request arriving now must stop generating: the timeout counts its wait in the queue too."""
         return time.monotonic() + self.request_timeout if self.request_timeout else None
@@ -124,9 +123,8 @@ class _Worker:
         self.check_room()
         deadline = self.deadline()
 
-        def job() -> Completion:  # stream_reply's last item is the Completion that complete() would give
-            *_, done = stream_reply(self.model, self.tokenizer, req.prompt_ids, req.cfg, stop_ids, self.precision,
-                                    deadline=deadline)
+        def job() -> Completion:  # the last item is the Completion that complete() would give
+            *_, done = self._replies(req, stop_ids, deadline=deadline)
             return done
 
         return await self._submit(job)
@@ -149,8 +147,7 @@ class _Worker:
             if cancelled.is_set():
                 return  # the client left while the request waited its turn
             try:
-                for item in stream_reply(self.model, self.tokenizer, req.prompt_ids, req.cfg, stop_ids,
-                                         self.precision, cancelled, deadline):
+                for item in self._replies(req, stop_ids, cancelled, deadline):
                     put(item)
             except _Cancelled:
                 pass
