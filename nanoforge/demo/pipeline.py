@@ -408,8 +408,7 @@ def _sft_stage(clock: _Clock, work_dir: Path, s: dict, pre_run: Path, mcfg, tcfg
         overrides={**{k: getattr(tcfg, k) for k in keep}, "device": "cpu", "precision": plan.precision,
                    "max_steps": steps, "lr": s["sft_lr"], "warmup_steps": min(20, steps // 5), "save_every": 0,
                    "keep_last": 1})
-    facts["sft_loss"], facts["sft_steps"], facts["sft_epochs"] = _losses(sft_run, start), steps, epochs
-    facts["sft_measured"] = measured
+    facts.update(sft_loss=_losses(sft_run, start), sft_steps=steps, sft_epochs=epochs, sft_measured=measured)
     clock.done(f"validation loss on the answers {_loss_note(facts['sft_loss'])}")
     return sft_run
 
