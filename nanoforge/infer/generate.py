@@ -128,9 +128,8 @@ def stream(model, tokenizer, prompt_ids: Sequence[int], cfg: SamplingConfig,
     text ends in an incomplete UTF-8 character (a byte-level token can carry part of one, e.g. a third of a
     Chinese character, which decodes to U+FFFD) or in something that could be the start of a stop string.
     """
-    for piece in stream_completion(model, tokenizer, prompt_ids, cfg, stop_ids, precision):
-        if isinstance(piece, str):
-            yield piece
+    pieces = stream_completion(model, tokenizer, prompt_ids, cfg, stop_ids, precision)
+    yield from (piece for piece in pieces if isinstance(piece, str))
 
 
 def stream_completion(model, tokenizer, prompt_ids: Sequence[int], cfg: SamplingConfig,
