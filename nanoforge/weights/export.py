@@ -136,8 +136,7 @@ def permute_for_llama_cpp(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     HF rotates channel i of a head with channel i + head_dim/2 (`rotate_half`); llama.cpp's llama architecture
     rotates adjacent channels (2i, 2i+1), the layout of Meta's original checkpoints. Interleaving the two
     halves of each head's rows makes q.k, and so the model, the same. w: (n_heads * head_dim, d_model)."""
-    out_features = w.shape[0]
-    half = out_features // n_heads // 2
+    half = w.shape[0] // n_heads // 2
     # rows of a head: [first half | second half] -> (half, 2) pairs -> interleaved
     return w.reshape(n_heads, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
