@@ -124,8 +124,7 @@ def bench_ours(mcfg, tcfg, steps: int, warmup: int, data: str | None = None) -> 
     return out
 
 
-def naive_loop(model: torch.nn.Module, source, steps: int, device: torch.device,
-               on_step=None) -> torch.nn.Module:
+def naive_loop(model: torch.nn.Module, source, steps: int, device: torch.device, on_step=None) -> torch.nn.Module:
     """What a first training script looks like: fp32, mean loss per micro-batch, default (non-fused) AdamW,
     no accumulation, no autocast. `on_step(data_s, fwd_bwd_s, optim_s)` gets each step's phase times."""
     model.to(device).train()

@@ -38,8 +38,7 @@ DEMO_MODULES = ("json", "os", "posixpath", "shutil", "glob", "fnmatch", "tempfil
                 "calendar", "datetime", "base64", "csv", "gzip", "zipfile", "tarfile", "collections",
                 "functools", "operator", "contextlib", "argparse", "subprocess", "html", "urllib", "logging",
                 "typing", "inspect", "threading", "configparser", "traceback", "ipaddress", "uuid", "pprint",
-                "enum", "dataclasses", "abc", "numbers", "socket", "queue", "shlex", "locale", "platform",
-                "timeit")
+                "enum", "dataclasses", "abc", "numbers", "socket", "queue", "shlex", "locale", "platform", "timeit")
 MIN_ANSWER_CHARS, MAX_ANSWER_CHARS = 15, 160  # a first sentence outside these is not an SFT answer
 MAX_SIGNATURE_CHARS = 100  # "How do I call X?" is asked only about functions with a signature this short
 

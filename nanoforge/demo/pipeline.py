@@ -362,8 +362,7 @@ def _prepare_stage(clock: _Clock, work_dir: Path, s: dict, tokenizer, deadline: 
     return mcfg, tcfg, plan
 
 
-def _pretrain_stage(clock: _Clock, work_dir: Path, s: dict, mcfg, tcfg, plan: Plan, facts: dict,
-                    quiet: bool) -> Path:
+def _pretrain_stage(clock: _Clock, work_dir: Path, s: dict, mcfg, tcfg, plan: Plan, facts: dict, quiet: bool) -> Path:
     pre_data, pre_run = work_dir / "data" / "pretrain", work_dir / "pretrain"
     start = initial_val_loss(pre_data, mcfg, tcfg, plan.precision)
     epochs = plan.pretrain_steps * tcfg.batch_size * tcfg.seq_len / TokenShards(pre_data, "train").num_tokens

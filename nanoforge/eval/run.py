@@ -138,8 +138,7 @@ def _score_rows(model, rows: Iterable[tuple[np.ndarray, np.ndarray]], batch_size
         with torch.no_grad(), autocast_context(device, precision):
             logits = model(inputs)  # (B, T, V)
         # float32 softmax: bf16 logits lose the small differences the loss is made of
-        nll = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
-                              reduction="sum")
+        nll = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
         totals.nll += float(nll.double())
         supervised = labels[labels != IGNORE].cpu().numpy()
         totals.tokens += int(supervised.size)

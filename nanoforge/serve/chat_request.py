@@ -113,8 +113,7 @@ def parse_tool_choice(choice) -> str:
     if choice == "required" or isinstance(choice, dict):
         raise bad_request("tool_choice: only \"auto\" and \"none\" are supported (this server cannot force a "
                           "small model to call a tool)", param="tool_choice")
-    raise bad_request(f"tool_choice must be \"auto\" or \"none\", got {json.dumps(choice)[:60]}",
-                      param="tool_choice")
+    raise bad_request(f"tool_choice must be \"auto\" or \"none\", got {json.dumps(choice)[:60]}", param="tool_choice")
 
 
 def template_switches(kwargs) -> dict:

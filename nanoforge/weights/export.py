@@ -79,8 +79,7 @@ def hf_config(cfg: ModelConfig, tokenizer) -> dict[str, Any]:
         "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": False, "attention_dropout": 0.0, "initializer_range": cfg.init_std,
         "bos_token_id": tokenizer.token_to_id(bos_name) if bos_name else None, "eos_token_id": tokenizer.eos_id,
-        "pad_token_id": tokenizer.pad_id, "torch_dtype": "float32", "use_cache": True,
-    }
+        "pad_token_id": tokenizer.pad_id, "torch_dtype": "float32", "use_cache": True}
     if model_type == "llama":
         config.update(mlp_bias=False, pretraining_tp=1)
     else:
