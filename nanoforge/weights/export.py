@@ -16,6 +16,8 @@ half-written behind.
 """
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -110,9 +112,8 @@ def generation_config(tokenizer) -> dict[str, Any]:
     bos_name = tokenizer.hf_config().get("bos_token")
     config = {"bos_token_id": tokenizer.token_to_id(bos_name) if bos_name else None,
               "eos_token_id": list(dict.fromkeys(eos)), "pad_token_id": tokenizer.pad_id, "do_sample": False}
-    version = _transformers_version()
-    if version:
-        config["transformers_version"] = version
+    with contextlib.suppress(Exception):  # not installed: the field is informational
+        config["transformers_version"] = importlib.metadata.version("transformers")
     return config
 
 
@@ -294,11 +295,3 @@ def _temp_sibling(out: Path, force: bool) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     return tmp
-
-
-def _transformers_version() -> str | None:
-    try:
-        from importlib.metadata import version
-        return version("transformers")
-    except Exception:  # not installed: the field is informational
-        return None
