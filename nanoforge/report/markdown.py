@@ -264,13 +264,6 @@ def data_rows(run: RunMetrics) -> list[tuple[str, str]]:
     return rows
 
 
-def latest_samples(run: RunMetrics) -> tuple[int | None, list[dict]]:
-    if not run.samples:
-        return None, []
-    step = max(s["step"] for s in run.samples)
-    return step, [s for s in run.samples if s["step"] == step]
-
-
 # ------------------------------------------------------------------------------------------------- markdown
 
 
@@ -312,11 +305,11 @@ def _run_section(run: RunMetrics, out_path: Path, Figure, png_name: str) -> list
     for heading, rows in (("Parameters", parameter_rows(run)), ("Data", data_rows(run))):
         if rows:
             lines += [f"### {heading}", ""] + _table(rows)
-    step, samples = latest_samples(run)
-    if samples:
+    if run.samples:  # the latest step's
+        step = max(s["step"] for s in run.samples)
         lines += [f"### Samples (step {step})", "", "| prompt | completion | finish |", "|---|---|---|"]
         lines += [f"| {_cell(s.get('prompt', ''))} | {_cell(s.get('text', ''))} | {_cell(s.get('finish_reason', ''))} |"
-                  for s in samples] + [""]
+                  for s in run.samples if s["step"] == step] + [""]
     if (run.run_dir / "config.toml").is_file():
         lines += ["### Config", "", "<details><summary>config.toml as used</summary>", "", "```toml",
                   (run.run_dir / "config.toml").read_text(encoding="utf-8").strip(), "```", "", "</details>", ""]
