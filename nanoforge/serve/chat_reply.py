@@ -90,9 +90,8 @@ class ReplyDeltas:
             elif not self.tools_offered:
                 self.dropped += 1
             else:
-                function = {"name": value["name"], "arguments": value["arguments"]}
                 out.append({"tool_calls": [{"index": value["index"], "id": value["id"], "type": "function",
-                                            "function": function}]})
+                                            "function": {"name": value["name"], "arguments": value["arguments"]}}]})
                 self.calls += 1
         return out
 

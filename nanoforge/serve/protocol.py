@@ -111,9 +111,8 @@ class Limits:
     """What the server accepts, derived from the model: the context length and the max_tokens cap."""
 
     def __init__(self, context: int, max_tokens_cap: int | None, defaults: SamplingConfig):
-        self.context = context
+        self.context, self.defaults = context, defaults
         self.max_tokens_cap = min(max_tokens_cap or context, context)
-        self.defaults = defaults
 
 
 def sampling(body: dict, limits: Limits) -> tuple[SamplingConfig, bool, bool]:
