@@ -48,7 +48,14 @@ def write_hf_dir(model, tokenizer, out_dir: str | os.PathLike, force: bool = Fal
 
     config = hf_config(model.cfg, tokenizer)  # first: an unsupported model fails before anything is written
     out = Path(out_dir)
-    tmp = _temp_sibling(out, force)
+    if out.exists() and not out.is_dir():
+        raise NanoforgeError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise NanoforgeError(f"{out} already exists and is not empty; choose another --out or add --force")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
     try:
         write_json(tmp / "config.json", config)
         write_json(tmp / "generation_config.json", generation_config(tokenizer))
@@ -280,18 +287,3 @@ def add_gguf_tokenizer(writer, tokenizer, vocab_size: int) -> None:
     writer.add_add_bos_token(False)  # our prompts never start with an implicit bos
     writer.add_add_eos_token(False)
     writer.add_chat_template(tokenizer.chat_template)
-
-
-# -------------------------------------------------------------------------------------------------- helpers
-
-
-def _temp_sibling(out: Path, force: bool) -> Path:
-    if out.exists() and not out.is_dir():
-        raise NanoforgeError(f"{out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise NanoforgeError(f"{out} already exists and is not empty; choose another --out or add --force")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    return tmp
