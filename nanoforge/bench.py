@@ -188,10 +188,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     mcfg, tcfg = build_config(spec["preset"], spec["config"], spec["overrides"])
     tcfg.precision = resolve_precision(tcfg.precision, tcfg.device)  # before the micro-batch probe runs in it
     fit_micro_batch(mcfg, tcfg, log=lambda m: print(m, file=sys.stderr))  # --micro-batch auto|N
-    if spec["kind"] == "naive":
-        out = bench_naive(mcfg, tcfg, spec["steps"], spec["warmup"])
-    else:
-        out = bench_ours(mcfg, tcfg, spec["steps"], spec["warmup"], spec.get("data"))
+    out = (bench_naive(mcfg, tcfg, spec["steps"], spec["warmup"]) if spec["kind"] == "naive"
+           else bench_ours(mcfg, tcfg, spec["steps"], spec["warmup"], spec.get("data")))
     return {**out, "batch_size": tcfg.batch_size, "grad_accum": tcfg.grad_accum}
 
 
