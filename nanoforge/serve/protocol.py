@@ -141,9 +141,8 @@ def sampling(body: dict, limits: Limits) -> tuple[SamplingConfig, bool, bool]:
     stream = field(body, "stream", (bool,), "a boolean", False)
     options = field(body, "stream_options", (dict,), "an object", {})
     include_usage = field(options, "include_usage", (bool,), "a boolean", False)
-    cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-                         max_new_tokens=max_tokens, stop_strings=stop, seed=seed)
-    return cfg, stream, include_usage
+    return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                          max_new_tokens=max_tokens, stop_strings=stop, seed=seed), stream, include_usage
 
 
 def check_unicode(text: str, param: str) -> str:
