@@ -131,7 +131,7 @@ def _summary(rows: list[dict], rollouts: list[Rollout], seconds: float, with_too
     out = {"problems": n, "accuracy": sum(r["correct"] for r in rows) / n,
            "answered": sum(r["predicted"] is not None for r in rows) / n,
            "mean_turns": sum(r.turns for r in rollouts) / n,
-           "ended_normally": sum(r.end == "answer" for r in rollouts) / n,
+           "ended_normally": sum(r.ended_normally for r in rollouts) / n,
            "new_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)}
     if with_tools:
         replies = [reply for r in rollouts for reply in r.replies]

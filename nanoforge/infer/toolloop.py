@@ -41,6 +41,10 @@ class Rollout:
         return len(self.replies)
 
     @property
+    def ended_normally(self) -> bool:
+        return self.end == "answer"
+
+    @property
     def final_content(self) -> str:
         """The last reply's content ("" when there was none)."""
         return self.replies[-1].content if self.replies else ""
