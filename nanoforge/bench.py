@@ -124,8 +124,7 @@ def bench_ours(mcfg, tcfg, steps: int, warmup: int, data: str | None = None) -> 
     return out
 
 
-def naive_loop(model: torch.nn.Module, source, steps: int, device: torch.device,
-               on_step=None) -> torch.nn.Module:
+def naive_loop(model: torch.nn.Module, source, steps: int, device: torch.device, on_step=None) -> torch.nn.Module:
     """What a first training script looks like: fp32, mean loss per micro-batch, default (non-fused) AdamW,
     no accumulation, no autocast. `on_step(data_s, fwd_bwd_s, optim_s)` gets each step's phase times."""
     model.to(device).train()
@@ -189,10 +188,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     mcfg, tcfg = build_config(spec["preset"], spec["config"], spec["overrides"])
     tcfg.precision = resolve_precision(tcfg.precision, tcfg.device)  # before the micro-batch probe runs in it
     fit_micro_batch(mcfg, tcfg, log=lambda m: print(m, file=sys.stderr))  # --micro-batch auto|N
-    if spec["kind"] == "naive":
-        out = bench_naive(mcfg, tcfg, spec["steps"], spec["warmup"])
-    else:
-        out = bench_ours(mcfg, tcfg, spec["steps"], spec["warmup"], spec.get("data"))
+    out = (bench_naive(mcfg, tcfg, spec["steps"], spec["warmup"]) if spec["kind"] == "naive"
+           else bench_ours(mcfg, tcfg, spec["steps"], spec["warmup"], spec.get("data")))
     return {**out, "batch_size": tcfg.batch_size, "grad_accum": tcfg.grad_accum}
 
 

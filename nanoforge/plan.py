@@ -63,13 +63,6 @@ def device_memory(device: str) -> tuple[int, float]:
     return int(mem * GiB), peak
 
 
-def count_params(mcfg: ModelConfig) -> tuple[int, float]:
-    """Parameters and FLOPs per token of the model, built on the meta device (no memory is allocated)."""
-    with torch.device("meta"):
-        model = GPT(mcfg)
-    return model.num_params(), model.flops_per_token
-
-
 def activation_bytes(mcfg: ModelConfig, seq_len: int, precision: str) -> int:
     """Activations kept for the backward pass by one sequence (Korthikanti et al. with fused attention)."""
     scale = 2 if precision == "fp32" else 1
@@ -84,8 +77,9 @@ def make_plan(mcfg: ModelConfig, tcfg: TrainConfig, device: str = "rtx3090", glo
               tokens: float | None = None, mfu: float = 0.40, tokens_per_s: float | None = None) -> Plan:
     if tcfg.precision == "auto":  # what it means on the planned device: bf16 on every GPU of the table
         tcfg.precision = resolve_precision("auto", "cpu") if device == "cpu" else "bf16"
-    n, flops_fn = count_params(mcfg)
-    flops = flops_fn(tcfg.seq_len)
+    with torch.device("meta"):  # no memory is allocated
+        model = GPT(mcfg)
+    n, flops = model.num_params(), model.flops_per_token(tcfg.seq_len)
     weights, grads, optimizer = 4 * n, 4 * n, 8 * n
     per_sample = activation_bytes(mcfg, tcfg.seq_len, tcfg.precision)
     memory, peak = device_memory(device)

@@ -38,8 +38,7 @@ DEMO_MODULES = ("json", "os", "posixpath", "shutil", "glob", "fnmatch", "tempfil
                 "calendar", "datetime", "base64", "csv", "gzip", "zipfile", "tarfile", "collections",
                 "functools", "operator", "contextlib", "argparse", "subprocess", "html", "urllib", "logging",
                 "typing", "inspect", "threading", "configparser", "traceback", "ipaddress", "uuid", "pprint",
-                "enum", "dataclasses", "abc", "numbers", "socket", "queue", "shlex", "locale", "platform",
-                "timeit")
+                "enum", "dataclasses", "abc", "numbers", "socket", "queue", "shlex", "locale", "platform", "timeit")
 MIN_ANSWER_CHARS, MAX_ANSWER_CHARS = 15, 160  # a first sentence outside these is not an SFT answer
 MAX_SIGNATURE_CHARS = 100  # "How do I call X?" is asked only about functions with a signature this short
 
@@ -188,10 +187,6 @@ def qa_pairs(entry: DocEntry) -> dict[str, tuple[str, str]]:
     return out
 
 
-def _conversation(question: str, answer: str) -> dict:
-    return {"conversations": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
-
-
 def build_demo_corpus(out_dir: str | os.PathLike, sft_size: int = 1000,
                       modules: tuple[str, ...] = DEMO_MODULES) -> tuple[Path, Path, list[dict]]:
     """Write pretrain.jsonl and sft.jsonl into out_dir; return their paths and the questions to ask at the end.
@@ -221,7 +216,8 @@ def build_demo_corpus(out_dir: str | os.PathLike, sft_size: int = 1000,
     pretrain_path, sft_path = out_dir / "pretrain.jsonl", out_dir / "sft.jsonl"
     documents = list(dict.fromkeys(asked)) + [e for e in entries if e not in asked]
     _write_jsonl(pretrain_path, [{"text": pretrain_text(e)} for e in documents])
-    _write_jsonl(sft_path, [_conversation(q, a) for q, a in chosen])
+    _write_jsonl(sft_path, [{"conversations": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+                            for q, a in chosen])
     return pretrain_path, sft_path, questions
 
 

@@ -233,7 +233,7 @@ def initial_val_loss(data_dir: Path, mcfg, tcfg, precision: str) -> float:
     torch.manual_seed(tcfg.seed)
     model = GPT(mcfg)
     batches = EvalBatches(TokenShards(data_dir, "val"), tcfg.batch_size, tcfg.seq_len, tcfg.eval_batches)
-    return _mean_loss(model, batches, precision)
+    return evaluate(model, batches, causal_lm_loss, torch.device("cpu"), precision)[0]
 
 
 def sft_val_loss_before(pre_run: Path, data_dir: Path, tcfg, precision: str) -> float:
@@ -242,11 +242,7 @@ def sft_val_loss_before(pre_run: Path, data_dir: Path, tcfg, precision: str) -> 
     model, tokenizer, _ = load_model(pre_run)
     val = SFTBatches(TokenShards(data_dir, "val"), tcfg.batch_size, tcfg.seq_len, shuffle=False,
                      pad_id=tokenizer.pad_id)
-    return _mean_loss(model, val.eval_batches(tcfg.eval_batches), precision)
-
-
-def _mean_loss(model, batches, precision: str) -> float:
-    return evaluate(model, batches, causal_lm_loss, torch.device("cpu"), precision)[0]
+    return evaluate(model, val.eval_batches(tcfg.eval_batches), causal_lm_loss, torch.device("cpu"), precision)[0]
 
 
 def ask(run_dir: Path, questions: list[dict], max_new_tokens: int) -> list[dict]:
@@ -338,8 +334,7 @@ def _run_stages(work_dir: Path, s: dict, deadline: float, quiet: bool) -> Path:
     pre, post = facts["pre_loss"], facts["sft_loss"]
     _say(f"\nscore: {facts['score']}\npretraining validation loss {pre['start']:.3f} -> {pre['end']:.3f}; SFT "
          f"{post['start']:.3f} -> {post['end']:.3f}; {facts['closed']}/{len(samples)} replies closed with "
-         f"<|im_end|>; whole demo "
-         f"{format_duration(clock.elapsed())}\nreport: {report}", quiet)
+         f"<|im_end|>; whole demo {format_duration(clock.elapsed())}\nreport: {report}", quiet)
     return report
 
 
@@ -362,8 +357,7 @@ def _prepare_stage(clock: _Clock, work_dir: Path, s: dict, tokenizer, deadline: 
     return mcfg, tcfg, plan
 
 
-def _pretrain_stage(clock: _Clock, work_dir: Path, s: dict, mcfg, tcfg, plan: Plan, facts: dict,
-                    quiet: bool) -> Path:
+def _pretrain_stage(clock: _Clock, work_dir: Path, s: dict, mcfg, tcfg, plan: Plan, facts: dict, quiet: bool) -> Path:
     pre_data, pre_run = work_dir / "data" / "pretrain", work_dir / "pretrain"
     start = initial_val_loss(pre_data, mcfg, tcfg, plan.precision)
     epochs = plan.pretrain_steps * tcfg.batch_size * tcfg.seq_len / TokenShards(pre_data, "train").num_tokens
@@ -408,8 +402,7 @@ def _sft_stage(clock: _Clock, work_dir: Path, s: dict, pre_run: Path, mcfg, tcfg
         overrides={**{k: getattr(tcfg, k) for k in keep}, "device": "cpu", "precision": plan.precision,
                    "max_steps": steps, "lr": s["sft_lr"], "warmup_steps": min(20, steps // 5), "save_every": 0,
                    "keep_last": 1})
-    facts["sft_loss"], facts["sft_steps"], facts["sft_epochs"] = _losses(sft_run, start), steps, epochs
-    facts["sft_measured"] = measured
+    facts.update(sft_loss=_losses(sft_run, start), sft_steps=steps, sft_epochs=epochs, sft_measured=measured)
     clock.done(f"validation loss on the answers {_loss_note(facts['sft_loss'])}")
     return sft_run
 

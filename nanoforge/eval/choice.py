@@ -8,7 +8,6 @@ answer. See docs/evaluation.md for the formats and why length-normalised scoring
 from __future__ import annotations
 
 import csv
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -18,12 +17,11 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from nanoforge import safejson
 from nanoforge.data.batches import IGNORE
 from nanoforge.data.jsonl import DataError, check_input_file
 from nanoforge.device import autocast_context, eval_mode
 from nanoforge.errors import NanoforgeError
-from nanoforge.eval.common import Progress, check_precision, format_table, load_run
+from nanoforge.eval.common import Progress, check_precision, format_table, json_lines, load_run
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
@@ -62,32 +60,24 @@ def read_choices_jsonl(path) -> list[Question]:
     """`{"question": str, "choices": [str, ...], "answer": index or letter, "subject"?: str}` per line."""
     path = check_input_file(path)
     out = []
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            raw = raw.removeprefix(b"\xef\xbb\xbf") if line_no == 1 else raw
-            if not raw.strip():
-                continue
-            try:
-                obj = safejson.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise DataError(f"not valid JSON: {e}", path, line_no) from None
-            if not isinstance(obj, dict):
-                raise DataError("a record must be a JSON object", path, line_no)
-            q, choices = obj.get("question"), obj.get("choices")
-            if not isinstance(q, str) or not q.strip():
-                raise DataError("missing or not a non-empty string", path, line_no, '"question"')
-            if not isinstance(choices, list) or len(choices) < 2:
-                raise DataError("must be a list of at least 2 strings", path, line_no, '"choices"')
-            for i, c in enumerate(choices):
-                if not isinstance(c, str) or not c.strip():
-                    raise DataError("must be a non-empty string", path, line_no, f'"choices"[{i}]')
-            if "answer" not in obj:
-                raise DataError("missing", path, line_no, '"answer"')
-            answer = _answer_index(obj["answer"], len(choices), path, line_no, letters_only=False, name='"answer"')
-            subject = obj.get("subject", "all")
-            if not isinstance(subject, str) or not subject:
-                raise DataError("must be a non-empty string", path, line_no, '"subject"')
-            out.append(Question(q, list(choices), answer, subject, f"{path}:{line_no}"))
+    for line_no, obj in json_lines(path):
+        if not isinstance(obj, dict):
+            raise DataError("a record must be a JSON object", path, line_no)
+        q, choices = obj.get("question"), obj.get("choices")
+        if not isinstance(q, str) or not q.strip():
+            raise DataError("missing or not a non-empty string", path, line_no, '"question"')
+        if not isinstance(choices, list) or len(choices) < 2:
+            raise DataError("must be a list of at least 2 strings", path, line_no, '"choices"')
+        for i, c in enumerate(choices):
+            if not isinstance(c, str) or not c.strip():
+                raise DataError("must be a non-empty string", path, line_no, f'"choices"[{i}]')
+        if "answer" not in obj:
+            raise DataError("missing", path, line_no, '"answer"')
+        answer = _answer_index(obj["answer"], len(choices), path, line_no, letters_only=False, name='"answer"')
+        subject = obj.get("subject", "all")
+        if not isinstance(subject, str) or not subject:
+            raise DataError("must be a non-empty string", path, line_no, '"subject"')
+        out.append(Question(q, list(choices), answer, subject, f"{path}:{line_no}"))
     if not out:
         raise DataError("has no questions", path)
     return out

@@ -1,11 +1,14 @@
-"""What the evaluations (eval/run.py, eval/) share: the model to score, the precision check, the records whose
-prompt fits, a progress line and the printed table."""
+"""What the evaluations (eval/run.py, eval/) share: the model to score, the lines of a JSONL benchmark, the precision
+check, the records whose prompt fits, a progress line and the printed table."""
 from __future__ import annotations
 
+import json
 import sys
 import time
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
+from nanoforge import safejson
+from nanoforge.data.jsonl import DataError
 from nanoforge.device import resolve_device
 from nanoforge.errors import NanoforgeError
 from nanoforge.weights.load import load_model
@@ -16,6 +19,21 @@ def load_run(run, device: str):
     dev = resolve_device(device)
     model, tokenizer, ckpt = (*run, None) if isinstance(run, tuple) else load_model(run, dev)
     return model.to(dev), tokenizer, dev, ckpt
+
+
+def json_lines(path) -> Iterator[tuple[int, object]]:
+    """(line number, JSON value) of each non-blank line of a benchmark's JSONL file (line 1's BOM dropped);
+    DataError naming file:line for a line that is not JSON."""
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            raw = raw.removeprefix(b"\xef\xbb\xbf") if line_no == 1 else raw
+            if not raw.strip():
+                continue
+            try:
+                value = safejson.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise DataError(f"not valid JSON: {e}", path, line_no) from None
+            yield line_no, value
 
 
 def check_precision(precision: str) -> None:

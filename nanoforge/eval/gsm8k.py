@@ -14,15 +14,14 @@ Tokens/s is every generated token over the loop's wall time (prompt rendering, p
 """
 from __future__ import annotations
 
-import json
+import itertools
 import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Callable
 
-from nanoforge import safejson
 from nanoforge.data.jsonl import DataError, check_input_file
-from nanoforge.eval.common import Progress, fitting, format_table
+from nanoforge.eval.common import Progress, fitting, format_table, json_lines
 from nanoforge.infer.generate import SamplingConfig
 from nanoforge.infer.toolloop import Rollout, run_in_batches
 
@@ -76,24 +75,14 @@ def extract_answer(content: str) -> str | None:
 def read_gsm8k(path, limit: int | None = None) -> list[Problem]:
     """The problems of a GSM8K JSONL file (the first `limit` of them); DataError naming file:line: field."""
     path = check_input_file(path)
-    problems = []
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            if limit is not None and len(problems) >= limit:
-                break
-            raw = raw.removeprefix(b"\xef\xbb\xbf") if line_no == 1 else raw
-            if raw.strip():
-                problems.append(_problem(raw, path, line_no))
+    # islice stops before reading the line after the limit (a bad line there is never seen)
+    problems = [_problem(obj, path, line_no) for line_no, obj in itertools.islice(json_lines(path), limit)]
     if not problems:
         raise DataError("has no problems", path)
     return problems
 
 
-def _problem(raw: bytes, path, line_no: int) -> Problem:
-    try:
-        obj = safejson.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(f"not valid JSON: {e}", path, line_no) from None
+def _problem(obj, path, line_no: int) -> Problem:
     if not isinstance(obj, dict):
         raise DataError('a record must be a JSON object {"question": ..., "answer": ...}', path, line_no)
     for name in ("question", "answer"):

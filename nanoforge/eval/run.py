@@ -14,6 +14,7 @@ vocabularies can be compared on the same file (the measure of Gao et al. 2020, "
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -119,11 +120,10 @@ def _rows_sft(shards, seq_len: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
 
 
 def _score_rows(model, rows: Iterable[tuple[np.ndarray, np.ndarray]], batch_size: int, device, precision: str,
-                byte_table: np.ndarray | None, max_tokens: int | None, progress: Progress) -> tuple[_Totals, bool]:
-    """Sum of next-token NLL over all labelled positions of `rows` (right-padded into batches; padding comes
-    after the real tokens, so causal attention never sees it). Returns the totals and whether max_tokens cut
-    the data short."""
-    totals = _Totals()
+                byte_table: np.ndarray | None, max_tokens: int | None, progress: Progress, totals: _Totals) -> bool:
+    """Add the next-token NLL over all labelled positions of `rows` to `totals` (right-padded into batches;
+    padding comes after the real tokens, so causal attention never sees it) until totals.tokens reaches
+    max_tokens. Returns whether max_tokens cut the data short."""
     batch: list[tuple[np.ndarray, np.ndarray]] = []
     truncated = False
 
@@ -138,8 +138,7 @@ def _score_rows(model, rows: Iterable[tuple[np.ndarray, np.ndarray]], batch_size
         with torch.no_grad(), autocast_context(device, precision):
             logits = model(inputs)  # (B, T, V)
         # float32 softmax: bf16 logits lose the small differences the loss is made of
-        nll = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
-                              reduction="sum")
+        nll = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
         totals.nll += float(nll.double())
         supervised = labels[labels != IGNORE].cpu().numpy()
         totals.tokens += int(supervised.size)
@@ -166,7 +165,7 @@ def _score_rows(model, rows: Iterable[tuple[np.ndarray, np.ndarray]], batch_size
             break
     if batch:
         flush()
-    return totals, truncated
+    return truncated
 
 
 def evaluate_data(run, data_paths, batch_size: int = 8, seq_len: int | None = None, max_tokens: int | None = None,
@@ -252,12 +251,8 @@ def _score_splits(model, eos_id, data_dir: Path, kind: str, splits: list[str], s
             rows = _rows_pretrain(shards, eos_id, seq_len)
         else:
             rows = _rows_sft(shards, seq_len)
-        budget = None if max_tokens is None else max_tokens - totals.tokens
         with eval_mode(model):
-            part, truncated = _score_rows(model, rows, batch_size, device, precision, byte_table, budget, bar)
-        totals.nll += part.nll
-        totals.tokens += part.tokens
-        totals.bytes += part.bytes
+            truncated = _score_rows(model, rows, batch_size, device, precision, byte_table, max_tokens, bar, totals)
         if truncated:
             break
     bar.close()
@@ -281,8 +276,7 @@ def _add_bits_per_byte(result: dict, totals: _Totals, text_bytes: int, byte_tabl
     return nbytes
 
 
-# ----------------------------------------------------------------------------------------------------------
-# what `nanoforge eval` calls
+# ------------------------------------------------------------------------------ what `nanoforge eval` calls
 
 
 def run_eval(run, data=None, bench=None, fmt: str = "auto", shots: int = 0, dev=None, samples: bool = False,
@@ -335,10 +329,8 @@ def run_eval(run, data=None, bench=None, fmt: str = "auto", shots: int = 0, dev=
         out["samples"] = got
         if write and ckpt is not None and not isinstance(run, tuple):
             step = None
-            try:
+            with contextlib.suppress(NanoforgeError):
                 step = load_state(ckpt).get("step")
-            except NanoforgeError:
-                pass
             run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else Path(run)
             out["samples_file"] = str(write_samples(run_dir, got, step))
     if json_out:

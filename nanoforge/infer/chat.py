@@ -12,6 +12,7 @@ call (at most --max-tool-turns rounds per message).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 from typing import Callable, Sequence, TextIO
@@ -81,10 +82,8 @@ def _read_line(input_stream: TextIO, session: "_Session", prompt: str) -> str:
     """One line of input, "" at the end. On the real terminal through input(), which with the readline
     module gives line editing and history (arrow keys, and backspace over a wide Chinese character)."""
     if input_stream is sys.stdin and sys.stdin.isatty():
-        try:
+        with contextlib.suppress(ImportError):
             import readline  # noqa: F401  (importing it is what turns editing on; absent on Windows)
-        except ImportError:
-            pass
         try:
             return input(prompt) + "\n"
         except EOFError:
@@ -99,8 +98,7 @@ class _Session:
     def __init__(self, model, tokenizer, cfg: SamplingConfig, system: str | None, out: TextIO, interactive: bool,
                  precision: str, on_prompt: Callable[[list[int]], None] | None, tools: list[str], think: bool,
                  max_tool_turns: int):
-        self.model, self.tokenizer, self.cfg, self.out = model, tokenizer, cfg, out
-        self.interactive = interactive
+        self.model, self.tokenizer, self.cfg, self.out, self.interactive = model, tokenizer, cfg, out, interactive
         self.precision, self.on_prompt = precision, on_prompt
         self.system = system or None
         self.messages: list[dict] = self._fresh()
@@ -111,8 +109,7 @@ class _Session:
         # and the default 256 new tokens would otherwise have no room for the question.
         self.reply_room = min(cfg.max_new_tokens, context // 2)
         self.prompt_budget = context - self.reply_room
-        self.said_dropping = False
-        self.turns = 0
+        self.said_dropping, self.turns = False, 0
         # the named built-in tools offered and run, and thinking opened: both need MiniMind-3's template format
         if (tools or think) and not tokenizer.supports_tools:
             raise NanoforgeError(f"{'--tools' if tools else '--think'} needs a chat template with thinking and tool "
@@ -266,13 +263,8 @@ def run_chat(run_dir, temperature: float = DEFAULT_TEMPERATURE, top_k: int = DEF
     cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                          max_new_tokens=max_new_tokens, seed=seed)
     tool_names = parse_tool_names(tools)
-    target = resolve_device(device)
-    precision = resolve_precision(precision, target)
-    model, tokenizer, checkpoint = load_model(run_dir, device=target)
     interactive = sys.stdin.isatty()
-    if interactive:
-        print(f"loaded {checkpoint} ({model.num_params() / 1e6:.1f}M parameters) on {target}, {precision}",
-              file=sys.stderr)
+    model, tokenizer, _, precision = load_for_inference(run_dir, device, precision, announce=interactive)
     chat_loop(model, tokenizer, cfg, system, sys.stdin, sys.stdout, interactive, precision=precision,
               tools=tool_names, think=think, max_tool_turns=max_tool_turns)
 
@@ -289,9 +281,7 @@ def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, tempe
     input_stream, out = input_stream or sys.stdin, out or sys.stdout
     if prompt is None:
         prompt = input_stream.read()
-    target = resolve_device(device)
-    precision = resolve_precision(precision, target)
-    model, tokenizer, checkpoint = load_model(run_dir, device=target)
+    model, tokenizer, _, precision = load_for_inference(run_dir, device, precision)
     ids = tokenizer.encode(prompt) if prompt else []
     if not ids:
         if tokenizer.eos_id is None:
@@ -315,6 +305,18 @@ def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, tempe
             out.flush()
         out.write("\n")
         out.flush()
+
+
+def load_for_inference(run_dir, device: str, precision: str, announce: bool = False):
+    """(model, tokenizer, checkpoint, precision) with device and precision resolved; `announce` tells stderr
+    what was loaded where."""
+    target = resolve_device(device)
+    precision = resolve_precision(precision, target)
+    model, tokenizer, checkpoint = load_model(run_dir, device=target)
+    if announce:
+        print(f"loaded {checkpoint} ({model.num_params() / 1e6:.1f}M parameters) on {target}, {precision}",
+              file=sys.stderr)
+    return model, tokenizer, checkpoint, precision
 
 
 def resolve_precision(precision: str, device) -> str:

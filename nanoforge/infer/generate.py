@@ -27,8 +27,7 @@ from nanoforge.errors import NanoforgeError
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# configuration
+# -------------------------------------------------------------------------------------------- configuration
 
 
 @dataclass
@@ -87,8 +86,7 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # numpy ints too
 
 
-# ----------------------------------------------------------------------------------------------------------
-# public entry points
+# -------------------------------------------------------------------------------------- public entry points
 
 
 @dataclass
@@ -130,9 +128,8 @@ def stream(model, tokenizer, prompt_ids: Sequence[int], cfg: SamplingConfig,
     text ends in an incomplete UTF-8 character (a byte-level token can carry part of one, e.g. a third of a
     Chinese character, which decodes to U+FFFD) or in something that could be the start of a stop string.
     """
-    for piece in stream_completion(model, tokenizer, prompt_ids, cfg, stop_ids, precision):
-        if isinstance(piece, str):
-            yield piece
+    pieces = stream_completion(model, tokenizer, prompt_ids, cfg, stop_ids, precision)
+    yield from (piece for piece in pieces if isinstance(piece, str))
 
 
 def stream_completion(model, tokenizer, prompt_ids: Sequence[int], cfg: SamplingConfig,
@@ -222,8 +219,7 @@ def cut_at_stop(text: str, stop_strings: Sequence[str]) -> str:
     return text if cut is None else text[:cut]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# stopping
+# ------------------------------------------------------------------------------------------------- stopping
 
 
 def _stop_index(text: str, stop_strings: Sequence[str]) -> int | None:
@@ -271,8 +267,7 @@ def _generate_rows(model, prompts, cfg, stop_ids, use_cache, tokenizer,
     return [(ids, reason or "length", stop) for ids, reason, stop in zip(rows, reasons, stopped_by)]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# the decoding loop
+# ---------------------------------------------------------------------------------------- the decoding loop
 
 
 def _token_steps(model, prompts, cfg: SamplingConfig, use_cache: bool, precision: str) -> Iterator[list[int]]:
@@ -380,8 +375,7 @@ def _check_prompts(model, prompts) -> list[int]:
     return [len(prompt) for prompt in prompts]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# sampling
+# ------------------------------------------------------------------------------------------------- sampling
 
 
 def _token_presence(ids: torch.Tensor, vocab: int) -> torch.Tensor:

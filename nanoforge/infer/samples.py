@@ -14,14 +14,8 @@ from nanoforge.device import eval_mode
 from nanoforge.infer.generate import SamplingConfig, complete
 
 
-DEFAULT_PROMPTS = [
-    "春天来了，",
-    "从前有一座山，山里有",
-    "中国的首都是",
-    "Once upon a time, there was a",
-    "The most important thing about learning is",
-    "Water boils at",
-]
+DEFAULT_PROMPTS = ["春天来了，", "从前有一座山，山里有", "中国的首都是", "Once upon a time, there was a",
+                   "The most important thing about learning is", "Water boils at"]
 
 
 def load_prompts(path) -> list[str]:

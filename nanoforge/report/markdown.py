@@ -176,11 +176,8 @@ def final_metrics(run: RunMetrics) -> list[tuple[str, Any, int]]:
 def summarize(run: RunMetrics) -> list[tuple[str, str]]:
     """(label, value) rows for one run's table."""
     model, train, info = run.config.get("model", {}), run.config.get("train", {}), run.config.get("run", {})
-    rows: list[tuple[str, str]] = []
-    if info.get("stage"):
-        rows.append(("stage", str(info["stage"])))
-    if info.get("init"):
-        rows.append(("initialised from", str(info["init"])))
+    rows = [(label, str(info[key])) for key, label in (("stage", "stage"), ("init", "initialised from"))
+            if info.get(key)]
     if model:
         params = count_params(model)
         if params is not None:
@@ -267,13 +264,6 @@ def data_rows(run: RunMetrics) -> list[tuple[str, str]]:
     return rows
 
 
-def latest_samples(run: RunMetrics) -> tuple[int | None, list[dict]]:
-    if not run.samples:
-        return None, []
-    step = max(s["step"] for s in run.samples)
-    return step, [s for s in run.samples if s["step"] == step]
-
-
 # ------------------------------------------------------------------------------------------------- markdown
 
 
@@ -312,17 +302,14 @@ def _run_section(run: RunMetrics, out_path: Path, Figure, png_name: str) -> list
         lines += ["### Final metrics", "", "| metric | value | step |", "|---|---|---|"]
         lines += [f"| {key} | {fmt_number(value)} | {step} |" for key, value, step in final] + [""]
     lines += ["### Time", ""] + _table(time_rows(run))
-    params = parameter_rows(run)
-    if params:
-        lines += ["### Parameters", ""] + _table(params)
-    data = data_rows(run)
-    if data:
-        lines += ["### Data", ""] + _table(data)
-    step, samples = latest_samples(run)
-    if samples:
+    for heading, rows in (("Parameters", parameter_rows(run)), ("Data", data_rows(run))):
+        if rows:
+            lines += [f"### {heading}", ""] + _table(rows)
+    if run.samples:  # the latest step's
+        step = max(s["step"] for s in run.samples)
         lines += [f"### Samples (step {step})", "", "| prompt | completion | finish |", "|---|---|---|"]
         lines += [f"| {_cell(s.get('prompt', ''))} | {_cell(s.get('text', ''))} | {_cell(s.get('finish_reason', ''))} |"
-                  for s in samples] + [""]
+                  for s in run.samples if s["step"] == step] + [""]
     if (run.run_dir / "config.toml").is_file():
         lines += ["### Config", "", "<details><summary>config.toml as used</summary>", "", "```toml",
                   (run.run_dir / "config.toml").read_text(encoding="utf-8").strip(), "```", "", "</details>", ""]

@@ -49,8 +49,7 @@ def plot_runs(runs: Sequence[Any], path: Path, Figure, title: str) -> Path:
                     continue
                 name = " ".join(x for x in ((run.name if len(runs) > 1 else ""), label or "") if x) or None
                 style = dict(marker="o", markersize=3, linestyle="--") if source == "val" else {}
-                ax.plot([p[0] for p in points], [p[1] for p in points], color=color, linewidth=1.3,
-                        label=name, **style)
+                ax.plot([p[0] for p in points], [p[1] for p in points], color=color, linewidth=1.3, label=name, **style)
                 drawn = True
         ax.set(title=panel, xlabel="step", ylabel=ylabel)
         ax.grid(alpha=0.3)

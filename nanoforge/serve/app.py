@@ -44,17 +44,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanoforge.device import resolve_device
 from nanoforge.errors import NanoforgeError
 from nanoforge.infer import defaults as chat_defaults
 from nanoforge.serve import protocol
-from nanoforge.infer.chat import resolve_precision
+from nanoforge.infer.chat import load_for_inference
 from nanoforge.serve.chat_reply import ChatChunks, call_id_prefix, chat_body, finish_reason, reply_message
 from nanoforge.serve.chat_request import parse_chat_request
 from nanoforge.infer.generate import Completion, SamplingConfig, stream_completion
 from nanoforge.serve.protocol import APIError, GenerationRequest, Limits
 from nanoforge.infer.toolloop import stop_ids
-from nanoforge.weights.load import load_model
 from nanoforge.chat.calculator import BUILTIN_TOOLS, run_tool_call
 
 DEFAULT_HOST = "127.0.0.1"
@@ -67,26 +65,11 @@ PAGE = Path(__file__).with_name("static") / "chat.html"
 log = logging.getLogger("nanoforge.serve")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# generation: one at a time, on one worker thread
+# ---------------------------------------------------------- generation: one at a time, on one worker thread
 
 
 class _Cancelled(Exception):
     pass
-
-
-def stream_reply(model, tokenizer, prompt_ids: list[int], cfg: SamplingConfig, stop_ids: list[int], precision: str,
-                 cancelled: threading.Event | None = None,
-                 deadline: float | None = None) -> Iterator[str | Completion]:
-    """`generate.stream_completion`: text pieces, then one `Completion`. Abandoned (raising _Cancelled) once
-    `cancelled` is set. Past `deadline` (a time.monotonic() value) the reply ends after the token in hand, with
-    finish_reason "length", as if max_tokens had been reached."""
-    def keep_going() -> bool:
-        if cancelled is not None and cancelled.is_set():
-            raise _Cancelled()
-        return deadline is None or time.monotonic() < deadline
-
-    return stream_completion(model, tokenizer, prompt_ids, cfg, stop_ids, precision, keep_going)
 
 
 class _Worker:
@@ -95,8 +78,7 @@ class _Worker:
     def __init__(self, model, tokenizer, precision: str, max_pending: int,
                  request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT):
         self.model, self.tokenizer, self.precision = model, tokenizer, precision
-        self.max_pending = max_pending
-        self.request_timeout = request_timeout
+        self.max_pending, self.request_timeout = max_pending, request_timeout
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoforge-generate")
         self.live: set[threading.Event] = set()
         self._lock = threading.Lock()
@@ -120,6 +102,19 @@ class _Worker:
             self.pending += 1
         return asyncio.get_running_loop().run_in_executor(self.executor, job)
 
+    def _replies(self, req: GenerationRequest, stop_ids: list[int], cancelled: threading.Event | None = None,
+                 deadline: float | None = None) -> Iterator[str | Completion]:
+        """`generate.stream_completion`: text pieces, then one `Completion`. Abandoned (raising _Cancelled) once
+        `cancelled` is set. Past `deadline` (a time.monotonic() value) the reply ends after the token in hand,
+        with finish_reason "length", as if max_tokens had been reached."""
+        def keep_going() -> bool:
+            if cancelled is not None and cancelled.is_set():
+                raise _Cancelled()
+            return deadline is None or time.monotonic() < deadline
+
+        return stream_completion(self.model, self.tokenizer, req.prompt_ids, req.cfg, stop_ids, self.precision,
+                                 keep_going)
+
     def deadline(self) -> float | None:
         """When a request arriving now must stop generating: the timeout counts its wait in the queue too."""
         return time.monotonic() + self.request_timeout if self.request_timeout else None
@@ -128,9 +123,8 @@ class _Worker:
         self.check_room()
         deadline = self.deadline()
 
-        def job() -> Completion:  # stream_reply's last item is the Completion that complete() would give
-            *_, done = stream_reply(self.model, self.tokenizer, req.prompt_ids, req.cfg, stop_ids, self.precision,
-                                    deadline=deadline)
+        def job() -> Completion:  # the last item is the Completion that complete() would give
+            *_, done = self._replies(req, stop_ids, deadline=deadline)
             return done
 
         return await self._submit(job)
@@ -153,8 +147,7 @@ class _Worker:
             if cancelled.is_set():
                 return  # the client left while the request waited its turn
             try:
-                for item in stream_reply(self.model, self.tokenizer, req.prompt_ids, req.cfg, stop_ids,
-                                         self.precision, cancelled, deadline):
+                for item in self._replies(req, stop_ids, cancelled, deadline):
                     put(item)
             except _Cancelled:
                 pass
@@ -181,8 +174,7 @@ class _Worker:
         self.executor.shutdown(wait=True, cancel_futures=True)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# the app
+# -------------------------------------------------------------------------------------------------- the app
 
 
 def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
@@ -384,8 +376,7 @@ async def _answer(worker: _Worker, req: GenerationRequest, stop_ids: list[int], 
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-# ----------------------------------------------------------------------------------------------------------
-# running it
+# ----------------------------------------------------------------------------------------------- running it
 
 
 def _check_can_listen(host: str, port: int) -> None:
@@ -410,16 +401,12 @@ def run_server(run_dir, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_
 
     The model is named after the run directory unless `model_name` is given."""
     _check_can_listen(host, port)  # before minutes of loading, and before saying "serving"
-    target = resolve_device(device)
-    precision = resolve_precision(precision, target)
-    model, tokenizer, checkpoint = load_model(run_dir, device=target)
+    model, tokenizer, _, precision = load_for_inference(run_dir, device, precision, announce=True)
     name = model_name or Path(run_dir).resolve().name
     app = create_app(model, tokenizer, name, api_key=api_key, max_body_bytes=max_body_bytes,
                      max_tokens_cap=max_tokens_cap, precision=precision, request_timeout=request_timeout,
                      max_pending=max_pending)
     shown = f"[{host}]" if ":" in host else host
-    print(f"loaded {checkpoint} ({model.num_params() / 1e6:.1f}M parameters) on {target}, {precision}",
-          file=sys.stderr)
     print(f"serving {name!r}: web chat at http://{shown}:{port}/, OpenAI API at http://{shown}:{port}/v1"
           + (" (API key required)" if api_key else ""), file=sys.stderr)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:

@@ -64,8 +64,7 @@ class ReplyDeltas:
     def __init__(self, req: GenerationRequest, id_prefix: str):
         self.parser = StreamParser(req.thinking_open, id_prefix) if req.structured else None
         self.tools_offered = req.tools_offered
-        self.calls = 0
-        self.dropped = 0
+        self.calls, self.dropped = 0, 0
         self.errors: list[str] = []
 
     def feed(self, piece: str) -> list[dict]:
@@ -91,9 +90,8 @@ class ReplyDeltas:
             elif not self.tools_offered:
                 self.dropped += 1
             else:
-                function = {"name": value["name"], "arguments": value["arguments"]}
                 out.append({"tool_calls": [{"index": value["index"], "id": value["id"], "type": "function",
-                                            "function": function}]})
+                                            "function": {"name": value["name"], "arguments": value["arguments"]}}]})
                 self.calls += 1
         return out
 
@@ -112,8 +110,7 @@ class ChatChunks:
         self.deltas = ReplyDeltas(req, id_prefix)
 
     def chunk(self, delta: dict, finish: str | None = None) -> dict:
-        return {"id": self.reply_id, "object": "chat.completion.chunk", "created": self.now,
-                "model": self.model_name,
+        return {"id": self.reply_id, "object": "chat.completion.chunk", "created": self.now, "model": self.model_name,
                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
                 "system_fingerprint": None}
 

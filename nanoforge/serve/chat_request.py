@@ -66,8 +66,7 @@ def _refuse_tools(messages: list[dict], offered: bool) -> None:
             raise bad_request(f"messages[{i}] {what}, but {why}", param=f"messages[{i}]")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# tools, tool_choice, template switches
+# -------------------------------------------------------------------- tools, tool_choice, template switches
 
 
 def parse_tools(tools) -> list[dict] | None:
@@ -114,8 +113,7 @@ def parse_tool_choice(choice) -> str:
     if choice == "required" or isinstance(choice, dict):
         raise bad_request("tool_choice: only \"auto\" and \"none\" are supported (this server cannot force a "
                           "small model to call a tool)", param="tool_choice")
-    raise bad_request(f"tool_choice must be \"auto\" or \"none\", got {json.dumps(choice)[:60]}",
-                      param="tool_choice")
+    raise bad_request(f"tool_choice must be \"auto\" or \"none\", got {json.dumps(choice)[:60]}", param="tool_choice")
 
 
 def template_switches(kwargs) -> dict:
@@ -134,8 +132,7 @@ def template_switches(kwargs) -> dict:
     return dict(kwargs)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# messages
+# ------------------------------------------------------------------------------------------------- messages
 
 
 def chat_messages(body: dict) -> list[dict]:

@@ -19,8 +19,7 @@ from nanoforge.infer.generate import Completion, SamplingConfig
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 
-# ----------------------------------------------------------------------------------------------------------
-# errors in OpenAI's shape
+# --------------------------------------------------------------------------------- errors in OpenAI's shape
 
 
 class APIError(Exception):
@@ -63,8 +62,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param, code)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# reading and checking requests
+# ---------------------------------------------------------------------------- reading and checking requests
 
 
 def field(body: dict, name: str, kinds: tuple, what: str, default=None):
@@ -113,9 +111,8 @@ class Limits:
     """What the server accepts, derived from the model: the context length and the max_tokens cap."""
 
     def __init__(self, context: int, max_tokens_cap: int | None, defaults: SamplingConfig):
-        self.context = context
+        self.context, self.defaults = context, defaults
         self.max_tokens_cap = min(max_tokens_cap or context, context)
-        self.defaults = defaults
 
 
 def sampling(body: dict, limits: Limits) -> tuple[SamplingConfig, bool, bool]:
@@ -125,12 +122,9 @@ def sampling(body: dict, limits: Limits) -> tuple[SamplingConfig, bool, bool]:
     top_p = number(body, "top_p", d.top_p, 0.0, 1.0, low_open=True)
     top_k = integer(body, "top_k", d.top_k, 0, 1_000_000)
     repetition_penalty = number(body, "repetition_penalty", d.repetition_penalty, 0.0, 10.0, low_open=True)
-    cap_hint = f" (the cap for this model, whose context is {limits.context} tokens)"
-    max_tokens = integer(body, "max_tokens", None, 1, limits.max_tokens_cap, cap_hint)
-    if max_tokens is None:  # the newer name for the same thing
-        max_tokens = integer(body, "max_completion_tokens", None, 1, limits.max_tokens_cap, cap_hint)
-    if max_tokens is None:
-        max_tokens = min(d.max_new_tokens, limits.max_tokens_cap)
+    cap, cap_hint = limits.max_tokens_cap, f" (the cap for this model, whose context is {limits.context} tokens)"
+    max_tokens = (integer(body, "max_tokens", None, 1, cap, cap_hint)  # or its newer name, else the default
+                  or integer(body, "max_completion_tokens", None, 1, cap, cap_hint) or min(d.max_new_tokens, cap))
     seed = integer(body, "seed", None, 0, 2**63 - 1)
     integer(body, "n", 1, 1, 1, " (this server returns one choice per request)")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -147,9 +141,8 @@ def sampling(body: dict, limits: Limits) -> tuple[SamplingConfig, bool, bool]:
     stream = field(body, "stream", (bool,), "a boolean", False)
     options = field(body, "stream_options", (dict,), "an object", {})
     include_usage = field(options, "include_usage", (bool,), "a boolean", False)
-    cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-                         max_new_tokens=max_tokens, stop_strings=stop, seed=seed)
-    return cfg, stream, include_usage
+    return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                          max_new_tokens=max_tokens, stop_strings=stop, seed=seed), stream, include_usage
 
 
 def check_unicode(text: str, param: str) -> str:
@@ -191,8 +184,7 @@ def parse_completion_request(body: Any, tokenizer, limits: Limits) -> Generation
     return GenerationRequest(prompt_ids, cfg, stream, include_usage)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# replies
+# -------------------------------------------------------------------------------------------------- replies
 
 
 def usage(prompt_ids: list[int], completion: Completion) -> dict:

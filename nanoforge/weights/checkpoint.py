@@ -46,8 +46,7 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    found = list_checkpoints(run_dir)
-    return found[-1] if found else None
+    return (list_checkpoints(run_dir) or [None])[-1]
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

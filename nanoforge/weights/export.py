@@ -16,6 +16,8 @@ half-written behind.
 """
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -46,7 +48,14 @@ def write_hf_dir(model, tokenizer, out_dir: str | os.PathLike, force: bool = Fal
 
     config = hf_config(model.cfg, tokenizer)  # first: an unsupported model fails before anything is written
     out = Path(out_dir)
-    tmp = _temp_sibling(out, force)
+    if out.exists() and not out.is_dir():
+        raise NanoforgeError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise NanoforgeError(f"{out} already exists and is not empty; choose another --out or add --force")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
     try:
         write_json(tmp / "config.json", config)
         write_json(tmp / "generation_config.json", generation_config(tokenizer))
@@ -70,30 +79,16 @@ def hf_config(cfg: ModelConfig, tokenizer) -> dict[str, Any]:
     model_type = "qwen3_moe" if cfg.n_experts else "qwen3" if cfg.qk_norm else "llama"
     bos_name = tokenizer.hf_config().get("bos_token")
     config: dict[str, Any] = {
-        "architectures": [HF_ARCHITECTURES[model_type]],
-        "model_type": model_type,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
+        "architectures": [HF_ARCHITECTURES[model_type]], "model_type": model_type, "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
         "hidden_act": "silu",
         # what the model can attend over: max_seq_len, times the YaRN factor when scaled (as our RoPE tables)
         "max_position_embeddings": int(cfg.max_seq_len * max(1.0, cfg.rope_scaling_factor)),
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": cfg.init_std,
-        "bos_token_id": tokenizer.token_to_id(bos_name) if bos_name else None,
-        "eos_token_id": tokenizer.eos_id,
-        "pad_token_id": tokenizer.pad_id,
-        "torch_dtype": "float32",
-        "use_cache": True,
-    }
+        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False, "attention_dropout": 0.0, "initializer_range": cfg.init_std,
+        "bos_token_id": tokenizer.token_to_id(bos_name) if bos_name else None, "eos_token_id": tokenizer.eos_id,
+        "pad_token_id": tokenizer.pad_id, "torch_dtype": "float32", "use_cache": True}
     if model_type == "llama":
         config.update(mlp_bias=False, pretraining_tp=1)
     else:
@@ -124,9 +119,8 @@ def generation_config(tokenizer) -> dict[str, Any]:
     bos_name = tokenizer.hf_config().get("bos_token")
     config = {"bos_token_id": tokenizer.token_to_id(bos_name) if bos_name else None,
               "eos_token_id": list(dict.fromkeys(eos)), "pad_token_id": tokenizer.pad_id, "do_sample": False}
-    version = _transformers_version()
-    if version:
-        config["transformers_version"] = version
+    with contextlib.suppress(Exception):  # not installed: the field is informational
+        config["transformers_version"] = importlib.metadata.version("transformers")
     return config
 
 
@@ -149,8 +143,7 @@ def permute_for_llama_cpp(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     HF rotates channel i of a head with channel i + head_dim/2 (`rotate_half`); llama.cpp's llama architecture
     rotates adjacent channels (2i, 2i+1), the layout of Meta's original checkpoints. Interleaving the two
     halves of each head's rows makes q.k, and so the model, the same. w: (n_heads * head_dim, d_model)."""
-    out_features = w.shape[0]
-    half = out_features // n_heads // 2
+    half = w.shape[0] // n_heads // 2
     # rows of a head: [first half | second half] -> (half, 2) pairs -> interleaved
     return w.reshape(n_heads, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
@@ -294,26 +287,3 @@ def add_gguf_tokenizer(writer, tokenizer, vocab_size: int) -> None:
     writer.add_add_bos_token(False)  # our prompts never start with an implicit bos
     writer.add_add_eos_token(False)
     writer.add_chat_template(tokenizer.chat_template)
-
-
-# -------------------------------------------------------------------------------------------------- helpers
-
-
-def _temp_sibling(out: Path, force: bool) -> Path:
-    if out.exists() and not out.is_dir():
-        raise NanoforgeError(f"{out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise NanoforgeError(f"{out} already exists and is not empty; choose another --out or add --force")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    return tmp
-
-
-def _transformers_version() -> str | None:
-    try:
-        from importlib.metadata import version
-        return version("transformers")
-    except Exception:  # not installed: the field is informational
-        return None
