@@ -15,7 +15,7 @@ from nanoforge.config import MODEL_FIELDS, build_config
 from nanoforge.device import resolve_device, resolve_precision
 from nanoforge.errors import NanoforgeError
 from nanoforge.chat.tools import parse_tool_names
-from nanoforge.weights.load import init_config, init_tokenizer_dir, init_weights
+from nanoforge.weights.load import init_config, init_tokenizer_dir
 from nanoforge.model.gpt import GPT
 from nanoforge.rl.agent import agent_rollout, check_agent_prompts
 from nanoforge.rl.losses import ADVANTAGES, LOSSES, NORMS
@@ -29,7 +29,7 @@ from nanoforge.train.distributed import setup, world
 from nanoforge.train.loop import Stage
 from nanoforge.train.rundir import (check_same_origin, copy_tokenizer, fresh_run_guard, open_run, resolve_run_options,
                                     write_run_config)
-from nanoforge.recipes.common import make_sampler, sample_prompts, train_and_report
+from nanoforge.recipes.common import initial_gpt, make_sampler, sample_prompts, train_and_report
 
 # Training defaults under --config and the flags. RL moves a model that already answers: small steps (1e-6..1e-5
 # for real models; MiniMind's GRPO uses 3e-7 with a cosine schedule), constant, every step logged (a step is a
@@ -170,11 +170,9 @@ def reward_function(o: dict[str, Any], chosen: list[tuple[str, RewardFn]], devic
     return combine(chosen, parse_weights(o.get("reward_weights"), len(chosen)))
 
 
-def frozen_reference(mcfg, init_path: Path, device) -> GPT:
+def frozen_reference(mcfg, tcfg, init_path: Path, device) -> GPT:
     """The --init model, frozen, whatever step a run resumes at: the reference of the KL term."""
-    reference = GPT(mcfg)
-    reference.load_weights(init_weights(init_path))
-    return reference.to(device).eval().requires_grad_(False)
+    return initial_gpt(mcfg, tcfg, init_path, resume=False).to(device).eval().requires_grad_(False)
 
 
 @fresh_run_guard
@@ -195,10 +193,8 @@ def grpo(init: str | None, data: str | None, out: str | Path, options: RLOptions
     cfg = RolloutConfig(o["num_generations"], o["temperature"], o["max_new_tokens"], o["think"], o["advantage"],
                         tcfg.precision)
     cfg.validate()
-    reference = frozen_reference(mcfg, init_path, device) if o["beta"] > 0 else None
-    model = GPT(mcfg)
-    if not resume:
-        model.load_weights(init_weights(init_path))
+    reference = frozen_reference(mcfg, tcfg, init_path, device) if o["beta"] > 0 else None
+    model = initial_gpt(mcfg, tcfg, init_path, resume)
     tools = parse_tool_names(o.get("tools"))
     if tools:  # multi-turn: rl/agent.py's rollouts and reward
         check_agent_prompts(tok, records, tools, cfg.think, model.model.rotary_emb.n_positions)
