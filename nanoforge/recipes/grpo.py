@@ -27,7 +27,7 @@ from nanoforge.rl.grpo_batches import RolloutBatches, policy_count, policy_objec
 from nanoforge.tokenizer import load_tokenizer
 from nanoforge.train.distributed import setup, world
 from nanoforge.train.loop import Stage
-from nanoforge.train.rundir import (check_same_origin, copy_tokenizer, fresh_run_guard, open_run, resolve_run_options,
+from nanoforge.train.rundir import (copy_tokenizer, fresh_run_guard, resolve_run_options, resumed_run,
                                     write_run_config)
 from nanoforge.recipes.common import initial_gpt, make_sampler, sample_prompts, train_and_report
 
@@ -110,12 +110,8 @@ def rl_setup(stage: str, init: str | None, data: str | None, out: Path, config_f
     """The run directory and config of an RL run (finetune_setup's, with a prompts file instead of prepared data):
     (run_dir, mcfg, tcfg, run_info, init_path, tokenizer, prompt records)."""
     if resume:
-        run_dir, mcfg, tcfg, run_info, _ = open_run(out, True, None, config_file, overrides)
-        if run_info.get("stage") != stage:
-            raise NanoforgeError(f"--resume: {run_dir} is a {run_info.get('stage')!r} run, not {stage}")
-        check_same_origin(run_dir, "--init", init, run_info.get("init"))
-        init_path, tokenizer_dir = Path(run_info["init"]), run_dir / "tokenizer"
-        data = data or run_info["data"]
+        run_dir, mcfg, tcfg, run_info, init_path = resumed_run(stage, init, out, config_file, overrides)
+        tokenizer_dir, data = run_dir / "tokenizer", data or run_info["data"]
     else:
         if not init:
             raise NanoforgeError("--init is required: the SFT run, checkpoint or HF model directory to train")
