@@ -342,8 +342,7 @@ class GPT(nn.Module):
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled() and cache is None
         for i, block in enumerate(self.model.layers):
             if recompute:  # keep only each block's input; its insides are recomputed during backward
-                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, is_causal, None, i,
-                                                      use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, is_causal, None, i, use_reentrant=False)
             else:
                 x = block(x, cos, sin, mask, is_causal, cache, i)
         x = self.model.norm(x)

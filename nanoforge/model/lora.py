@@ -91,8 +91,7 @@ class LoraConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LoraConfig:
         try:
-            return cls(rank=d["lora_rank"], alpha=d["lora_alpha"], dropout=d["lora_dropout"],
-                       targets=d["lora_targets"])
+            return cls(rank=d["lora_rank"], alpha=d["lora_alpha"], dropout=d["lora_dropout"], targets=d["lora_targets"])
         except KeyError as e:
             raise NanoforgeError(f"LoRA settings are incomplete: {e.args[0]} is missing") from None
 

@@ -90,8 +90,7 @@ def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions
     w = world()
     iterator = PromptIterator(records, o["prompts_per_step"], tcfg.seed, w.rank, w.world_size)
     # the group advantage of RolloutConfig is GRPO's and unused here: PPO's advantages come from GAE
-    cfg = RolloutConfig(o["num_generations"], o["temperature"], o["max_new_tokens"], o["think"], "mean",
-                        tcfg.precision)
+    cfg = RolloutConfig(o["num_generations"], o["temperature"], o["max_new_tokens"], o["think"], "mean", tcfg.precision)
     reference = frozen_reference(mcfg, tcfg, init_path, device) if cfg_ppo.beta > 0 else None
     if resume:  # the loop loads the checkpoint's policy and critic
         model = PolicyWithValue.from_config(mcfg)

@@ -134,8 +134,7 @@ def agent_rollouts(model, tokenizer, prompts: Sequence[Sequence[int]], records: 
     for turn in range(max_turns):
         if not live:
             break
-        rows = sample_with_logprobs(model, [trajectories[i].ids for i in live], cfg, stops, generator,
-                                    precision)
+        rows = sample_with_logprobs(model, [trajectories[i].ids for i in live], cfg, stops, generator, precision)
         live = [i for i, (tokens, logprobs, stopped) in zip(live, rows)
                 if _add_reply(trajectories[i], tokenizer, tokens, logprobs, stopped, tools, think,
                               turn + 1 == max_turns, context - cfg.max_new_tokens)]

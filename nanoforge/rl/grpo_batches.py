@@ -122,8 +122,7 @@ def decode_batch(encoded: dict[str, Any]) -> Batch:
             for key, (dtype, shape, data) in encoded.items()}
 
 
-def policy_objective(loss: str, epsilon: float, epsilon_high: float | None, beta: float, norm: str,
-                     temperature: float):
+def policy_objective(loss: str, epsilon: float, epsilon_high: float | None, beta: float, norm: str, temperature: float):
     """Stage.loss_fn: the policy loss of a rollout micro-batch under the current model, log-probs at the
     sampling temperature; the rollout's stat_* figures ride along as extras (so they are logged per step)."""
     def loss_fn(model, batch: Batch):

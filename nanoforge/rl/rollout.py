@@ -80,8 +80,7 @@ def check_fits(prompt: list[int], record: PromptRecord, context: int) -> None:
                              f"at most {context}, which leaves no room for a reply; shorten or drop this prompt")
 
 
-def sample_replies(model, tokenizer, prompts: Sequence[list[int]], cfg: RolloutConfig,
-                   seed: int) -> list[Completion]:
+def sample_replies(model, tokenizer, prompts: Sequence[list[int]], cfg: RolloutConfig, seed: int) -> list[Completion]:
     """One reply per prompt id list, all rows in one batch, stopping at <|im_end|>; drawn from softmax(logits / T)
     with a private generator seeded with `seed` (so a rollout is reproducible from its seed alone)."""
     if tokenizer.im_end_id is None:

@@ -247,8 +247,7 @@ def truncate_metrics(path: Path, keep_through_step: int) -> None:
 
 
 def progress_line(step: int, max_steps: int, values: dict[str, Any], eta_s: float | None) -> str:
-    parts = [f"step {step:>{len(str(max_steps))}}/{max_steps}", f"loss {values['loss']:.4f}",
-             f"lr {values['lr']:.2e}"]
+    parts = [f"step {step:>{len(str(max_steps))}}/{max_steps}", f"loss {values['loss']:.4f}", f"lr {values['lr']:.2e}"]
     if "reward_mean" in values:  # the RL stages: the figure that matters most
         parts.append(f"reward {values['reward_mean']:.3f}")
     if "grad_norm" in values:
