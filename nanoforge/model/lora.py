@@ -118,15 +118,11 @@ class LoraLinear(nn.Module):
         self.lora_A = nn.Linear(self.in_features, rank, bias=False, **kw)  # weight (r, in)
         self.lora_B = nn.Linear(rank, self.out_features, bias=False, **kw)  # weight (out, r)
         self.lora_dropout = nn.Dropout(dropout)
-        self.reset_lora()
-        self.train(base.training)  # attached to a model in eval mode, the adapter's dropout must be off too
-
-    @torch.no_grad()
-    def reset_lora(self) -> None:
         # A: nn.Linear's default (Kaiming-uniform with a=sqrt(5)), as loralib and PEFT do; the paper only asks
         # for a random A. B = 0 makes B A = 0, so training starts from the base model exactly (paper, sec. 4.1).
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)
+        self.train(base.training)  # attached to a model in eval mode, the adapter's dropout must be off too
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)  # (..., out)
@@ -270,9 +266,6 @@ class LoraModel(nn.Module):
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         return self.gpt(*args, **kwargs)
-
-    def new_cache(self, *args, **kwargs):
-        return self.gpt.new_cache(*args, **kwargs)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         return self.gpt.num_params(exclude_embeddings)

@@ -83,10 +83,6 @@ class Trajectory:
     def turns(self) -> int:
         return len(self.replies)
 
-    @property
-    def generated_tokens(self) -> int:
-        return sum(self.mask)
-
 
 def agent_prompt(tokenizer, record: PromptRecord, tools: Sequence[str], think: bool) -> list[int]:
     """The prompt's token ids: the record's messages with the generation prompt; the schemas of `tools` go in
@@ -241,7 +237,7 @@ def agent_stats(trajectories: Sequence[Trajectory], seconds: float) -> dict[str,
     trajectory), truncated, rollout tokens/s, and the agent's (turns, tool calls per trajectory, unfinished
     share, the agent reward's parts)."""
     n = len(trajectories)
-    new_tokens = sum(t.generated_tokens for t in trajectories)
+    new_tokens = sum(sum(t.mask) for t in trajectories)  # the sampled ones
     stats = {"reply_len": new_tokens / n, "truncated": sum(t.end == "length" for t in trajectories) / n,
              "rollout_tokens_per_s": new_tokens / max(seconds, 1e-9),
              "turns": sum(t.turns for t in trajectories) / n,
