@@ -68,9 +68,6 @@ class LoraConfig:
     targets: tuple[str, ...] | str = ("q", "k", "v", "o", "gate", "up", "down")
 
     def __post_init__(self):
-        self.validate()
-
-    def validate(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
             raise NanoforgeError(f"lora rank={self.rank!r} must be a positive integer")
         if not self.alpha > 0:
@@ -78,10 +75,6 @@ class LoraConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise NanoforgeError(f"lora dropout={self.dropout!r} must be in [0, 1)")
         self.targets = parse_targets(self.targets)
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
 
     def to_dict(self) -> dict[str, Any]:
         """Flat scalars, for config.toml's [run] section and state.json."""

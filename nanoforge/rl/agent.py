@@ -122,10 +122,8 @@ def agent_rollouts(model, tokenizer, prompts: Sequence[Sequence[int]], records: 
         generator = torch.Generator(device=next(model.parameters()).device).manual_seed(cfg.seed)
     context = model.model.rotary_emb.n_positions
     stops = set(stop_ids(tokenizer))
-    trajectories = [Trajectory(list(p), [0] * len(p), [0.0] * len(p), len(p)) for p in prompts]
-    for trajectory in trajectories:
-        if len(trajectory.ids) + cfg.max_new_tokens > context:
-            trajectory.end = "context"
+    trajectories = [Trajectory(list(p), [0] * len(p), [0.0] * len(p), len(p),
+                               end="context" if len(p) + cfg.max_new_tokens > context else "") for p in prompts]
     live = [i for i, trajectory in enumerate(trajectories) if not trajectory.end]
     for turn in range(max_turns):
         if not live:

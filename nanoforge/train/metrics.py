@@ -203,17 +203,13 @@ class MetricsLog:
         if self.wandb is not None:
             self.wandb.log(numbers, step=step)
 
-    def text(self, step: int, tag: str, text: str) -> None:
-        """A piece of text (a generated sample) under `tag` in TensorBoard; nothing when TensorBoard is off."""
-        if self.tb is not None:
-            self.tb.add_text(tag, text, step)
-
     def samples(self, step: int, samples: list[dict[str, Any]]) -> None:
         """Samples generated at `step` ({"prompt", "text", ...} each): TensorBoard text per prompt, and with
         wandb one table per step (step, prompt, text) under "samples". RUN/samples.jsonl is written by the
         sampler itself (evaluate.write_samples), so it exists without TensorBoard or wandb."""
-        for i, sample in enumerate(samples):
-            self.text(step, f"samples/{i}", f"{sample['prompt']} → {sample['text']}")
+        if self.tb is not None:
+            for i, sample in enumerate(samples):
+                self.tb.add_text(f"samples/{i}", f"{sample['prompt']} → {sample['text']}", step)
         if self.wandb is not None:
             import wandb
             rows = [[step, sample["prompt"], sample["text"]] for sample in samples]
