@@ -128,9 +128,7 @@ class LoraLinear(nn.Module):
         delta = (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling  # (out, in)
         self.weight.copy_((self.weight.float() + delta).to(self.weight.dtype))
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
-        linear.weight = self.weight
-        if self.bias is not None:
-            linear.bias = self.bias
+        linear.weight, linear.bias = self.weight, self.bias
         return linear
 
     def extra_repr(self) -> str:

@@ -43,8 +43,7 @@ class RolloutBatches:
                                  f"(--prompts-per-step {prompts.prompts_per_step} x --num-generations "
                                  f"{cfg.num_generations})")
         self.model, self.tokenizer, self.prompts, self.cfg = model, tokenizer, prompts, cfg
-        self.reward_fn, self.seed, self.reference = reward_fn, int(seed), reference
-        self.rollout_fn = rollout_fn
+        self.reward_fn, self.seed, self.reference, self.rollout_fn = reward_fn, int(seed), reference, rollout_fn
         self.ppo_epochs, self.grad_accum = ppo_epochs, grad_accum
         self.micro_rows = rows_per_rollout // grad_accum
         self.calls = 0  # next_batch calls so far

@@ -161,8 +161,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
         adv[:, t] = torch.where(step, a, torch.zeros_like(a))
         next_value = torch.where(step, v[:, t], next_value)
         next_adv = torch.where(step, a, next_adv)
-    returns = torch.where(m, adv + v, torch.zeros_like(v))
-    return adv, returns
+    return adv, torch.where(m, adv + v, torch.zeros_like(v))  # advantages, returns
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

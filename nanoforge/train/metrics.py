@@ -45,9 +45,7 @@ def peak_flops(device: torch.device, precision: str) -> float:
     """The denominator of MFU: a datasheet figure for known GPUs, a measured matmul peak on CPU."""
     if device.type == "cuda":
         key = gpu_table_entry(torch.cuda.get_device_name(device))
-        if key is None:
-            return 0.0
-        return GPU_PEAK_FLOPS[key] if precision != "fp32" else GPU_PEAK_FLOPS[key] / 2  # TF32: about half rate
+        return 0.0 if key is None else GPU_PEAK_FLOPS[key] / (2 if precision == "fp32" else 1)  # TF32: about half rate
     if device.type == "cpu":
         return cpu_peak_flops(precision)
     return 0.0
@@ -63,9 +61,7 @@ def observed_peak(device: torch.device, precision: str, peak: float, achieved: f
     runs on this machine start from it."""
     if not peak or achieved <= peak:
         return peak
-    if device.type == "cpu":
-        return record_cpu_peak(precision, achieved)
-    return achieved
+    return record_cpu_peak(precision, achieved) if device.type == "cpu" else achieved
 
 
 def cpu_peak_flops(precision: str) -> float:

@@ -27,12 +27,11 @@ from nanoforge.data.columnar import is_columnar
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import check_tokenizer
 from nanoforge.data.parts import merge_prepared
-from nanoforge.data.sources import data_kind, is_prepared, prepared_dir
+from nanoforge.data.sources import data_kind, is_prepared, prepared_dir, train_tokenizer
 from nanoforge.errors import NanoforgeError
 from nanoforge.fsutil import write_text_atomic
 from nanoforge.weights.load import init_config, init_tokenizer_dir
 from nanoforge.train.microbatch import fit_micro_batch
-from nanoforge.data.sources import train_tokenizer
 from nanoforge.tokenizer import load_tokenizer
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.train.distributed import is_main, main_first
@@ -228,9 +227,8 @@ def saved_data_dir(run_info: dict[str, Any], run_dir: Path) -> Path:
 
 def write_run_config(run_dir: Path, mcfg: ModelConfig, tcfg: TrainConfig, run_info: dict[str, Any]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    if not is_main():  # under torchrun only rank 0 writes the run directory
-        return
-    write_text_atomic(run_dir / "config.toml", config_to_toml(mcfg, tcfg, {"run": run_info}))
+    if is_main():  # under torchrun only rank 0 writes the run directory
+        write_text_atomic(run_dir / "config.toml", config_to_toml(mcfg, tcfg, {"run": run_info}))
 
 
 def copy_tokenizer(src: Path, run_dir: Path) -> None:
