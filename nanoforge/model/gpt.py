@@ -248,8 +248,7 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, mask, is_causal, cache=None, layer=0):
         x = x + self.resid_dropout(self.self_attn(self.input_layernorm(x), cos, sin, mask, is_causal, cache, layer))
-        x = x + self.resid_dropout(self.mlp(self.post_attention_layernorm(x)))
-        return x  # (B, T, C)
+        return x + self.resid_dropout(self.mlp(self.post_attention_layernorm(x)))  # (B, T, C)
 
 
 class Decoder(nn.Module):

@@ -163,11 +163,10 @@ def sample_scored(policy, tokenizer, records: Sequence[PromptRecord], cfg: Rollo
     rewards, parts = score(replies, reward_records, reward_fn, cfg.max_new_tokens)
     input_ids, loss_mask = pack(prompts, replies, tokenizer.pad_id if tokenizer.pad_id is not None else 0)
     new_tokens = sum(len(r.token_ids) + (r.stop_id is not None) for r in replies)
-    stats = {"reply_len": new_tokens / len(replies),
-             "truncated": sum(r.finish_reason == "length" for r in replies) / len(replies),
-             "rollout_tokens_per_s": new_tokens / max(seconds, 1e-9),
-             **{f"reward_{k}": v for k, v in parts.items()}}
-    return input_ids, loss_mask, rewards, stats
+    return input_ids, loss_mask, rewards, {
+        "reply_len": new_tokens / len(replies),
+        "truncated": sum(r.finish_reason == "length" for r in replies) / len(replies),
+        "rollout_tokens_per_s": new_tokens / max(seconds, 1e-9), **{f"reward_{k}": v for k, v in parts.items()}}
 
 
 def policy_batch(model, reference, input_ids: torch.Tensor, loss_mask: torch.Tensor, rewards: torch.Tensor,
