@@ -92,10 +92,8 @@ def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions
     # the group advantage of RolloutConfig is GRPO's and unused here: PPO's advantages come from GAE
     cfg = RolloutConfig(o["num_generations"], o["temperature"], o["max_new_tokens"], o["think"], "mean", tcfg.precision)
     reference = frozen_reference(mcfg, tcfg, init_path, device) if cfg_ppo.beta > 0 else None
-    if resume:  # the loop loads the checkpoint's policy and critic
-        model = PolicyWithValue.from_config(mcfg)
-    else:
-        model = PolicyWithValue.from_policy(initial_gpt(mcfg, tcfg, init_path, resume))
+    model = (PolicyWithValue.from_config(mcfg) if resume  # the loop loads the checkpoint's policy and critic
+             else PolicyWithValue.from_policy(initial_gpt(mcfg, tcfg, init_path, resume)))
     check_prompts(tok, records, cfg.think, model.policy.model.rotary_emb.n_positions)
     batches = PPOBatches(model, tok, iterator, cfg, cfg_ppo, reward_function(o, rewards, device), tcfg.seed,
                          o["ppo_epochs"], tcfg.grad_accum, reference)
