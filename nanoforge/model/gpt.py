@@ -248,8 +248,7 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, mask, is_causal, cache=None, layer=0):
         x = x + self.resid_dropout(self.self_attn(self.input_layernorm(x), cos, sin, mask, is_causal, cache, layer))
-        x = x + self.resid_dropout(self.mlp(self.post_attention_layernorm(x)))
-        return x  # (B, T, C)
+        return x + self.resid_dropout(self.mlp(self.post_attention_layernorm(x)))  # (B, T, C)
 
 
 class Decoder(nn.Module):
@@ -342,8 +341,7 @@ class GPT(nn.Module):
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled() and cache is None
         for i, block in enumerate(self.model.layers):
             if recompute:  # keep only each block's input; its insides are recomputed during backward
-                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, is_causal, None, i,
-                                                      use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, is_causal, None, i, use_reentrant=False)
             else:
                 x = block(x, cos, sin, mask, is_causal, cache, i)
         x = self.model.norm(x)

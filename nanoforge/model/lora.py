@@ -68,9 +68,6 @@ class LoraConfig:
     targets: tuple[str, ...] | str = ("q", "k", "v", "o", "gate", "up", "down")
 
     def __post_init__(self):
-        self.validate()
-
-    def validate(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
             raise NanoforgeError(f"lora rank={self.rank!r} must be a positive integer")
         if not self.alpha > 0:
@@ -78,10 +75,6 @@ class LoraConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise NanoforgeError(f"lora dropout={self.dropout!r} must be in [0, 1)")
         self.targets = parse_targets(self.targets)
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
 
     def to_dict(self) -> dict[str, Any]:
         """Flat scalars, for config.toml's [run] section and state.json."""
@@ -91,8 +84,7 @@ class LoraConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LoraConfig:
         try:
-            return cls(rank=d["lora_rank"], alpha=d["lora_alpha"], dropout=d["lora_dropout"],
-                       targets=d["lora_targets"])
+            return cls(rank=d["lora_rank"], alpha=d["lora_alpha"], dropout=d["lora_dropout"], targets=d["lora_targets"])
         except KeyError as e:
             raise NanoforgeError(f"LoRA settings are incomplete: {e.args[0]} is missing") from None
 
@@ -119,15 +111,11 @@ class LoraLinear(nn.Module):
         self.lora_A = nn.Linear(self.in_features, rank, bias=False, **kw)  # weight (r, in)
         self.lora_B = nn.Linear(rank, self.out_features, bias=False, **kw)  # weight (out, r)
         self.lora_dropout = nn.Dropout(dropout)
-        self.reset_lora()
-        self.train(base.training)  # attached to a model in eval mode, the adapter's dropout must be off too
-
-    @torch.no_grad()
-    def reset_lora(self) -> None:
         # A: nn.Linear's default (Kaiming-uniform with a=sqrt(5)), as loralib and PEFT do; the paper only asks
         # for a random A. B = 0 makes B A = 0, so training starts from the base model exactly (paper, sec. 4.1).
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)
+        self.train(base.training)  # attached to a model in eval mode, the adapter's dropout must be off too
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)  # (..., out)
@@ -140,9 +128,7 @@ class LoraLinear(nn.Module):
         delta = (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling  # (out, in)
         self.weight.copy_((self.weight.float() + delta).to(self.weight.dtype))
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
-        linear.weight = self.weight
-        if self.bias is not None:
-            linear.bias = self.bias
+        linear.weight, linear.bias = self.weight, self.bias
         return linear
 
     def extra_repr(self) -> str:
@@ -271,9 +257,6 @@ class LoraModel(nn.Module):
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         return self.gpt(*args, **kwargs)
-
-    def new_cache(self, *args, **kwargs):
-        return self.gpt.new_cache(*args, **kwargs)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         return self.gpt.num_params(exclude_embeddings)

@@ -1,4 +1,4 @@
-"""What the training recipes share: the seeded model, the samples written during training, --epochs as a step
+"""What the training recipes share: the initial model, the samples written during training, --epochs as a step
 count, the language-model batches (pretrain, sft, lora, distill), SFT's default settings, and the loop followed
 by the run's report."""
 from __future__ import annotations
@@ -22,14 +22,19 @@ from nanoforge.train.distributed import world
 from nanoforge.train.loop import Stage, TrainingInterrupted, train
 from nanoforge.train.rundir import write_run_config
 from nanoforge.weights import checkpoint as ckpt
+from nanoforge.weights.load import init_weights
 
 SAMPLE_MAX_TOKENS = 48
 
 
-def seeded_gpt(mcfg: ModelConfig, tcfg: TrainConfig) -> GPT:
-    """The run's GPT after seeding: --seed fixes the draws no checkpoint overwrites (LoRA's A, PPO's value head)."""
+def initial_gpt(mcfg: ModelConfig, tcfg: TrainConfig, init_path: Path | None, resume: bool) -> GPT:
+    """The run's GPT after seeding (--seed fixes the draws no checkpoint overwrites: LoRA's A, PPO's value head),
+    with --init's weights on a fresh start; a resumed run's come from its checkpoint, in the loop."""
     torch.manual_seed(tcfg.seed)
-    return GPT(mcfg)
+    model = GPT(mcfg)
+    if init_path is not None and not resume:
+        model.load_weights(init_weights(init_path))
+    return model
 
 
 def sample_prompts(tcfg: TrainConfig) -> list[str] | None:

@@ -10,31 +10,15 @@ from nanoforge.data.shards import check_tokenizer
 from nanoforge.data.sources import data_kind
 from nanoforge.device import resolve_device
 from nanoforge.errors import NanoforgeError
-from nanoforge.recipes.common import (
-    SFT_DEFAULTS,
-    lm_batches,
-    make_sampler,
-    sample_prompts,
-    seeded_gpt,
-    train_and_report,
-)
+from nanoforge.recipes.common import (SFT_DEFAULTS, initial_gpt, lm_batches, make_sampler, sample_prompts,
+                                     train_and_report)
 from nanoforge.train.distributed import setup
 from nanoforge.train.loop import Stage
 from nanoforge.train.microbatch import fit_micro_batch
 from nanoforge.train.objectives import causal_lm_loss, make_distill_loss
-from nanoforge.train.rundir import (
-    check_resume_options,
-    check_same_origin,
-    copy_tokenizer,
-    finetune_setup,
-    fit_vocab,
-    fresh_run_guard,
-    open_run,
-    resolve_data,
-    saved_run_info,
-    write_run_config,
-)
-from nanoforge.weights.load import init_tokenizer_dir, init_weights, load_model
+from nanoforge.train.rundir import (check_resume_options, check_same_origin, copy_tokenizer, finetune_setup, fit_vocab,
+                                    fresh_run_guard, open_run, resolve_data, saved_run_info, write_run_config)
+from nanoforge.weights.load import init_tokenizer_dir, load_model
 
 DISTILL_TEMPERATURE, DISTILL_ALPHA = 1.5, 0.5  # softening of both distributions; weight of the data's own loss
 
@@ -96,9 +80,7 @@ def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str
                              f"{teacher_model.cfg.vocab_size}")
     prompts = sample_prompts(tcfg)
     batches, val_batches, val_bpt = lm_batches(data_dir, tcfg, tok, quiet)
-    model = seeded_gpt(mcfg, tcfg)
-    if not resume and init_path is not None:
-        model.load_weights(init_weights(init_path))
+    model = initial_gpt(mcfg, tcfg, init_path, resume)
     # setup(): under torchrun cuda:LOCAL_RANK (plain "cuda" is cuda:0 on every rank until setup has run, e.g.
     # on `distill --resume` without --data, where nothing else called it yet)
     teacher_model.to(setup(resolve_device(tcfg.device)))

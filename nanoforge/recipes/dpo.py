@@ -11,12 +11,11 @@ from nanoforge.data.shards import TokenShards
 from nanoforge.device import resolve_device
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.gpt import GPT
-from nanoforge.recipes.common import SFT_DEFAULTS, make_sampler, sample_prompts, train_and_report
+from nanoforge.recipes.common import SFT_DEFAULTS, initial_gpt, make_sampler, sample_prompts, train_and_report
 from nanoforge.train.distributed import main_first, setup, world
 from nanoforge.train.loop import Stage
 from nanoforge.train.objectives import dpo_loss
 from nanoforge.train.rundir import check_resume_options, finetune_setup, fresh_run_guard, saved_run_info
-from nanoforge.weights.load import init_weights
 
 # MiniMind's DPO default (lr 4e-8) leaves the loss at log 2 (its users' reports); measured on the tiny preset,
 # held-out margin and accuracy move from lr 1e-4 up (see docs/perf.md). The SFT rate is a safe middle here.
@@ -42,8 +41,7 @@ def dpo(init: str | None, data: Sequence[str], out: str | Path, config_file: str
         raise NanoforgeError(f"{data_dir}: prepared as {train_shards.kind!r} data; dpo needs chosen/rejected "
                              f"pairs (`nanoforge prepare --kind dpo`)")
     # The reference is the initial policy, whatever step we resume at: rebuild it from --init.
-    reference = GPT(mcfg)
-    reference.load_weights(init_weights(init_path))
+    reference = initial_gpt(mcfg, tcfg, init_path, resume=False)
     device = setup(resolve_device(tcfg.device))  # under torchrun: this rank's GPU
     reference.to(device).eval()
     log = (lambda *a: None) if quiet else print

@@ -15,7 +15,7 @@ from nanoforge.config import MODEL_FIELDS, build_config
 from nanoforge.device import resolve_device, resolve_precision
 from nanoforge.errors import NanoforgeError
 from nanoforge.chat.tools import parse_tool_names
-from nanoforge.weights.load import init_config, init_tokenizer_dir, init_weights
+from nanoforge.weights.load import init_config, init_tokenizer_dir
 from nanoforge.model.gpt import GPT
 from nanoforge.rl.agent import agent_rollout, check_agent_prompts
 from nanoforge.rl.losses import ADVANTAGES, LOSSES, NORMS
@@ -27,9 +27,9 @@ from nanoforge.rl.grpo_batches import RolloutBatches, policy_count, policy_objec
 from nanoforge.tokenizer import load_tokenizer
 from nanoforge.train.distributed import setup, world
 from nanoforge.train.loop import Stage
-from nanoforge.train.rundir import (check_same_origin, copy_tokenizer, fresh_run_guard, open_run, resolve_run_options,
+from nanoforge.train.rundir import (copy_tokenizer, fresh_run_guard, resolve_run_options, resumed_run,
                                     write_run_config)
-from nanoforge.recipes.common import make_sampler, sample_prompts, train_and_report
+from nanoforge.recipes.common import initial_gpt, make_sampler, sample_prompts, train_and_report
 
 # Training defaults under --config and the flags. RL moves a model that already answers: small steps (1e-6..1e-5
 # for real models; MiniMind's GRPO uses 3e-7 with a cosine schedule), constant, every step logged (a step is a
@@ -110,12 +110,8 @@ def rl_setup(stage: str, init: str | None, data: str | None, out: Path, config_f
     """The run directory and config of an RL run (finetune_setup's, with a prompts file instead of prepared data):
     (run_dir, mcfg, tcfg, run_info, init_path, tokenizer, prompt records)."""
     if resume:
-        run_dir, mcfg, tcfg, run_info, _ = open_run(out, True, None, config_file, overrides)
-        if run_info.get("stage") != stage:
-            raise NanoforgeError(f"--resume: {run_dir} is a {run_info.get('stage')!r} run, not {stage}")
-        check_same_origin(run_dir, "--init", init, run_info.get("init"))
-        init_path, tokenizer_dir = Path(run_info["init"]), run_dir / "tokenizer"
-        data = data or run_info["data"]
+        run_dir, mcfg, tcfg, run_info, init_path = resumed_run(stage, init, out, config_file, overrides)
+        tokenizer_dir, data = run_dir / "tokenizer", data or run_info["data"]
     else:
         if not init:
             raise NanoforgeError("--init is required: the SFT run, checkpoint or HF model directory to train")
@@ -170,11 +166,9 @@ def reward_function(o: dict[str, Any], chosen: list[tuple[str, RewardFn]], devic
     return combine(chosen, parse_weights(o.get("reward_weights"), len(chosen)))
 
 
-def frozen_reference(mcfg, init_path: Path, device) -> GPT:
+def frozen_reference(mcfg, tcfg, init_path: Path, device) -> GPT:
     """The --init model, frozen, whatever step a run resumes at: the reference of the KL term."""
-    reference = GPT(mcfg)
-    reference.load_weights(init_weights(init_path))
-    return reference.to(device).eval().requires_grad_(False)
+    return initial_gpt(mcfg, tcfg, init_path, resume=False).to(device).eval().requires_grad_(False)
 
 
 @fresh_run_guard
@@ -195,10 +189,8 @@ def grpo(init: str | None, data: str | None, out: str | Path, options: RLOptions
     cfg = RolloutConfig(o["num_generations"], o["temperature"], o["max_new_tokens"], o["think"], o["advantage"],
                         tcfg.precision)
     cfg.validate()
-    reference = frozen_reference(mcfg, init_path, device) if o["beta"] > 0 else None
-    model = GPT(mcfg)
-    if not resume:
-        model.load_weights(init_weights(init_path))
+    reference = frozen_reference(mcfg, tcfg, init_path, device) if o["beta"] > 0 else None
+    model = initial_gpt(mcfg, tcfg, init_path, resume)
     tools = parse_tool_names(o.get("tools"))
     if tools:  # multi-turn: rl/agent.py's rollouts and reward
         check_agent_prompts(tok, records, tools, cfg.think, model.model.rotary_emb.n_positions)
@@ -209,8 +201,7 @@ def grpo(init: str | None, data: str | None, out: str | Path, options: RLOptions
     batches = RolloutBatches(model, tok, iterator, cfg, reward, tcfg.seed, o["ppo_epochs"], tcfg.grad_accum,
                              reference, rollout_fn)
     tcfg.batch_size = batches.micro_rows  # for the header: replies per micro-batch
-    loss = policy_objective(o["loss"], o["epsilon"], o.get("epsilon_high"), o["beta"], o["loss_norm"],
-                            o["temperature"])
+    loss = policy_objective(o["loss"], o["epsilon"], o.get("epsilon_high"), o["beta"], o["loss_norm"], o["temperature"])
     stage = Stage("grpo", batches, loss, None, None, run_info, count_fn=policy_count(o["loss_norm"]),
                   sampler=make_sampler(run_dir, tcfg, tok, prompts, chat=True))
     if not quiet:

@@ -13,7 +13,6 @@ from typing import Any
 
 from nanoforge.device import resolve_device
 from nanoforge.errors import NanoforgeError
-from nanoforge.weights.load import init_weights
 from nanoforge.rl.critic import PolicyWithValue
 from nanoforge.recipes.grpo import chosen_rewards, frozen_reference, reward_function, rl_setup
 from nanoforge.rl.ppo_update import PPOConfig, ppo_count
@@ -23,7 +22,7 @@ from nanoforge.rl.rollout import RolloutConfig, check_prompts
 from nanoforge.train.distributed import setup, world
 from nanoforge.train.loop import Stage
 from nanoforge.train.rundir import fresh_run_guard, resolve_run_options
-from nanoforge.recipes.common import make_sampler, sample_prompts, seeded_gpt, train_and_report
+from nanoforge.recipes.common import initial_gpt, make_sampler, sample_prompts, train_and_report
 
 
 @dataclass
@@ -91,15 +90,10 @@ def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions
     w = world()
     iterator = PromptIterator(records, o["prompts_per_step"], tcfg.seed, w.rank, w.world_size)
     # the group advantage of RolloutConfig is GRPO's and unused here: PPO's advantages come from GAE
-    cfg = RolloutConfig(o["num_generations"], o["temperature"], o["max_new_tokens"], o["think"], "mean",
-                        tcfg.precision)
-    reference = frozen_reference(mcfg, init_path, device) if cfg_ppo.beta > 0 else None
-    if resume:  # the loop loads the checkpoint's policy and critic
-        model = PolicyWithValue.from_config(mcfg)
-    else:
-        policy = seeded_gpt(mcfg, tcfg)
-        policy.load_weights(init_weights(init_path))
-        model = PolicyWithValue.from_policy(policy)
+    cfg = RolloutConfig(o["num_generations"], o["temperature"], o["max_new_tokens"], o["think"], "mean", tcfg.precision)
+    reference = frozen_reference(mcfg, tcfg, init_path, device) if cfg_ppo.beta > 0 else None
+    model = (PolicyWithValue.from_config(mcfg) if resume  # the loop loads the checkpoint's policy and critic
+             else PolicyWithValue.from_policy(initial_gpt(mcfg, tcfg, init_path, resume)))
     check_prompts(tok, records, cfg.think, model.policy.model.rotary_emb.n_positions)
     batches = PPOBatches(model, tok, iterator, cfg, cfg_ppo, reward_function(o, rewards, device), tcfg.seed,
                          o["ppo_epochs"], tcfg.grad_accum, reference)

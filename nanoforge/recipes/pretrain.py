@@ -6,23 +6,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from nanoforge.errors import NanoforgeError
-from nanoforge.recipes.common import lm_batches, make_sampler, sample_prompts, seeded_gpt, train_and_report
+from nanoforge.recipes.common import initial_gpt, lm_batches, make_sampler, sample_prompts, train_and_report
 from nanoforge.tokenizer import load_tokenizer
 from nanoforge.train.loop import Stage
 from nanoforge.train.microbatch import fit_micro_batch
 from nanoforge.train.objectives import causal_lm_loss
-from nanoforge.train.rundir import (
-    copy_tokenizer,
-    finetune_setup,
-    fit_vocab,
-    fresh_run_guard,
-    open_run,
-    resolve_data,
-    saved_data_dir,
-    saved_run_info,
-    write_run_config,
-)
-from nanoforge.weights.load import init_weights
+from nanoforge.train.rundir import (copy_tokenizer, finetune_setup, fit_vocab, fresh_run_guard, open_run, resolve_data,
+                                    saved_data_dir, saved_run_info, write_run_config)
 
 
 @fresh_run_guard
@@ -54,9 +44,7 @@ def pretrain(data: Sequence[str], out: str | Path, preset: str | None = None, co
     if init_path is None:
         copy_tokenizer(data_dir / "tokenizer", run_dir)
         write_run_config(run_dir, mcfg, tcfg, run_info)
-    model = seeded_gpt(mcfg, tcfg)
-    if init_path is not None and not resume:
-        model.load_weights(init_weights(init_path))
+    model = initial_gpt(mcfg, tcfg, init_path, resume)
     stage = Stage("pretrain", batches, causal_lm_loss, val_batches, val_bpt, run_info,
                   sampler=make_sampler(run_dir, tcfg, tok, prompts, chat=False))
     return train_and_report(stage, model, mcfg, tcfg, run_dir, resume, quiet)

@@ -8,25 +8,14 @@ from typing import Any, Sequence
 from nanoforge.config import build_config, config_dicts
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.lora import LoraConfig, LoraModel
-from nanoforge.recipes.common import (
-    SFT_DEFAULTS,
-    lm_batches,
-    make_sampler,
-    sample_prompts,
-    seeded_gpt,
-    train_and_report,
-)
+from nanoforge.recipes.common import (SFT_DEFAULTS, initial_gpt, lm_batches, make_sampler, sample_prompts,
+                                     train_and_report)
 from nanoforge.train.loop import Stage
 from nanoforge.train.objectives import causal_lm_loss
 from nanoforge.train.rundir import copy_tokenizer, finetune_setup, fresh_run_guard, saved_run_info, write_run_config
 from nanoforge.weights import checkpoint as ckpt
-from nanoforge.weights.load import (
-    adapter_metadata,
-    check_base,
-    init_tokenizer_dir,
-    init_weights,
-    load_adapter_checkpoint,
-)
+from nanoforge.weights.load import (adapter_metadata, check_base, init_tokenizer_dir, init_weights,
+                                   load_adapter_checkpoint)
 
 LORA_DEFAULTS = {**SFT_DEFAULTS, "lr": 1e-4}  # adapters start at zero and tolerate a larger step (MiniMind's too)
 
@@ -46,7 +35,7 @@ def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str
         LORA_DEFAULTS if lora else SFT_DEFAULTS, lora.to_dict() if lora else None)
     prompts = sample_prompts(tcfg)
     batches, val_batches, _ = lm_batches(data_dir, tcfg, tok, quiet, need="sft")
-    model = seeded_gpt(mcfg, tcfg)
+    model = initial_gpt(mcfg, tcfg, None if lora else init_path, resume)
     if lora:
         base_weights = init_weights(init_path)  # every time: the checkpoints hold adapters only
         if resume:
@@ -56,8 +45,6 @@ def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str
             write_run_config(run_dir, mcfg, tcfg, run_info)
         model.load_weights(base_weights)
         model = LoraModel(model, lora)
-    elif not resume:
-        model.load_weights(init_weights(init_path))
     stage = Stage(name, batches, causal_lm_loss, val_batches, None, run_info,
                   sampler=make_sampler(run_dir, tcfg, tok, prompts, chat=True))
     return train_and_report(stage, model, mcfg, tcfg, run_dir, resume, quiet)

@@ -83,10 +83,6 @@ class Trajectory:
     def turns(self) -> int:
         return len(self.replies)
 
-    @property
-    def generated_tokens(self) -> int:
-        return sum(self.mask)
-
 
 def agent_prompt(tokenizer, record: PromptRecord, tools: Sequence[str], think: bool) -> list[int]:
     """The prompt's token ids: the record's messages with the generation prompt; the schemas of `tools` go in
@@ -126,16 +122,13 @@ def agent_rollouts(model, tokenizer, prompts: Sequence[Sequence[int]], records: 
         generator = torch.Generator(device=next(model.parameters()).device).manual_seed(cfg.seed)
     context = model.model.rotary_emb.n_positions
     stops = set(stop_ids(tokenizer))
-    trajectories = [Trajectory(list(p), [0] * len(p), [0.0] * len(p), len(p)) for p in prompts]
-    for trajectory in trajectories:
-        if len(trajectory.ids) + cfg.max_new_tokens > context:
-            trajectory.end = "context"
+    trajectories = [Trajectory(list(p), [0] * len(p), [0.0] * len(p), len(p),
+                               end="context" if len(p) + cfg.max_new_tokens > context else "") for p in prompts]
     live = [i for i, trajectory in enumerate(trajectories) if not trajectory.end]
     for turn in range(max_turns):
         if not live:
             break
-        rows = sample_with_logprobs(model, [trajectories[i].ids for i in live], cfg, stops, generator,
-                                    precision)
+        rows = sample_with_logprobs(model, [trajectories[i].ids for i in live], cfg, stops, generator, precision)
         live = [i for i, (tokens, logprobs, stopped) in zip(live, rows)
                 if _add_reply(trajectories[i], tokenizer, tokens, logprobs, stopped, tools, think,
                               turn + 1 == max_turns, context - cfg.max_new_tokens)]
@@ -242,7 +235,7 @@ def agent_stats(trajectories: Sequence[Trajectory], seconds: float) -> dict[str,
     trajectory), truncated, rollout tokens/s, and the agent's (turns, tool calls per trajectory, unfinished
     share, the agent reward's parts)."""
     n = len(trajectories)
-    new_tokens = sum(t.generated_tokens for t in trajectories)
+    new_tokens = sum(sum(t.mask) for t in trajectories)  # the sampled ones
     stats = {"reply_len": new_tokens / n, "truncated": sum(t.end == "length" for t in trajectories) / n,
              "rollout_tokens_per_s": new_tokens / max(seconds, 1e-9),
              "turns": sum(t.turns for t in trajectories) / n,

@@ -131,9 +131,8 @@ class PolicyWithValue(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 segment_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.policy(input_ids, attention_mask=attention_mask, segment_ids=segment_ids)  # (B, T, V)
-        values = self.critic(input_ids, attention_mask=attention_mask, segment_ids=segment_ids)  # (B, T)
-        return logits, values
+        return (self.policy(input_ids, attention_mask=attention_mask, segment_ids=segment_ids),  # (B, T, V)
+                self.critic(input_ids, attention_mask=attention_mask, segment_ids=segment_ids))  # (B, T)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -43,8 +43,7 @@ class RolloutBatches:
                                  f"(--prompts-per-step {prompts.prompts_per_step} x --num-generations "
                                  f"{cfg.num_generations})")
         self.model, self.tokenizer, self.prompts, self.cfg = model, tokenizer, prompts, cfg
-        self.reward_fn, self.seed, self.reference = reward_fn, int(seed), reference
-        self.rollout_fn = rollout_fn
+        self.reward_fn, self.seed, self.reference, self.rollout_fn = reward_fn, int(seed), reference, rollout_fn
         self.ppo_epochs, self.grad_accum = ppo_epochs, grad_accum
         self.micro_rows = rows_per_rollout // grad_accum
         self.calls = 0  # next_batch calls so far
@@ -122,8 +121,7 @@ def decode_batch(encoded: dict[str, Any]) -> Batch:
             for key, (dtype, shape, data) in encoded.items()}
 
 
-def policy_objective(loss: str, epsilon: float, epsilon_high: float | None, beta: float, norm: str,
-                     temperature: float):
+def policy_objective(loss: str, epsilon: float, epsilon_high: float | None, beta: float, norm: str, temperature: float):
     """Stage.loss_fn: the policy loss of a rollout micro-batch under the current model, log-probs at the
     sampling temperature; the rollout's stat_* figures ride along as extras (so they are logged per step)."""
     def loss_fn(model, batch: Batch):

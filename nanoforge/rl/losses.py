@@ -67,8 +67,7 @@ def normalise(per_token: torch.Tensor, mask: torch.Tensor, norm: str) -> tuple[t
     x = torch.where(m, per_token, torch.zeros_like(per_token))
     if norm == "token":
         return x.sum(), count
-    per_sequence = x.sum(dim=1) / m.sum(dim=1).clamp(min=1)  # (B,)
-    return per_sequence.sum(), count
+    return (x.sum(dim=1) / m.sum(dim=1).clamp(min=1)).sum(), count  # the sum of (B,) per-sequence means
 
 
 def loss_count(mask: torch.Tensor, norm: str) -> torch.Tensor:
@@ -136,8 +135,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         extras["kl"] = masked_mean(kl.detach(), m)
         if beta > 0:
             per_token = per_token + beta * kl
-    loss_sum, count = normalise(per_token, m, norm)
-    return loss_sum, count, extras
+    return (*normalise(per_token, m, norm), extras)
 
 
 @torch.no_grad()
@@ -161,8 +159,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
         adv[:, t] = torch.where(step, a, torch.zeros_like(a))
         next_value = torch.where(step, v[:, t], next_value)
         next_adv = torch.where(step, a, next_adv)
-    returns = torch.where(m, adv + v, torch.zeros_like(v))
-    return adv, returns
+    return adv, torch.where(m, adv + v, torch.zeros_like(v))  # advantages, returns
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

@@ -159,10 +159,9 @@ def ppo_loss(model: nn.Module, batch: Batch, cfg: PPOConfig):
                                     norm=cfg.norm)
     loss_sum, count, aux = with_aux_loss(model, p_sum + cfg.vf_coef * v_sum, count)
     n = count.clamp(min=1)
-    extras = {**p_extras, **v_extras, **aux, "approx_kl": approx_kl(logp.detach(), batch["old_logp"], m),
-              "explained_variance": explained_variance(values.detach(), batch["returns"], m),
-              "policy_loss": p_sum.detach() / n, "value_loss": v_sum.detach() / n}
-    return loss_sum, count, extras
+    return loss_sum, count, {**p_extras, **v_extras, **aux, "approx_kl": approx_kl(logp.detach(), batch["old_logp"], m),
+                             "explained_variance": explained_variance(values.detach(), batch["returns"], m),
+                             "policy_loss": p_sum.detach() / n, "value_loss": v_sum.detach() / n}
 
 
 def ppo_count(batch: Batch, norm: str = "token") -> torch.Tensor:

@@ -39,8 +39,7 @@ class PromptRecord:
     def reward_record(self) -> dict:
         """The dict a reward function receives: the record's own keys, then messages, answer, gt and `_where`
         (its path:line, for error messages)."""
-        return {**self.extra, "messages": self.messages, "answer": self.answer, "gt": self.gt,
-                "_where": self.source}
+        return {**self.extra, "messages": self.messages, "answer": self.answer, "gt": self.gt, "_where": self.source}
 
 
 def prompt_record(obj: Any) -> PromptRecord:

@@ -15,14 +15,6 @@ import torch
 from nanoforge.errors import NanoforgeError
 
 
-def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise NanoforgeError("--reward-model needs the transformers package (pip install transformers)") from None
-    return transformers
-
-
 class RewardModel:
     """A loaded reward model: `score(prompt_messages, reply)` is the model's one logit for the conversation
     rendered by its own chat template (prompt messages + the reply as the assistant turn)."""
@@ -56,7 +48,10 @@ def load_reward_model(path: str | os.PathLike, trust_remote_code: bool = False, 
                              "reward models are never downloaded)")
     if not (path / "config.json").is_file():
         raise NanoforgeError(f"{where}: has no config.json, so it is not an HF model directory")
-    transformers = _transformers()
+    try:
+        import transformers
+    except ImportError:
+        raise NanoforgeError("--reward-model needs the transformers package (pip install transformers)") from None
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True,
                                                                trust_remote_code=trust_remote_code)

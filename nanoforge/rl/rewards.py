@@ -41,10 +41,7 @@ _UNITS = re.compile(r"[A-Za-z0-9]+|[^\sA-Za-z0-9]")
 def answer_number(text: str) -> Decimal | None:
     """The answer a text gives: the first number after its last "####" (GSM8K's convention), else its last
     number; commas removed, compared as decimals (18 == 18.0). None when there is none."""
-    if "####" in text:
-        found = _NUMBER.findall(text.rsplit("####", 1)[1])[:1]
-    else:
-        found = _NUMBER.findall(text)[-1:]
+    found = _NUMBER.findall(text.rsplit("####", 1)[1])[:1] if "####" in text else _NUMBER.findall(text)[-1:]
     if not found:
         return None
     try:
@@ -112,9 +109,7 @@ def repetition_reward(completion: str, record: dict) -> float:
     non-space character (so Chinese counts by character); fewer than n units -> 0."""
     units = _UNITS.findall(completion)
     grams = [tuple(units[i:i + REPETITION_N]) for i in range(len(units) - REPETITION_N + 1)]
-    if not grams:
-        return 0.0
-    return -(1.0 - len(set(grams)) / len(grams))
+    return -(1.0 - len(set(grams)) / len(grams)) if grams else 0.0
 
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {"math": math_reward, "format": format_reward, "length": length_reward,

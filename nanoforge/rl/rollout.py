@@ -80,8 +80,7 @@ def check_fits(prompt: list[int], record: PromptRecord, context: int) -> None:
                              f"at most {context}, which leaves no room for a reply; shorten or drop this prompt")
 
 
-def sample_replies(model, tokenizer, prompts: Sequence[list[int]], cfg: RolloutConfig,
-                   seed: int) -> list[Completion]:
+def sample_replies(model, tokenizer, prompts: Sequence[list[int]], cfg: RolloutConfig, seed: int) -> list[Completion]:
     """One reply per prompt id list, all rows in one batch, stopping at <|im_end|>; drawn from softmax(logits / T)
     with a private generator seeded with `seed` (so a rollout is reproducible from its seed alone)."""
     if tokenizer.im_end_id is None:
@@ -164,11 +163,10 @@ def sample_scored(policy, tokenizer, records: Sequence[PromptRecord], cfg: Rollo
     rewards, parts = score(replies, reward_records, reward_fn, cfg.max_new_tokens)
     input_ids, loss_mask = pack(prompts, replies, tokenizer.pad_id if tokenizer.pad_id is not None else 0)
     new_tokens = sum(len(r.token_ids) + (r.stop_id is not None) for r in replies)
-    stats = {"reply_len": new_tokens / len(replies),
-             "truncated": sum(r.finish_reason == "length" for r in replies) / len(replies),
-             "rollout_tokens_per_s": new_tokens / max(seconds, 1e-9),
-             **{f"reward_{k}": v for k, v in parts.items()}}
-    return input_ids, loss_mask, rewards, stats
+    return input_ids, loss_mask, rewards, {
+        "reply_len": new_tokens / len(replies),
+        "truncated": sum(r.finish_reason == "length" for r in replies) / len(replies),
+        "rollout_tokens_per_s": new_tokens / max(seconds, 1e-9), **{f"reward_{k}": v for k, v in parts.items()}}
 
 
 def policy_batch(model, reference, input_ids: torch.Tensor, loss_mask: torch.Tensor, rewards: torch.Tensor,

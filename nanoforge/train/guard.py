@@ -66,8 +66,7 @@ class NonFiniteGuard:
 
     @property
     def decides_on_device(self) -> bool:
-        return (not distributed.world().distributed and not self.scaler.is_enabled()
-                and skips_on_flag(self.optimizer))
+        return not distributed.world().distributed and not self.scaler.is_enabled() and skips_on_flag(self.optimizer)
 
     def _skip(self, loss_ok: bool) -> None:
         self.state.skipped_steps += 1

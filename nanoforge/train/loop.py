@@ -202,7 +202,8 @@ def train(stage: Stage, model: TrainableModel, mcfg: ModelConfig, tcfg: TrainCon
                 if evaluated:
                     summary.update(_validate(run))
                 if stage.sampler and run.world.is_main and not run.fsdp and _due(step, tcfg.sample_every, tcfg):
-                    _sample(run)
+                    with eval_mode(run.raw):  # the stage's text samples, from the plain model in eval mode
+                        stage.sampler(run.raw, step, run.log)
                 if tcfg.save_every and step % tcfg.save_every == 0:
                     last_saved = save(run)
                 kill_if_asked(run.world.rank, step)  # NANOFORGE_INJECT_KILL, a test hook (train/faults.py)
@@ -339,12 +340,6 @@ def _early_stop(run: Run) -> bool:
     return True
 
 
-def _sample(run: Run) -> None:
-    """The stage's text samples, from the plain model in eval mode."""
-    with eval_mode(run.raw):
-        run.stage.sampler(run.raw, run.state.step, run.log)
-
-
 def _start(stage: Stage, model: TrainableModel, mcfg: ModelConfig, tcfg: TrainConfig, run_dir: Path,
            resume: bool, quiet: bool) -> Run:
     """The device, the (wrapped, compiled) model, the optimizer, the resumed state and the log of a run."""
@@ -358,7 +353,13 @@ def _start(stage: Stage, model: TrainableModel, mcfg: ModelConfig, tcfg: TrainCo
     torch.manual_seed(tcfg.seed)
     model.to(device)
     model.train()
-    _configure_cuda(device, tcfg)
+    if device.type == "cuda":
+        # fp32 matmuls (the fp32 parts of autocast too) on tensor cores, or not: set both ways, since an earlier
+        # run in this process may have turned them on
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tcfg.tf32
+        # peak_mem_gb is this run's: not --micro-batch auto's probe (which ran up to out-of-memory) or DPO's
+        # reference pass, earlier in this process
+        torch.cuda.reset_peak_memory_stats(device)
     model.activation_checkpointing = tcfg.activation_checkpointing
     wrapped = distributed.wrap(model, device, fsdp=tcfg.fsdp)
     # Compiled when asked; evaluation and sampling use the plain model, which shares the parameters, so they
@@ -375,18 +376,6 @@ def _start(stage: Stage, model: TrainableModel, mcfg: ModelConfig, tcfg: TrainCo
         run.log = guard.log = MetricsLog(run_dir, tensorboard=tcfg.tensorboard, wandb_project=tcfg.wandb_project,
                                          resume_step=state.step, config=run.config, quiet=quiet)
     return run
-
-
-def _configure_cuda(device: torch.device, tcfg: TrainConfig) -> None:
-    if device.type != "cuda":
-        return
-    # fp32 matmuls (the fp32 parts of autocast too) on tensor cores, or not: set both ways, since an earlier run
-    # in this process may have turned them on
-    torch.backends.cuda.matmul.allow_tf32 = tcfg.tf32
-    torch.backends.cudnn.allow_tf32 = tcfg.tf32
-    # peak_mem_gb is this run's: not --micro-batch auto's probe (which ran up to out-of-memory) or DPO's reference
-    # pass, earlier in this process
-    torch.cuda.reset_peak_memory_stats(device)
 
 
 def _print_header(run: Run) -> None:

@@ -45,9 +45,7 @@ def peak_flops(device: torch.device, precision: str) -> float:
     """The denominator of MFU: a datasheet figure for known GPUs, a measured matmul peak on CPU."""
     if device.type == "cuda":
         key = gpu_table_entry(torch.cuda.get_device_name(device))
-        if key is None:
-            return 0.0
-        return GPU_PEAK_FLOPS[key] if precision != "fp32" else GPU_PEAK_FLOPS[key] / 2  # TF32: about half rate
+        return 0.0 if key is None else GPU_PEAK_FLOPS[key] / (2 if precision == "fp32" else 1)  # TF32: about half rate
     if device.type == "cpu":
         return cpu_peak_flops(precision)
     return 0.0
@@ -63,9 +61,7 @@ def observed_peak(device: torch.device, precision: str, peak: float, achieved: f
     runs on this machine start from it."""
     if not peak or achieved <= peak:
         return peak
-    if device.type == "cpu":
-        return record_cpu_peak(precision, achieved)
-    return achieved
+    return record_cpu_peak(precision, achieved) if device.type == "cpu" else achieved
 
 
 def cpu_peak_flops(precision: str) -> float:
@@ -203,17 +199,13 @@ class MetricsLog:
         if self.wandb is not None:
             self.wandb.log(numbers, step=step)
 
-    def text(self, step: int, tag: str, text: str) -> None:
-        """A piece of text (a generated sample) under `tag` in TensorBoard; nothing when TensorBoard is off."""
-        if self.tb is not None:
-            self.tb.add_text(tag, text, step)
-
     def samples(self, step: int, samples: list[dict[str, Any]]) -> None:
         """Samples generated at `step` ({"prompt", "text", ...} each): TensorBoard text per prompt, and with
         wandb one table per step (step, prompt, text) under "samples". RUN/samples.jsonl is written by the
         sampler itself (evaluate.write_samples), so it exists without TensorBoard or wandb."""
-        for i, sample in enumerate(samples):
-            self.text(step, f"samples/{i}", f"{sample['prompt']} → {sample['text']}")
+        if self.tb is not None:
+            for i, sample in enumerate(samples):
+                self.tb.add_text(f"samples/{i}", f"{sample['prompt']} → {sample['text']}", step)
         if self.wandb is not None:
             import wandb
             rows = [[step, sample["prompt"], sample["text"]] for sample in samples]
@@ -247,8 +239,7 @@ def truncate_metrics(path: Path, keep_through_step: int) -> None:
 
 
 def progress_line(step: int, max_steps: int, values: dict[str, Any], eta_s: float | None) -> str:
-    parts = [f"step {step:>{len(str(max_steps))}}/{max_steps}", f"loss {values['loss']:.4f}",
-             f"lr {values['lr']:.2e}"]
+    parts = [f"step {step:>{len(str(max_steps))}}/{max_steps}", f"loss {values['loss']:.4f}", f"lr {values['lr']:.2e}"]
     if "reward_mean" in values:  # the RL stages: the figure that matters most
         parts.append(f"reward {values['reward_mean']:.3f}")
     if "grad_norm" in values:

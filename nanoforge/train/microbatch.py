@@ -20,8 +20,7 @@ from nanoforge.train.objectives import causal_lm_loss
 from nanoforge.train.optim import build_optimizer
 
 
-def fit_micro_batch(mcfg: ModelConfig, tcfg: TrainConfig, log=print, rows_per_item: int = 1,
-                    loss_fn=None) -> str:
+def fit_micro_batch(mcfg: ModelConfig, tcfg: TrainConfig, log=print, rows_per_item: int = 1, loss_fn=None) -> str:
     """Settle tcfg.micro_batch ("auto" or N) into tcfg.batch_size and tcfg.grad_accum, keeping their product;
     returns (and logs) what was chosen and why. Nothing changes when micro_batch is empty. rows_per_item: the
     sequences one batch item is (DPO: a pair is 2). loss_fn: the stage's objective when it needs more memory

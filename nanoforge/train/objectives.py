@@ -18,8 +18,7 @@ def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]):
     labels = batch["labels"]  # (B, T)
     # float32 for the softmax: bf16 logits lose the small differences the loss is made of
     loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
-    n = (labels != IGNORE).sum()
-    return (*with_aux_loss(model, loss_sum, n),)
+    return with_aux_loss(model, loss_sum, (labels != IGNORE).sum())
 
 
 def with_aux_loss(model: nn.Module, loss_sum: torch.Tensor, n: torch.Tensor):
@@ -75,10 +74,8 @@ def make_distill_loss(teacher: nn.Module, temperature: float = 1.5, alpha: float
         ce = F.cross_entropy(s, labels[keep], reduction="sum")
         kl = F.kl_div(F.log_softmax(s / temperature, -1), F.log_softmax(t / temperature, -1), log_target=True,
                       reduction="sum")
-        n = keep.sum()
-        loss_sum = alpha * ce + (1 - alpha) * temperature**2 * kl
-        denom = n.clamp(min=1)
-        loss_sum, n, extras = with_aux_loss(model, loss_sum, n)
+        denom = keep.sum().clamp(min=1)
+        loss_sum, n, extras = with_aux_loss(model, alpha * ce + (1 - alpha) * temperature**2 * kl, keep.sum())
         return loss_sum, n, {**extras, "kl": kl.detach() / denom, "ce": ce.detach() / denom}
 
     return distill_loss

@@ -32,11 +32,11 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    if cfg.optimizer == "muon":
-        return MuonAdamW(model, cfg, fused=device.type in ("cuda", "cpu"))
     # The fused kernel updates every parameter in one pass. Measured here on the 26M model's shapes (2-core
     # CPU): fused 10.6 ms per step, the default per-tensor loop 73 ms, foreach 93 ms. On CUDA it is one launch.
     fused = device.type in ("cuda", "cpu")
+    if cfg.optimizer == "muon":
+        return MuonAdamW(model, cfg, fused=fused)
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              eps=1e-8, fused=fused or None)
 

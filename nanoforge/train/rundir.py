@@ -27,12 +27,11 @@ from nanoforge.data.columnar import is_columnar
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import check_tokenizer
 from nanoforge.data.parts import merge_prepared
-from nanoforge.data.sources import data_kind, is_prepared, prepared_dir
+from nanoforge.data.sources import data_kind, is_prepared, prepared_dir, train_tokenizer
 from nanoforge.errors import NanoforgeError
 from nanoforge.fsutil import write_text_atomic
 from nanoforge.weights.load import init_config, init_tokenizer_dir
 from nanoforge.train.microbatch import fit_micro_batch
-from nanoforge.data.sources import train_tokenizer
 from nanoforge.tokenizer import load_tokenizer
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.train.distributed import is_main, main_first
@@ -173,10 +172,9 @@ def resolve_run_options(out: Path, options, defaults: dict[str, Any], resume: bo
     the given ones over, on --resume, the saved ones (a different value given is an error) over `defaults`."""
     names = dataclasses.asdict(options)
     given = {k: v for k, v in names.items() if v is not None}
-    saved: dict[str, Any] = {}
-    if resume and (out / "config.toml").is_file():
+    if resume:
         check_resume_options(out, {k: ("--" + k.replace("_", "-"), v) for k, v in given.items()})
-        saved = {k: v for k, v in load_toml(out / "config.toml").get("run", {}).items() if k in names}
+    saved = {k: v for k, v in saved_run_info(out).items() if k in names} if resume else {}
     return {**defaults, **saved, **given}
 
 
@@ -229,9 +227,8 @@ def saved_data_dir(run_info: dict[str, Any], run_dir: Path) -> Path:
 
 def write_run_config(run_dir: Path, mcfg: ModelConfig, tcfg: TrainConfig, run_info: dict[str, Any]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    if not is_main():  # under torchrun only rank 0 writes the run directory
-        return
-    write_text_atomic(run_dir / "config.toml", config_to_toml(mcfg, tcfg, {"run": run_info}))
+    if is_main():  # under torchrun only rank 0 writes the run directory
+        write_text_atomic(run_dir / "config.toml", config_to_toml(mcfg, tcfg, {"run": run_info}))
 
 
 def copy_tokenizer(src: Path, run_dir: Path) -> None:
@@ -241,6 +238,16 @@ def copy_tokenizer(src: Path, run_dir: Path) -> None:
     if dst.exists():
         shutil.rmtree(dst)
     shutil.copytree(src, dst)
+
+
+def resumed_run(stage: str, init: str | None, out: str | Path, config_file: str | None, overrides: dict[str, Any]):
+    """--resume of a run that started from --init: its saved config, checked to be this stage's and from the same
+    --init. Returns (run_dir, mcfg, tcfg, run_info, init_path)."""
+    run_dir, mcfg, tcfg, run_info, _ = open_run(out, True, None, config_file, overrides)
+    if run_info.get("stage") != stage:
+        raise NanoforgeError(f"--resume: {run_dir} is a {run_info.get('stage')!r} run, not {stage}")
+    check_same_origin(run_dir, "--init", init, run_info.get("init"))
+    return run_dir, mcfg, tcfg, run_info, Path(run_info["init"])
 
 
 def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str | Path, config_file: str | None,
@@ -254,12 +261,8 @@ def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str |
     the stage's options (run_options) come from the run's config.toml."""
     run_dir = Path(out)
     if resume:
-        run_dir, mcfg, tcfg, saved_run, _ = open_run(out, True, None, config_file, overrides)
-        if saved_run.get("stage") != stage:
-            raise NanoforgeError(f"--resume: {run_dir} is a {saved_run.get('stage')!r} run, not {stage}")
-        check_same_origin(run_dir, "--init", init, saved_run.get("init"))
-        init_path, tokenizer_dir = Path(saved_run["init"]), run_dir / "tokenizer"
-        run_info = saved_run
+        run_dir, mcfg, tcfg, run_info, init_path = resumed_run(stage, init, out, config_file, overrides)
+        tokenizer_dir = run_dir / "tokenizer"
     else:
         if not init:
             raise NanoforgeError("--init is required: the run directory or checkpoint to start from")

@@ -124,8 +124,7 @@ def restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, stag
     full weights and optimizer state, so any world size (DDP or FSDP2) resumes any other's."""
     state = ckpt.load_state(path)
     weights = ckpt.load_weights_file(path)
-    fsdp = distributed.is_fsdp(model)
-    raw = distributed.unwrap(model)
+    fsdp, raw = distributed.is_fsdp(model), distributed.unwrap(model)
     if fsdp:  # the same strict key and shape check as load_weights
         expected = {k: tuple(v.shape) for k, v in raw.state_dict_for_save().items()}
         if {k: tuple(v.shape) for k, v in weights.items() if k in expected} != expected:
