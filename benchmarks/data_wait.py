@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/data_wait.py            # tinystories prepared with MiniMind's tokenizer
     .venv/bin/python benchmarks/data_wait.py --steps 60
 
-The data (../shared/data/minimind/pretrain_en_tinystories.jsonl, MiniMind's 6400-token tokenizer) is prepared
+The data ($NANOFORGE_DATA/minimind/pretrain_en_tinystories.jsonl, MiniMind's 6400-token tokenizer) is prepared
 into a temporary directory; then each configuration trains `--steps` steps of the tiny preset on the CPU with
 gloo and rank 0's metrics are read back (the first logged window, which holds start-up, is dropped). "cold"
 runs first evict the shards from the page cache (posix_fadvise DONTNEED on each file, no root needed), so the
@@ -27,7 +27,8 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from nanoforge.data.prepare import prepare_dataset  # noqa: E402
 
-SHARED = REPO.parent / "shared" / "data"
+from data_dir import data_path  # noqa: E402  (benchmarks/data_dir.py: NANOFORGE_DATA)
+
 
 
 def evict(directory: Path) -> None:
@@ -70,12 +71,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seq-len", type=int, default=256)
     args = parser.parse_args()
-    source = SHARED / "minimind" / "pretrain_en_tinystories.jsonl"
-    if not source.is_file():
-        sys.exit(f"needs {source} (the shared data beside the repo)")
+    source = data_path("minimind/pretrain_en_tinystories.jsonl")
     with tempfile.TemporaryDirectory(prefix="nanoforge-data-wait-") as tmp:
         data = Path(tmp) / "data"
-        prepare_dataset("pretrain", [source], SHARED / "minimind-tokenizer", data, workers=1, log=lambda *a: None)
+        prepare_dataset("pretrain", [source], data_path("minimind-tokenizer"), data, workers=1, log=lambda *a: None)
         print(f"{args.steps} steps, tiny preset, seq_len {args.seq_len}, fp32, CPU, gloo; medians of rank 0's "
               "5-step windows\n")
         print("| processes | batch / rank | cache | data ms (first 5 steps) | data ms | fwd+bwd ms | optim ms |"

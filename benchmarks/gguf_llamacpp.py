@@ -49,7 +49,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-SHARED_CORPUS = REPO.parent / "shared" / "data" / "tiny" / "pretrain_tiny.jsonl"
+from data_dir import data_path  # noqa: E402  (benchmarks/data_dir.py: NANOFORGE_DATA)
+
 
 PROMPTS = [
     "Once upon a time there was a",
@@ -134,7 +135,7 @@ def gguf_dtypes() -> list[str]:
 
 
 def write_fallback_corpus(path: Path) -> Path:
-    """A small mixed English/Chinese corpus, for a machine without ../shared/data (our own sentences)."""
+    """A small mixed English/Chinese corpus, for a machine without NANOFORGE_DATA/tiny (our own sentences)."""
     en = ["Once upon a time there was a little cat who liked to sit in the sun.",
           "One day, a boy named Tim and his dog went to the park to play with a red ball.",
           "The girl looked at the big tree and smiled, because the birds were singing."]
@@ -315,7 +316,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--python", default=sys.executable, help="interpreter with llama_cpp (default: this one)")
     parser.add_argument("--run", help="compare this run (or checkpoint) instead of training the two small ones")
-    parser.add_argument("--corpus", help="pretraining JSONL (default: ../shared/data/tiny/pretrain_tiny.jsonl, "
+    parser.add_argument("--corpus", help="pretraining JSONL (default: $NANOFORGE_DATA/tiny/pretrain_tiny.jsonl, "
                                          "else a small corpus the script writes)")
     parser.add_argument("--steps", type=int, default=600, help="pretraining steps of each small run (default 600)")
     parser.add_argument("--vocab-size", type=int, default=2048, help="tokenizer trained with the runs (default 2048)")
@@ -336,8 +337,8 @@ def main() -> int:
         if args.run:
             runs = {Path(args.run).name: Path(args.run)}
         else:
-            corpus = Path(args.corpus) if args.corpus else SHARED_CORPUS
-            if not corpus.is_file():
+            corpus = Path(args.corpus) if args.corpus else data_path("tiny/pretrain_tiny.jsonl", required=False)
+            if corpus is None or not corpus.is_file():
                 corpus = write_fallback_corpus(work / "corpus.jsonl")
             print(f"corpus: {corpus}")
             runs = {name: train_run(name, flags, corpus, work, args) for name, flags in VARIANTS.items()}

@@ -3,7 +3,7 @@ tokens per second through the real training loop, measured in one run.
 
     .venv/bin/python benchmarks/sft_packing.py [--steps 6] [--precision bf16]
 
-Data: ../shared/data/minimind/sft_zh_alpaca_gpt4_demo.jsonl + sft_zh_medical_1k.jsonl, a 6,400-token tokenizer
+Data: $NANOFORGE_DATA/minimind/sft_zh_alpaca_gpt4_demo.jsonl + sft_zh_medical_1k.jsonl (benchmarks/data_dir.py), a 6,400-token tokenizer
 trained on those files, the mini preset (26M) at batch 4. "Padded to L" puts one conversation per row, cut at
 L tokens, padded to L, with plain causal attention (MiniMind's SFT dataset pads to max_length, 512 in its
 sft_mini_512 recipe and 768 by default in its older scripts). "Packed" is nanoforge's SFTBatches: whole
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from data_dir import data_path  # benchmarks/data_dir.py: NANOFORGE_DATA
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "minimind"
 FILES = ["sft_zh_alpaca_gpt4_demo.jsonl", "sft_zh_medical_1k.jsonl"]
 
 
@@ -95,7 +95,7 @@ def main() -> None:
     from nanoforge.data.shards import TokenShards
     from nanoforge.data.sources import train_tokenizer
 
-    files = [DATA / f for f in FILES]
+    files = [data_path(f"minimind/{f}") for f in FILES]
     with tempfile.TemporaryDirectory() as tmp:
         tok = train_tokenizer(files, vocab_size=6400, out_dir=Path(tmp) / "tok")
         prepare_dataset("sft", files, tok, Path(tmp) / "sft", val_fraction=0.0, log=lambda *a: None)

@@ -1,7 +1,7 @@
 """Teach a tiny model to call the calculator, on CPU in minutes, and measure it (docs/tools.md has the results).
 
 Data (written to WORK/data):
-  - GSM8K's training problems (../shared/data/gsm8k/train.jsonl) as calculator conversations: every
+  - GSM8K's training problems ($NANOFORGE_DATA/gsm8k/train.jsonl, benchmarks/data_dir.py) as calculator conversations: every
     `<<48/2=24>>` annotation of a worked answer becomes a call `calculator {"expression": "48/2"}`, the tool's
     reply "24", and the assistant going on from there; the last turn ends with the `#### N` line. Problems
     whose annotations our calculator does not reproduce exactly are left out (and counted).
@@ -31,8 +31,9 @@ from pathlib import Path
 from nanoforge.chat.template import THINKING_TOOLS_TEMPLATE, compile_template
 from nanoforge.chat.calculator import CALCULATOR_SCHEMA, evaluate
 
+from data_dir import data_path  # benchmarks/data_dir.py: NANOFORGE_DATA
+
 ROOT = Path(__file__).resolve().parents[1]
-GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
 SYSTEM = "You are a helpful assistant."
 ANNOTATION = re.compile(r"<<([^<>=]+)=([^<>]+)>>")
 OPS = ["+", "-", "*", "/"]
@@ -113,7 +114,7 @@ def write_jsonl(path: Path, records) -> int:
 def build_data(out: Path, gsm8k_limit: int, synthetic: int, no_tool_share: float, held_out: int) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     conversations, dropped = [], 0
-    with open(GSM8K / "train.jsonl", encoding="utf-8") as f:
+    with open(data_path("gsm8k/train.jsonl"), encoding="utf-8") as f:
         for line in f:
             if len(conversations) >= gsm8k_limit:
                 break
