@@ -8,6 +8,7 @@ The Tokenizer (tokenizer.py) renders and encodes; this module holds the pieces t
 from __future__ import annotations
 
 import json
+import re
 
 from jinja2 import TemplateError, nodes
 from jinja2.ext import Extension, loopcontrols
@@ -236,6 +237,12 @@ def _check_mask_closes_with_im_end(ids, mask, im_end_id, num_spans) -> None:
             runs_closed += 1
     if runs_closed != num_spans:
         raise ChatTemplateError(f"found {runs_closed} masked assistant runs for {num_spans} assistant messages")
+
+
+def without_generation_markers(source: str) -> str:
+    """The template with its `{% generation %}` markers taken out (for engines that may not know the tag: GGUF's).
+    Every marker in our templates sits between whitespace-trimming tags, so the render is unchanged (tested)."""
+    return re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", source)
 
 
 class GenerationMarkers(Extension):
