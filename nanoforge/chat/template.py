@@ -8,6 +8,11 @@ The Tokenizer (tokenizer.py) renders and encodes; this module holds the pieces t
 from __future__ import annotations
 
 import json
+import re
+
+from jinja2 import TemplateError, nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from nanoforge.errors import NanoforgeError
 
@@ -15,9 +20,15 @@ IM_END = "<|im_end|>"
 
 # ChatML (as Qwen uses it). Whitespace matters: HF renders with trim_blocks/lstrip_blocks and the `{%-` marks
 # keep the template's own newlines out of the output, so only the quoted '\n's appear.
+# Both templates wrap what our loss mask covers (an assistant turn after its header, through <|im_end|>) in
+# `{% generation %}`, so HF's return_assistant_tokens_mask (TRL's assistant_only_loss) gives the same mask.
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{%- generation %}{{- message['content'] + '<|im_end|>' }}{%- endgeneration %}"
+    "{%- else %}{{- message['content'] + '<|im_end|>' }}{%- endif %}"
+    "{{- '\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
     "{{- '<|im_start|>assistant\\n' }}"
@@ -73,7 +84,9 @@ THINKING_TOOLS_TEMPLATE = r"""
             {%- set reasoning = head.rstrip('\n').split('<think>')[-1].lstrip('\n') %}
             {%- set text = text.split('</think>')[-1].lstrip('\n') %}
         {%- endif %}
-        {{- '<|im_start|>assistant\n<think>\n' ~ reasoning.strip('\n') ~ '\n</think>\n\n' ~ text.lstrip('\n') }}
+        {{- '<|im_start|>assistant\n' }}
+        {%- generation %}
+        {{- '<think>\n' ~ reasoning.strip('\n') ~ '\n</think>\n\n' ~ text.lstrip('\n') }}
         {%- for call in (message.tool_calls or []) %}
             {%- if text or not loop.first %}
                 {{- '\n' }}
@@ -82,7 +95,9 @@ THINKING_TOOLS_TEMPLATE = r"""
             {%- set arguments = call.arguments if call.arguments is string else (call.arguments | tojson) %}
             {{- '<tool_call>\n{"name": "' ~ call.name ~ '", "arguments": ' ~ arguments ~ '}\n</tool_call>' }}
         {%- endfor %}
-        {{- '<|im_end|>\n' }}
+        {{- '<|im_end|>' }}
+        {%- endgeneration %}
+        {{- '\n' }}
     {%- elif message.role == 'tool' %}
         {%- if before != 'tool' %}
             {{- '<|im_start|>user' }}
@@ -224,12 +239,24 @@ def _check_mask_closes_with_im_end(ids, mask, im_end_id, num_spans) -> None:
         raise ChatTemplateError(f"found {runs_closed} masked assistant runs for {num_spans} assistant messages")
 
 
-def compile_template(source: str):
-    """Compile a chat template the way transformers does (sandboxed, trim_blocks, lstrip_blocks)."""
-    from jinja2 import TemplateError
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+def without_generation_markers(source: str) -> str:
+    """The template with its `{% generation %}` markers taken out (for engines that may not know the tag: GGUF's).
+    Every marker in our templates sits between whitespace-trimming tags, so the render is unchanged (tested)."""
+    return re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", source)
 
+
+class GenerationMarkers(Extension):
+    """`{% generation %}...{% endgeneration %}` renders its body unchanged (the markers only feed HF's mask)."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        # a Scope, as HF's block is a call: a `set` inside stays inside
+        return nodes.Scope(parser.parse_statements(("name:endgeneration",), drop_needle=True), lineno=lineno)
+
+
+def compile_template(source: str):
+    """Compile a chat template the way transformers does (sandboxed, trim_blocks, lstrip_blocks, generation tags)."""
     def raise_exception(message):
         raise ChatTemplateError(f"the chat template refused the conversation: {message}")
 
@@ -237,7 +264,8 @@ def compile_template(source: str):
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                           sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols, GenerationMarkers])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     try:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from nanoforge.chat.template import without_generation_markers
 from nanoforge.config import ModelConfig
 from nanoforge.errors import NanoforgeError
 from nanoforge.fsutil import replace_dir, write_json
@@ -286,4 +287,4 @@ def add_gguf_tokenizer(writer, tokenizer, vocab_size: int) -> None:
         writer.add_eot_token_id(tokenizer.im_end_id)  # end of turn: chat front-ends stop here
     writer.add_add_bos_token(False)  # our prompts never start with an implicit bos
     writer.add_add_eos_token(False)
-    writer.add_chat_template(tokenizer.chat_template)
+    writer.add_chat_template(without_generation_markers(tokenizer.chat_template))  # llama.cpp: plain Jinja

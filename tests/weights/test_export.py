@@ -6,6 +6,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
+from nanoforge.chat.template import without_generation_markers
 from nanoforge.config import ModelConfig
 from nanoforge.errors import NanoforgeError
 from nanoforge.weights.export import export_gguf, export_hf, gguf_pre_tokenizer, permute_for_llama_cpp, write_gguf, write_hf_dir
@@ -317,7 +318,7 @@ def test_gguf_reads_back(run_dir, ours, tmp_path):
     assert len(field("tokenizer.ggml.merges")) == len(merges)
     assert field("tokenizer.ggml.eos_token_id") == tokenizer.eos_id
     assert field("tokenizer.ggml.eot_token_id") == tokenizer.im_end_id
-    assert field("tokenizer.chat_template") == tokenizer.chat_template
+    assert field("tokenizer.chat_template") == without_generation_markers(tokenizer.chat_template)
 
     tensors = {t.name: t for t in reader.tensors}
     sd = model.state_dict()
