@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import platform
 
 import torch
@@ -49,7 +50,8 @@ def eval_mode(model):
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 
 
-def cpu_info(path: str = "/proc/cpuinfo") -> tuple[str, set[str]]:
+@functools.cache  # read once per process: every run resolves its precision and MFU key from it
+def cpu_info(path: str = "/proc/cpuinfo") -> tuple[str, frozenset[str]]:
     """This CPU's model name and feature flags. Linux has them in /proc/cpuinfo; elsewhere (macOS, Windows)
     there are no flags to read, so no native bf16 is claimed and --precision auto picks fp32 there, which
     is never the slow choice (PyTorch's CPU bf16 is only fast where these flags are)."""
@@ -59,7 +61,7 @@ def cpu_info(path: str = "/proc/cpuinfo") -> tuple[str, set[str]]:
     except OSError:
         block = ""
     first = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in block.splitlines())}
-    flags = set((first.get("flags") or first.get("Features") or "").split())  # Features: ARM's flags
+    flags = frozenset((first.get("flags") or first.get("Features") or "").split())  # Features: ARM's flags
     return first.get("model name") or platform.processor() or platform.machine() or "unknown cpu", flags
 
 
