@@ -7,8 +7,9 @@ import math
 import sys
 
 from nanoforge import __version__
-from nanoforge.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, ModelConfig, TrainConfig, field_help
+from nanoforge.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, LoraConfig, ModelConfig, TrainConfig, field_help
 from nanoforge.infer import defaults as chat_defaults
+from nanoforge.recipes.options import DistillOptions, DPOOptions, PPOOptions, RLOptions
 
 
 def number(kind: type, interval: str = "(-inf, inf)"):
@@ -61,6 +62,25 @@ def add_config_flags(p: argparse.ArgumentParser, presets: bool = True, exclude: 
             what = helps.get(name, "").replace("%", "%%")  # argparse formats help with %
             group.add_argument(f"--{name.replace('_', '-')}", dest=f"cfg_{name}", metavar=_metavar(f),
                                help=f"{what} (default: {default!r})" if what else f"(default: {default!r})")
+
+
+def add_option_flags(p: argparse.ArgumentParser, cls, given_only: bool = False) -> None:
+    """One --field-name flag per field of a command's options dataclass (config.option): a number in the field's
+    interval, a store_true for a bool, nargs/choices/metavar as the field says, and the field's comment as help.
+    given_only: an omitted flag stays out of the namespace (argparse.SUPPRESS; the dataclass default fills it), so
+    that a --resume keeps the run's saved value, and the help states the default itself."""
+    helps = field_help(cls)
+    for f in dataclasses.fields(cls):
+        flag, kind = dict(f.metadata), f.type.split(" ")[0]  # the annotation's text: "int", "float | None", ...
+        interval, what = flag.pop("interval") or "(-inf, inf)", helps.get(f.name, "").replace("%", "%%")
+        if given_only and f.default not in (None, False) and "(default" not in what:
+            what += f" (default: {f.default})"
+        if kind == "bool":
+            flag["action"] = "store_true"
+        elif kind in ("int", "float"):
+            flag["type"] = number(int if kind == "int" else float, interval)
+        p.add_argument(f"--{f.name.replace('_', '-')}", default=argparse.SUPPRESS if given_only else f.default,
+                       help=what, **flag)
 
 
 def add_run_flags(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
@@ -177,11 +197,7 @@ def add_training_parsers(sub, fmt) -> None:
     lora.add_argument("--data", nargs="*", default=[], metavar="PATH",
                       help="a directory from `prepare --kind sft`, or conversation JSONL files")
     lora.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    # default None: a --resume can tell a given option from an omitted one (defaults are LoraConfig's)
-    lora.add_argument("--rank", type=INT_GE1, help="adapter rank (default: 16)")
-    lora.add_argument("--alpha", type=FLOAT_GT0, help="adapter scale numerator, scale = alpha / rank (default: 32.0)")
-    lora.add_argument("--dropout", type=number(float, "[0, 1)"), help="dropout on the adapters' input (default: 0.05)")
-    lora.add_argument("--targets", help="linear layers to adapt (default: q,k,v,o,gate,up,down)")
+    add_option_flags(lora, LoraConfig, given_only=True)
     add_run_flags(lora, exclude=("dropout",))
 
     dpo = sub.add_parser("dpo", help="direct preference optimisation on chosen/rejected pairs", formatter_class=fmt)
@@ -190,7 +206,7 @@ def add_training_parsers(sub, fmt) -> None:
     dpo.add_argument("--data", nargs="*", default=[], metavar="PATH",
                      help="a directory from `prepare --kind dpo`, or DPO JSONL files")
     dpo.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    dpo.add_argument("--beta", type=FLOAT_GT0, help="strength of the pull towards the reference (default: 0.1)")
+    add_option_flags(dpo, DPOOptions, given_only=True)
     add_run_flags(dpo)
 
     add_grpo_parser(sub, fmt)
@@ -204,9 +220,7 @@ def add_training_parsers(sub, fmt) -> None:
     dist.add_argument("--data", nargs="*", default=[], metavar="PATH",
                       help="pretraining or SFT data: a prepared directory or JSONL files")
     dist.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    dist.add_argument("--temperature", type=FLOAT_GT0, help="softening of both distributions (default: 1.5)")
-    dist.add_argument("--alpha", type=number(float, "[0, 1]"), help="weight of the data's cross-entropy; "
-                      "1 - alpha weighs the KL to the teacher (default: 0.5)")
+    add_option_flags(dist, DistillOptions, given_only=True)
     add_run_flags(dist)
 
 
@@ -348,38 +362,12 @@ def add_grpo_parser(sub, fmt) -> None:
     rl.add_argument("--data", metavar="FILE.jsonl", help="prompts: chats ending in a user turn (or an empty "
                     'assistant placeholder), GSM8K\'s {"question", "answer"}; "answer"/"gt" for the rewards')
     rl.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    # default None: a --resume can tell a given option from an omitted one (defaults in nanoforge/recipes/grpo.py)
-    rl.add_argument("--loss", choices=["grpo", "cispo", "reinforce"], help="policy loss: clipped ratio (grpo), "
-                    "clipped importance weight (cispo), plain policy gradient (default: grpo)")
-    rl.add_argument("--num-generations", type=INT_GE1, metavar="G", help="replies sampled per prompt (default: 6)")
-    rl.add_argument("--prompts-per-step", type=INT_GE1, metavar="P",
-                    help="prompts per rollout, per process (default: 2)")
-    rl.add_argument("--beta", type=FLOAT_GE0, help="weight of the k3 KL to the --init model; 0 skips the reference "
-                    "(default: 0.1)")
-    rl.add_argument("--epsilon", type=FLOAT_GT0, help="ratio clip: [1 - epsilon, 1 + epsilon] (default: 0.2)")
-    rl.add_argument("--epsilon-high", type=FLOAT_GT0, help="upper clip 1 + epsilon_high (DAPO's clip-higher; "
-                    "default: --epsilon)")
-    rl.add_argument("--advantage", choices=["zscore", "mean"], help="group advantage: (r - mean) / std, or "
-                    "r - mean (default: zscore)")
-    rl.add_argument("--loss-norm", choices=["sequence", "token"], help="average over each reply's tokens then "
-                    "replies, or over all tokens (default: sequence)")
-    rl.add_argument("--temperature", type=FLOAT_GT0, help="sampling temperature; log-probs are trained at it too "
-                    "(default: 0.8)")
-    rl.add_argument("--max-new-tokens", type=INT_GE1, help="reply length cap; a reply cut there has no stop token "
-                    "(default: 256)")
-    rl.add_argument("--ppo-epochs", type=INT_GE1, metavar="K", help="optimizer steps on each rollout, so the ratio and "
-                    "clipping act (default: 1)")
-    add_reward_flags(rl)
-    rl.add_argument("--tools", metavar="NAME[,NAME]", help="multi-turn tool use: run the replies' tool calls "
-                    "(built-in: calculator) and train on whole trajectories with the agent reward (records need "
-                    '"gt"; no --reward)')
-    rl.add_argument("--max-turns", type=INT_GE1, metavar="N", help="with --tools: replies per trajectory (default: 3)")
+    add_option_flags(rl, RLOptions, given_only=True)
     add_run_flags(rl)
 
 
 def add_ppo_parser(sub, fmt) -> None:
-    """`nanoforge ppo`: defaults None, so a --resume can tell a given option from an omitted one (the defaults
-    are in nanoforge/recipes/ppo.py)."""
+    """`nanoforge ppo`: PPO on sampled replies (recipes/ppo.py)."""
     p = sub.add_parser("ppo", help="reinforcement learning with PPO: a critic from the policy's weights, GAE, clipped "
                        "policy and value losses, KL penalty, early stop on approximate KL", formatter_class=fmt)
     p.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the SFT run, checkpoint or HF model directory to "
@@ -387,39 +375,8 @@ def add_ppo_parser(sub, fmt) -> None:
     p.add_argument("--data", metavar="FILE.jsonl", help="prompts: chats ending in a user turn (or an empty "
                    'assistant placeholder), GSM8K\'s {"question", "answer"}; "answer"/"gt" for the rewards')
     p.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    p.add_argument("--num-generations", type=INT_GE1, metavar="G", help="replies sampled per prompt (default: 1)")
-    p.add_argument("--prompts-per-step", type=INT_GE1, metavar="P",
-                   help="prompts per rollout, per process (default: 8)")
-    p.add_argument("--temperature", type=FLOAT_GT0, help="sampling temperature; log-probs are taken at it too "
-                   "(default: 1.0)")
-    p.add_argument("--max-new-tokens", type=INT_GE1, help="reply length cap (default: 256)")
-    p.add_argument("--ppo-epochs", type=INT_GE1, metavar="K", help="optimizer steps on each rollout (default: 2)")
-    p.add_argument("--epsilon", type=FLOAT_GT0, help="ratio clip: [1 - epsilon, 1 + epsilon] (default: 0.2)")
-    p.add_argument("--beta", type=FLOAT_GE0, help="per-token KL penalty to the --init model in the rewards; 0 skips "
-                   "the reference (default: 0.05)")
-    p.add_argument("--vf-coef", type=FLOAT_GE0, help="weight of the value loss (default: 0.5)")
-    p.add_argument("--value-clip", type=FLOAT_GT0, help="how far a value may move from its rollout value before its "
-                   "loss is clipped (default: 0.2)")
-    p.add_argument("--gamma", type=number(float, "[0, 1]"), help="GAE discount (default: 1.0)")
-    p.add_argument("--lam", type=number(float, "[0, 1]"), help="GAE lambda (default: 0.95)")
-    p.add_argument("--target-kl", type=FLOAT_GT0, help="skip a rollout's remaining epochs once the approximate KL to "
-                   "the sampling policy exceeds this (default: never)")
-    add_reward_flags(p)
+    add_option_flags(p, PPOOptions, given_only=True)
     add_run_flags(p)
-
-
-def add_reward_flags(p: argparse.ArgumentParser) -> None:
-    """The rewards of an RL command (grpo, ppo) and --think; defaults None, so a --resume can tell a given option
-    from an omitted one."""
-    p.add_argument("--reward", metavar="NAME[,NAME]", help="math, format, length, repetition, module:function "
-                   "or path/file.py:function, summed (default: math)")
-    p.add_argument("--reward-weights", metavar="W[,W]", help="one weight per reward (and the reward model last)")
-    p.add_argument("--reward-model", metavar="LOCAL_DIR", help="a local HF sequence-classification model whose "
-                   "score is added as a reward (never downloaded)")
-    p.add_argument("--trust-remote-code", action="store_true", default=None,
-                   help="let --reward-model run its own Python code")
-    p.add_argument("--think", action="store_true", default=None, help="open the think block of every reply "
-                   "(a template in MiniMind-3's format)")
 
 
 if __name__ == "__main__":

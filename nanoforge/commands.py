@@ -4,13 +4,14 @@ usage errors need neither torch nor these modules."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from nanoforge.bench import format_bench, run_bench, write_json
-from nanoforge.config import MODEL_FIELDS, TRAIN_FIELDS, build_config, parse_value
+from nanoforge.config import MODEL_FIELDS, TRAIN_FIELDS, LoraConfig, build_config, parse_value
 from nanoforge.data.parts import merge_prepared
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.demo.pipeline import run_demo
@@ -18,10 +19,10 @@ from nanoforge.errors import NanoforgeError
 from nanoforge.eval.run import run_eval
 from nanoforge.weights.export import export_gguf, export_hf
 from nanoforge.infer.chat import run_chat, run_generate
-from nanoforge.model.lora import LoraConfig
 from nanoforge.plan import format_plan, make_plan
-from nanoforge.recipes.grpo import RLOptions, grpo
-from nanoforge.recipes.ppo import PPOOptions, ppo
+from nanoforge.recipes.grpo import grpo
+from nanoforge.recipes.options import DistillOptions, DPOOptions, PPOOptions, RLOptions
+from nanoforge.recipes.ppo import ppo
 from nanoforge.report.markdown import write_report
 from nanoforge.data.sources import train_tokenizer
 from nanoforge.train.autoresume import AUTO, resolve_resume
@@ -98,15 +99,20 @@ def cmd_sft(args) -> None:
     print(f"sft finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
 
 
+def options_from(args: argparse.Namespace, cls) -> tuple[Any, set[str]]:
+    """A command's options dataclass from its flags (cli.add_option_flags), and the names of those given: a
+    resumable command's omitted flags are absent from the namespace, and the dataclass defaults fill them."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    return cls(**given), set(given)
+
+
 def cmd_lora(args) -> None:
     if args.action == "merge":
         if not args.run:
             raise NanoforgeError("lora merge needs the LoRA run: nanoforge lora merge RUN --out DIR")
         print(f"merged model written to {lora_merge(args.run, args.out)}")
         return
-    given = {k: v for k, v in dict(rank=args.rank, alpha=args.alpha, dropout=args.dropout,
-                                   targets=args.targets).items() if v is not None}
-    lcfg = LoraConfig(**given)
+    lcfg, given = options_from(args, LoraConfig)
     if args.resume:
         check_resume_options(Path(args.out), {key: (f"--{key[5:]}", value) for key, value in lcfg.to_dict().items()
                                               if key[5:] in given})
@@ -116,24 +122,26 @@ def cmd_lora(args) -> None:
 
 
 def cmd_dpo(args) -> None:
+    options, given = options_from(args, DPOOptions)
     summary = dpo(args.init, args.data, args.out, config_file=args.config, overrides=config_overrides(args),
-                  resume=args.resume, beta=args.beta, quiet=args.quiet)
+                  resume=args.resume, options=options, quiet=args.quiet, given=given)
     print(f"dpo finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
 
 
 def cmd_rl(args) -> None:
     """grpo and ppo: the stage's options dataclass filled from the flags of the same names."""
     options_cls, train_rl = {"grpo": (RLOptions, grpo), "ppo": (PPOOptions, ppo)}[args.command]
-    options = options_cls(**{k: getattr(args, k) for k in options_cls.__dataclass_fields__})
+    options, given = options_from(args, options_cls)
     summary = train_rl(args.init, args.data, args.out, options, config_file=args.config,
-                       overrides=config_overrides(args), resume=args.resume, quiet=args.quiet)
+                       overrides=config_overrides(args), resume=args.resume, quiet=args.quiet, given=given)
     print(f"{args.command} finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
 
 
 def cmd_distill(args) -> None:
+    options, given = options_from(args, DistillOptions)
     summary = distill(args.teacher, args.init, args.data, args.out, config_file=args.config,
-                      overrides=config_overrides(args), resume=args.resume, temperature=args.temperature,
-                      alpha=args.alpha, quiet=args.quiet)
+                      overrides=config_overrides(args), resume=args.resume, options=options, quiet=args.quiet,
+                      given=given)
     print(f"distill finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
 
 
