@@ -8,6 +8,7 @@ import sys
 
 from nanoforge import __version__
 from nanoforge.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, LoraConfig, ModelConfig, TrainConfig, field_help
+from nanoforge.eval.options import EvalOptions
 from nanoforge.infer import defaults as chat_defaults
 from nanoforge.recipes.options import DistillOptions, DPOOptions, PPOOptions, RLOptions
 
@@ -252,39 +253,7 @@ def add_tool_parsers(sub, fmt) -> None:
     ev = sub.add_parser("eval", help="loss / bits per byte on data, multiple-choice benchmarks, GSM8K, tool calls, "
                         "samples", formatter_class=fmt)
     ev.add_argument("run", metavar="RUN", help="run directory, checkpoint or HF model directory")
-    ev.add_argument("--data", nargs="+", metavar="PATH",
-                    help="pretraining or SFT JSONL files, or a prepared directory (default, when no --bench or "
-                         "--samples: the whole validation split of the data the run trained on)")
-    ev.add_argument("--split", choices=["all", "train", "val"],
-                    help="split of a prepared directory to score (default: all; val for the run's own data)")
-    ev.add_argument("--bench", metavar="PATH", help="multiple-choice benchmark: a C-Eval/CMMLU folder or CSV, or JSONL")
-    ev.add_argument("--format", default="auto", choices=["auto", "jsonl", "ceval", "cmmlu", "csv"],
-                    help="benchmark format")
-    ev.add_argument("--shots", type=INT_GE0, default=0,
-                    help="solved examples before each question (from the dev split)")
-    ev.add_argument("--dev", metavar="FILE", help="dev examples for --shots with a JSONL benchmark")
-    ev.add_argument("--gsm8k", metavar="FILE", help='GSM8K JSONL ({"question", "answer" ending "#### N"}): '
-                    "accuracy of greedy generated answers")
-    ev.add_argument("--toolcall", metavar="FILE", help="SFT JSONL with tool calls: parse, valid-call and call-match "
-                    "rates of the first reply, and answer accuracy with the built-in tools run")
-    ev.add_argument("--tools", metavar="NAMES", help="built-in tools --gsm8k may call (calculator)")
-    ev.add_argument("--think", action="store_true", help="open the think block in --gsm8k/--toolcall prompts")
-    ev.add_argument("--max-new-tokens", type=INT_GE1, default=256, metavar="N",
-                    help="tokens per reply for --gsm8k/--toolcall")
-    ev.add_argument("--max-turns", type=INT_GE1, default=4, metavar="N", help="replies per problem for "
-                    "--gsm8k/--toolcall (each reply that calls tools costs one)")
-    ev.add_argument("--limit", type=INT_GE1, help="score at most this many questions")
-    ev.add_argument("--samples", action="store_true", help="generate replies to a fixed prompt set")
-    ev.add_argument("--prompts", metavar="FILE", help="prompts for --samples, one per line")
-    ev.add_argument("--chat", action="store_true", help="render sample prompts with the chat template")
-    ev.add_argument("--batch-size", type=INT_GE1, default=8, help="sequences per forward")
-    ev.add_argument("--seq-len", type=INT_GE1, help="window length (default: the model's max_seq_len)")
-    ev.add_argument("--max-tokens", type=INT_GE1, help="stop after scoring this many tokens")
-    ev.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="inference precision")
-    ev.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
-    ev.add_argument("--no-write", action="store_true", help="do not write RUN/samples.jsonl")
-    ev.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    ev.add_argument("--quiet", action="store_true", help="no progress")
+    add_option_flags(ev, EvalOptions)
 
     exp = sub.add_parser("export", help="write a run as an HF transformers directory or a GGUF file",
                          formatter_class=fmt)

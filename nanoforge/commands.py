@@ -16,6 +16,7 @@ from nanoforge.data.parts import merge_prepared
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.demo.pipeline import run_demo
 from nanoforge.errors import NanoforgeError
+from nanoforge.eval.options import EvalOptions
 from nanoforge.eval.run import run_eval
 from nanoforge.weights.export import export_gguf, export_hf
 from nanoforge.infer.chat import run_chat, run_generate
@@ -163,12 +164,7 @@ def cmd_bench(args) -> None:
 
 
 def cmd_eval(args) -> None:
-    run_eval(args.run, data=args.data, bench=args.bench, fmt=args.format, shots=args.shots, dev=args.dev,
-             samples=args.samples, prompts_file=args.prompts, chat=args.chat, batch_size=args.batch_size,
-             seq_len=args.seq_len, max_tokens=args.max_tokens, limit=args.limit, precision=args.precision,
-             device=args.device, write=not args.no_write, json_out=args.json, progress=not args.quiet,
-             split=args.split, gsm8k=args.gsm8k, toolcall=args.toolcall, tools=args.tools, think=args.think,
-             max_new_tokens=args.max_new_tokens, max_turns=args.max_turns)
+    run_eval(args.run, options_from(args, EvalOptions)[0])
 
 
 def cmd_export(args) -> None:
