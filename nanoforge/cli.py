@@ -8,6 +8,7 @@ import sys
 
 from nanoforge import __version__
 from nanoforge.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, LoraConfig, ModelConfig, TrainConfig, field_help
+from nanoforge.data.options import PrepareOptions
 from nanoforge.eval.options import EvalOptions
 from nanoforge.infer import defaults as chat_defaults
 from nanoforge.recipes.options import DistillOptions, DPOOptions, PPOOptions, RLOptions
@@ -141,30 +142,29 @@ def add_data_parsers(sub, fmt) -> None:
 
     prep = sub.add_parser("prepare", help="tokenize JSONL into token shards for training; `prepare merge DIR... "
                           "--out DIR` combines prepared parts", formatter_class=fmt)
-    # --kind, --data and --tokenizer are required unless merging (commands.cmd_prepare says which are missing)
-    prep.add_argument("action", nargs="?", choices=["merge"], help="merge: write --out over the prepared DIRs "
-                      "(a manifest referencing their shards; no token is copied)")
-    prep.add_argument("parts", nargs="*", metavar="DIR", help="with merge: the prepared directories, in order")
-    prep.add_argument("--kind", choices=["pretrain", "sft", "dpo"], help="record format")
-    prep.add_argument("--data", nargs="+", metavar="FILE", help="JSONL or Parquet files, HF datasets directories "
-                      "(save_to_disk), or (pretrain) plain-text .txt/.md files")
-    prep.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory or tokenizer.json")
+    prep.add_argument("--kind", required=True, choices=["pretrain", "sft", "dpo"], help="record format")
+    prep.add_argument("--data", required=True, nargs="+", metavar="FILE", help="JSONL or Parquet files, HF datasets "
+                      "directories (save_to_disk), or (pretrain) plain-text .txt/.md files")
+    prep.add_argument("--tokenizer", required=True, metavar="DIR", help="tokenizer directory or tokenizer.json")
     prep.add_argument("--out", required=True, metavar="DIR", help="output directory (written atomically)")
-    prep.add_argument("--val-fraction", type=number(float, "[0, 1)"), default=0.01,
-                      help="share held out for validation: of JSONL records, evenly spread; of each plain-text "
-                           "file, its last bytes from a line start (0: no validation split)")
-    prep.add_argument("--workers", type=INT_GE0, default=0, help="tokenizer processes (0: all cores)")
-    prep.add_argument("--skip-invalid", action="store_true", help="skip and count bad records instead of stopping")
-    prep.add_argument("--drop-empty-think", type=number(float, "[0, 1]"), default=0.0, metavar="P",
-                      help="sft: render a seeded share P (0..1) of the records without the empty think blocks of "
-                           "their assistant turns, so the model learns both forms (MiniMind-3's recipe)")
-    prep.add_argument("--force", action="store_true", help="replace --out if it exists")
-    prep.add_argument("--part", metavar="I/N", help="prepare only part I of N (1 <= I <= N): every N-th input "
-                      "file, or of one JSONL file its I-th byte range; then `prepare merge` the parts")
-    prep.add_argument("--allow-incomplete", action="store_true", help="with merge: merge even when some parts of "
-                      "a --part I/N splitting are not given (by default every part must be)")
-    prep.add_argument("--text-column", default="text", metavar="NAME",
-                      help="pretrain from Parquet or an HF datasets directory: the column that holds the text")
+    add_option_flags(prep, PrepareOptions)
+    merge = add_merge_parser(prep, "write --out over the prepared DIRs (a manifest referencing their shards; no token "
+                             "is copied)", fmt)
+    merge.add_argument("parts", nargs="+", metavar="DIR", help="the prepared directories, in order")
+    merge.add_argument("--out", required=True, metavar="DIR", help="output directory (written atomically)")
+    merge.add_argument("--force", action="store_true", help="replace --out if it exists")
+    merge.add_argument("--allow-incomplete", action="store_true", help="merge even when some parts of a --part I/N "
+                       "splitting are not given (by default every part must be)")
+
+
+def add_merge_parser(p: argparse.ArgumentParser, what: str, fmt) -> argparse.ArgumentParser:
+    """`prepare merge` and `lora merge`: the subcommand of a command that also runs without one. argparse would
+    ask for the command's own required flags after `merge` too, so they are required only without it (main)."""
+    alone = [a for a in p._actions if a.required]
+    for action in alone:
+        action.required = False
+    p.set_defaults(required_alone=(p, alone))
+    return p.add_subparsers(dest="action", metavar="ACTION").add_parser("merge", help=what, formatter_class=fmt)
 
 
 def add_training_parsers(sub, fmt) -> None:
@@ -191,15 +191,15 @@ def add_training_parsers(sub, fmt) -> None:
 
     lora = sub.add_parser("lora", help="LoRA fine-tuning on conversations; `lora merge RUN --out DIR` folds "
                           "the adapters into the base", formatter_class=fmt)
-    lora.add_argument("action", nargs="?", choices=["merge"], help="merge: write RUN's base with the adapters "
-                      "folded in to --out")
-    lora.add_argument("run", nargs="?", metavar="RUN", help="with merge: the LoRA run or checkpoint")
     lora.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the base run, checkpoint or HF model dir to adapt")
     lora.add_argument("--data", nargs="*", default=[], metavar="PATH",
                       help="a directory from `prepare --kind sft`, or conversation JSONL files")
     lora.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
     add_option_flags(lora, LoraConfig, given_only=True)
     add_run_flags(lora, exclude=("dropout",))
+    merge = add_merge_parser(lora, "write RUN's base with the adapters folded in to --out", fmt)
+    merge.add_argument("run", metavar="RUN", help="the LoRA run or checkpoint")
+    merge.add_argument("--out", required=True, metavar="DIR", help="output directory")
 
     dpo = sub.add_parser("dpo", help="direct preference optimisation on chosen/rejected pairs", formatter_class=fmt)
     dpo.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the SFT run, checkpoint or HF model directory "
@@ -316,6 +316,10 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    parser, required = vars(args).pop("required_alone", (None, []))
+    missing = [a.option_strings[0] for a in required if args.action is None and getattr(args, a.dest) is None]
+    if missing:  # `prepare` or `lora` without `merge` (add_merge_parser): the message argparse gives
+        parser.error(f"the following arguments are required: {', '.join(missing)}")
     # The one import left for later: the commands load torch (about a second) and the modules that do the work,
     # which `--help` and a usage error do not need.
     from nanoforge import commands

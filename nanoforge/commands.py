@@ -12,6 +12,7 @@ from typing import Any
 
 from nanoforge.bench import format_bench, run_bench, write_json
 from nanoforge.config import MODEL_FIELDS, TRAIN_FIELDS, LoraConfig, build_config, parse_value
+from nanoforge.data.options import PrepareOptions
 from nanoforge.data.parts import merge_prepared
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.demo.pipeline import run_demo
@@ -76,15 +77,9 @@ def cmd_tokenizer(args) -> None:
 def cmd_prepare(args) -> None:
     if args.action == "merge":
         merge_prepared(args.parts, args.out, force=args.force, allow_incomplete=args.allow_incomplete)
-        return
-    missing = [flag for flag, value in (("--kind", args.kind), ("--data", args.data), ("--tokenizer", args.tokenizer))
-               if not value]
-    if missing or args.parts:
-        raise NanoforgeError(f"prepare needs {', '.join(missing)}" if missing else
-                             f"prepare: unexpected {' '.join(args.parts)} (input files go after --data)")
-    prepare_dataset(args.kind, args.data, args.tokenizer, args.out, val_fraction=args.val_fraction,
-                    workers=args.workers, skip_invalid=args.skip_invalid, force=args.force,
-                    drop_empty_think=args.drop_empty_think, text_column=args.text_column, part=args.part)
+    else:
+        options = dataclasses.asdict(options_from(args, PrepareOptions)[0])
+        prepare_dataset(args.kind, args.data, args.tokenizer, args.out, **options)
 
 
 def cmd_pretrain(args) -> None:
@@ -109,8 +104,6 @@ def options_from(args: argparse.Namespace, cls) -> tuple[Any, set[str]]:
 
 def cmd_lora(args) -> None:
     if args.action == "merge":
-        if not args.run:
-            raise NanoforgeError("lora merge needs the LoRA run: nanoforge lora merge RUN --out DIR")
         print(f"merged model written to {lora_merge(args.run, args.out)}")
         return
     lcfg, given = options_from(args, LoraConfig)
