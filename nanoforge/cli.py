@@ -10,7 +10,7 @@ from nanoforge import __version__
 from nanoforge.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, LoraConfig, ModelConfig, TrainConfig, field_help
 from nanoforge.data.options import PrepareOptions
 from nanoforge.eval.options import EvalOptions
-from nanoforge.infer import defaults as chat_defaults
+from nanoforge.infer.defaults import DeviceOptions, SamplingOptions
 from nanoforge.recipes.options import DistillOptions, DPOOptions, PPOOptions, RLOptions
 
 
@@ -268,15 +268,15 @@ def add_inference_parsers(sub, fmt) -> None:
     """chat, generate and serve: a trained model at work."""
     chat = sub.add_parser("chat", help="talk to a trained model in the terminal (streaming)", formatter_class=fmt)
     chat.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint) or a checkpoint directory")
-    add_sampling_flags(chat, chat_defaults)
+    add_option_flags(chat, SamplingOptions)
 
     gen = sub.add_parser("generate", help="continue a plain-text prompt (a pretrained model; no chat template)",
                          formatter_class=fmt)
     gen.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint) or a checkpoint directory")
     gen.add_argument("--prompt", help="text to continue (default: standard input; empty: a new document)")
     gen.add_argument("--num-samples", type=INT_GE1, default=1, help="continuations to write, one after another")
-    add_sampling_flags(gen, chat_defaults)
-    add_device_flags(gen)
+    add_option_flags(gen, SamplingOptions)
+    add_option_flags(gen, DeviceOptions)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP API and a web chat page", formatter_class=fmt)
     serve.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint), checkpoint or HF directory")
@@ -284,7 +284,7 @@ def add_inference_parsers(sub, fmt) -> None:
     serve.add_argument("--port", type=number(int, "[1, 65535]"), default=8000, help="TCP port")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOFORGE_API_KEY, else none)")
-    add_device_flags(serve)
+    add_option_flags(serve, DeviceOptions)
     serve.add_argument("--request-timeout", type=FLOAT_GE0, default=300.0, help="seconds a request may take, queueing "
                        "included; the reply then ends with finish_reason length (0: no limit)")
     serve.add_argument("--max-pending", type=INT_GE1, default=64,
@@ -295,23 +295,7 @@ def add_inference_parsers(sub, fmt) -> None:
     chat.add_argument("--tools", default=None, metavar="NAME[,NAME]",
                       help="built-in tools to offer and run when the model calls them: calculator")
     chat.add_argument("--max-tool-turns", type=INT_GE1, default=5, help="tool rounds per message before giving up")
-    add_device_flags(chat)
-
-
-def add_sampling_flags(p: argparse.ArgumentParser, defaults) -> None:
-    p.add_argument("--temperature", type=FLOAT_GE0, default=defaults.DEFAULT_TEMPERATURE, help="0 is greedy")
-    p.add_argument("--top-k", type=INT_GE0, default=defaults.DEFAULT_TOP_K, help="0 disables")
-    p.add_argument("--top-p", type=number(float, "(0, 1]"), default=defaults.DEFAULT_TOP_P, help="1.0 disables")
-    p.add_argument("--repetition-penalty", type=FLOAT_GT0, default=defaults.DEFAULT_REPETITION_PENALTY,
-                   help="1.0 disables")
-    p.add_argument("--max-new-tokens", type=INT_GE1, default=defaults.DEFAULT_MAX_NEW_TOKENS, help="reply length cap")
-    p.add_argument("--seed", type=number(int), help="makes sampling reproducible")
-
-
-def add_device_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default=chat_defaults.DEFAULT_DEVICE, help="auto, cpu, cuda, cuda:N, mps")
-    p.add_argument("--precision", default=chat_defaults.DEFAULT_PRECISION, choices=chat_defaults.PRECISION_CHOICES,
-                   help="inference precision")
+    add_option_flags(chat, DeviceOptions)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ from nanoforge.eval.options import EvalOptions
 from nanoforge.eval.run import run_eval
 from nanoforge.weights.export import export_gguf, export_hf
 from nanoforge.infer.chat import run_chat, run_generate
+from nanoforge.infer.defaults import DeviceOptions, SamplingOptions
 from nanoforge.plan import format_plan, make_plan
 from nanoforge.recipes.grpo import grpo
 from nanoforge.recipes.options import DistillOptions, DPOOptions, PPOOptions, RLOptions
@@ -174,16 +175,17 @@ def cmd_serve(args) -> None:
 
 
 def cmd_generate(args) -> None:
-    run_generate(args.run, prompt=args.prompt, num_samples=args.num_samples, temperature=args.temperature,
-                 top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-                 max_new_tokens=args.max_new_tokens, seed=args.seed, device=args.device, precision=args.precision)
+    run_generate(args.run, prompt=args.prompt, num_samples=args.num_samples, **inference_options(args))
 
 
 def cmd_chat(args) -> None:
-    run_chat(args.run, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-             repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_new_tokens,
-             system=args.system, seed=args.seed, device=args.device, precision=args.precision,
-             tools=args.tools, think=args.think, max_tool_turns=args.max_tool_turns)
+    run_chat(args.run, system=args.system, tools=args.tools, think=args.think, max_tool_turns=args.max_tool_turns,
+             **inference_options(args))
+
+
+def inference_options(args) -> dict[str, Any]:
+    """chat's and generate's sampling and device flags, as the keywords of infer/chat.py's run_chat/run_generate."""
+    return {**vars(options_from(args, SamplingOptions)[0]), **vars(options_from(args, DeviceOptions)[0])}
 
 
 COMMANDS = {"demo": cmd_demo, "report": cmd_report, "tokenizer": cmd_tokenizer, "prepare": cmd_prepare,
