@@ -156,9 +156,8 @@ class TrainConfig:
 
 
 def option(default: Any = None, interval: str | None = None, **flag: Any) -> Any:
-    """A field of a command's options dataclass: its default and, for its --flag (cli.add_option_flags), the
-    interval a number must lie in ("[1, inf)", see cli.number) and argparse's choices, metavar or nargs; its help
-    is its comment (field_help), as for the config fields."""
+    """A field of a command's options dataclass: its default, and for its flag (cli.add_option_flags) a number's
+    interval ("[1, inf)", cli.number) and argparse's choices, metavar or nargs; its help is its comment."""
     return dataclasses.field(default=default, metadata={"interval": interval, **flag})
 
 

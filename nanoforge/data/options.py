@@ -1,6 +1,5 @@
-"""`nanoforge prepare`'s options (beside its --kind, --data, --tokenizer and --out): each field makes its flag
-(cli.add_option_flags) and is a keyword of data/prepare.py's prepare_dataset. No torch or tokenizers here, so
-that `--help` shows them without loading either."""
+"""`nanoforge prepare`'s options beside --kind, --data, --tokenizer and --out: each field makes a flag
+(cli.add_option_flags) and is a keyword of prepare_dataset. No tokenizers or torch here, for a quick `--help`."""
 from __future__ import annotations
 
 from dataclasses import dataclass

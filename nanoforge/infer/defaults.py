@@ -1,9 +1,6 @@
-"""Options of `nanoforge chat`, shared with `generate`, `serve` and the CLI (cli.add_option_flags), in a module
-without torch: `nanoforge --help` shows them without loading it.
-
-A little randomness and a mild repetition penalty keep a small model from looping; top-k and top-p cut off its
-long tail of unlikely tokens.
-"""
+"""Options of `nanoforge chat`, shared with `generate` and `serve` (cli.add_option_flags), without torch: `--help`
+shows them without loading it. A little randomness and a mild repetition penalty keep a small model from looping;
+top-k and top-p cut off its long tail of unlikely tokens."""
 from __future__ import annotations
 
 from dataclasses import dataclass

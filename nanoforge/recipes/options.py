@@ -1,6 +1,5 @@
-"""The training stages' own options, one dataclass each (LoRA's is config.LoraConfig): their fields make the
-stage's flags (cli.add_option_flags: type, default and help, the comment) and are saved under [run] in
-config.toml. No torch here, so that `--help` shows them without loading it."""
+"""The training stages' own options (LoRA's: config.LoraConfig), saved under [run] in config.toml; each field makes
+a flag (cli.add_option_flags). No torch here: `--help` shows them without loading it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,8 +8,7 @@ from nanoforge.config import option
 
 @dataclass
 class RLOptions:
-    """`nanoforge grpo`; the defaults are MiniMind's GRPO: 2 prompts x 6 replies, temperature 0.8, beta 0.1,
-    clip 0.2, per-sequence mean."""
+    """`nanoforge grpo`, with MiniMind's GRPO: 2 prompts x 6 replies, temperature 0.8, beta 0.1, clip 0.2."""
     # policy loss: clipped ratio (grpo), clipped importance weight (cispo), plain policy gradient
     loss: str = option("grpo", choices=["grpo", "cispo", "reinforce"])
     num_generations: int = option(6, "[1, inf)", metavar="G")  # replies sampled per prompt
@@ -43,8 +41,7 @@ class RLOptions:
 
 @dataclass
 class PPOOptions:
-    """`nanoforge ppo`; the defaults are MiniMind's PPO: 2 epochs per batch, clip 0.2, clipped value loss, GAE
-    gamma 1 lambda 0.95, a KL penalty."""
+    """`nanoforge ppo`, with MiniMind's PPO: 2 epochs per batch, clip 0.2, GAE gamma 1 lambda 0.95, KL penalty."""
     num_generations: int = option(1, "[1, inf)", metavar="G")  # replies sampled per prompt
     prompts_per_step: int = option(8, "[1, inf)", metavar="P")  # prompts per rollout, per process
     temperature: float = option(1.0, "(0, inf)")  # sampling temperature; log-probs are taken at it too
