@@ -7,8 +7,11 @@ import math
 import sys
 
 from nanoforge import __version__
-from nanoforge.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, ModelConfig, TrainConfig, field_help
-from nanoforge.infer import defaults as chat_defaults
+from nanoforge.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, LoraConfig, ModelConfig, TrainConfig, field_help
+from nanoforge.data.options import PrepareOptions
+from nanoforge.eval.options import EvalOptions
+from nanoforge.infer.defaults import DeviceOptions, SamplingOptions
+from nanoforge.recipes.options import DistillOptions, DPOOptions, PPOOptions, RLOptions
 
 
 def number(kind: type, interval: str = "(-inf, inf)"):
@@ -61,6 +64,25 @@ def add_config_flags(p: argparse.ArgumentParser, presets: bool = True, exclude: 
             what = helps.get(name, "").replace("%", "%%")  # argparse formats help with %
             group.add_argument(f"--{name.replace('_', '-')}", dest=f"cfg_{name}", metavar=_metavar(f),
                                help=f"{what} (default: {default!r})" if what else f"(default: {default!r})")
+
+
+def add_option_flags(p: argparse.ArgumentParser, cls, given_only: bool = False) -> None:
+    """One --field-name flag per field of a command's options dataclass (config.option): a number in the field's
+    interval, a store_true for a bool, nargs/choices/metavar as the field says, and the field's comment as help.
+    given_only: an omitted flag stays out of the namespace (argparse.SUPPRESS; the dataclass default fills it), so
+    that a --resume keeps the run's saved value, and the help states the default itself."""
+    helps = field_help(cls)
+    for f in dataclasses.fields(cls):
+        flag, kind = dict(f.metadata), f.type.split(" ")[0]  # the annotation's text: "int", "float | None", ...
+        interval, what = flag.pop("interval") or "(-inf, inf)", helps.get(f.name, "").replace("%", "%%")
+        if given_only and f.default not in (None, False) and "(default" not in what:
+            what += f" (default: {f.default})"
+        if kind == "bool":
+            flag["action"] = "store_true"
+        elif kind in ("int", "float"):
+            flag["type"] = number(int if kind == "int" else float, interval)
+        p.add_argument(f"--{f.name.replace('_', '-')}", default=argparse.SUPPRESS if given_only else f.default,
+                       help=what, **flag)
 
 
 def add_run_flags(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
@@ -120,30 +142,29 @@ def add_data_parsers(sub, fmt) -> None:
 
     prep = sub.add_parser("prepare", help="tokenize JSONL into token shards for training; `prepare merge DIR... "
                           "--out DIR` combines prepared parts", formatter_class=fmt)
-    # --kind, --data and --tokenizer are required unless merging (commands.cmd_prepare says which are missing)
-    prep.add_argument("action", nargs="?", choices=["merge"], help="merge: write --out over the prepared DIRs "
-                      "(a manifest referencing their shards; no token is copied)")
-    prep.add_argument("parts", nargs="*", metavar="DIR", help="with merge: the prepared directories, in order")
-    prep.add_argument("--kind", choices=["pretrain", "sft", "dpo"], help="record format")
-    prep.add_argument("--data", nargs="+", metavar="FILE", help="JSONL or Parquet files, HF datasets directories "
-                      "(save_to_disk), or (pretrain) plain-text .txt/.md files")
-    prep.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory or tokenizer.json")
+    prep.add_argument("--kind", required=True, choices=["pretrain", "sft", "dpo"], help="record format")
+    prep.add_argument("--data", required=True, nargs="+", metavar="FILE", help="JSONL or Parquet files, HF datasets "
+                      "directories (save_to_disk), or (pretrain) plain-text .txt/.md files")
+    prep.add_argument("--tokenizer", required=True, metavar="DIR", help="tokenizer directory or tokenizer.json")
     prep.add_argument("--out", required=True, metavar="DIR", help="output directory (written atomically)")
-    prep.add_argument("--val-fraction", type=number(float, "[0, 1)"), default=0.01,
-                      help="share held out for validation: of JSONL records, evenly spread; of each plain-text "
-                           "file, its last bytes from a line start (0: no validation split)")
-    prep.add_argument("--workers", type=INT_GE0, default=0, help="tokenizer processes (0: all cores)")
-    prep.add_argument("--skip-invalid", action="store_true", help="skip and count bad records instead of stopping")
-    prep.add_argument("--drop-empty-think", type=number(float, "[0, 1]"), default=0.0, metavar="P",
-                      help="sft: render a seeded share P (0..1) of the records without the empty think blocks of "
-                           "their assistant turns, so the model learns both forms (MiniMind-3's recipe)")
-    prep.add_argument("--force", action="store_true", help="replace --out if it exists")
-    prep.add_argument("--part", metavar="I/N", help="prepare only part I of N (1 <= I <= N): every N-th input "
-                      "file, or of one JSONL file its I-th byte range; then `prepare merge` the parts")
-    prep.add_argument("--allow-incomplete", action="store_true", help="with merge: merge even when some parts of "
-                      "a --part I/N splitting are not given (by default every part must be)")
-    prep.add_argument("--text-column", default="text", metavar="NAME",
-                      help="pretrain from Parquet or an HF datasets directory: the column that holds the text")
+    add_option_flags(prep, PrepareOptions)
+    merge = add_merge_parser(prep, "write --out over the prepared DIRs (a manifest referencing their shards; no token "
+                             "is copied)", fmt)
+    merge.add_argument("parts", nargs="+", metavar="DIR", help="the prepared directories, in order")
+    merge.add_argument("--out", required=True, metavar="DIR", help="output directory (written atomically)")
+    merge.add_argument("--force", action="store_true", help="replace --out if it exists")
+    merge.add_argument("--allow-incomplete", action="store_true", help="merge even when some parts of a --part I/N "
+                       "splitting are not given (by default every part must be)")
+
+
+def add_merge_parser(p: argparse.ArgumentParser, what: str, fmt) -> argparse.ArgumentParser:
+    """`prepare merge` and `lora merge`: the subcommand of a command that also runs without one. argparse would
+    ask for the command's own required flags after `merge` too, so they are required only without it (main)."""
+    alone = [a for a in p._actions if a.required]
+    for action in alone:
+        action.required = False
+    p.set_defaults(required_alone=(p, alone))
+    return p.add_subparsers(dest="action", metavar="ACTION").add_parser("merge", help=what, formatter_class=fmt)
 
 
 def add_training_parsers(sub, fmt) -> None:
@@ -170,19 +191,15 @@ def add_training_parsers(sub, fmt) -> None:
 
     lora = sub.add_parser("lora", help="LoRA fine-tuning on conversations; `lora merge RUN --out DIR` folds "
                           "the adapters into the base", formatter_class=fmt)
-    lora.add_argument("action", nargs="?", choices=["merge"], help="merge: write RUN's base with the adapters "
-                      "folded in to --out")
-    lora.add_argument("run", nargs="?", metavar="RUN", help="with merge: the LoRA run or checkpoint")
     lora.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the base run, checkpoint or HF model dir to adapt")
     lora.add_argument("--data", nargs="*", default=[], metavar="PATH",
                       help="a directory from `prepare --kind sft`, or conversation JSONL files")
     lora.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    # default None: a --resume can tell a given option from an omitted one (defaults are LoraConfig's)
-    lora.add_argument("--rank", type=INT_GE1, help="adapter rank (default: 16)")
-    lora.add_argument("--alpha", type=FLOAT_GT0, help="adapter scale numerator, scale = alpha / rank (default: 32.0)")
-    lora.add_argument("--dropout", type=number(float, "[0, 1)"), help="dropout on the adapters' input (default: 0.05)")
-    lora.add_argument("--targets", help="linear layers to adapt (default: q,k,v,o,gate,up,down)")
+    add_option_flags(lora, LoraConfig, given_only=True)
     add_run_flags(lora, exclude=("dropout",))
+    merge = add_merge_parser(lora, "write RUN's base with the adapters folded in to --out", fmt)
+    merge.add_argument("run", metavar="RUN", help="the LoRA run or checkpoint")
+    merge.add_argument("--out", required=True, metavar="DIR", help="output directory")
 
     dpo = sub.add_parser("dpo", help="direct preference optimisation on chosen/rejected pairs", formatter_class=fmt)
     dpo.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the SFT run, checkpoint or HF model directory "
@@ -190,7 +207,7 @@ def add_training_parsers(sub, fmt) -> None:
     dpo.add_argument("--data", nargs="*", default=[], metavar="PATH",
                      help="a directory from `prepare --kind dpo`, or DPO JSONL files")
     dpo.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    dpo.add_argument("--beta", type=FLOAT_GT0, help="strength of the pull towards the reference (default: 0.1)")
+    add_option_flags(dpo, DPOOptions, given_only=True)
     add_run_flags(dpo)
 
     add_grpo_parser(sub, fmt)
@@ -204,9 +221,7 @@ def add_training_parsers(sub, fmt) -> None:
     dist.add_argument("--data", nargs="*", default=[], metavar="PATH",
                       help="pretraining or SFT data: a prepared directory or JSONL files")
     dist.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    dist.add_argument("--temperature", type=FLOAT_GT0, help="softening of both distributions (default: 1.5)")
-    dist.add_argument("--alpha", type=number(float, "[0, 1]"), help="weight of the data's cross-entropy; "
-                      "1 - alpha weighs the KL to the teacher (default: 0.5)")
+    add_option_flags(dist, DistillOptions, given_only=True)
     add_run_flags(dist)
 
 
@@ -238,39 +253,7 @@ def add_tool_parsers(sub, fmt) -> None:
     ev = sub.add_parser("eval", help="loss / bits per byte on data, multiple-choice benchmarks, GSM8K, tool calls, "
                         "samples", formatter_class=fmt)
     ev.add_argument("run", metavar="RUN", help="run directory, checkpoint or HF model directory")
-    ev.add_argument("--data", nargs="+", metavar="PATH",
-                    help="pretraining or SFT JSONL files, or a prepared directory (default, when no --bench or "
-                         "--samples: the whole validation split of the data the run trained on)")
-    ev.add_argument("--split", choices=["all", "train", "val"],
-                    help="split of a prepared directory to score (default: all; val for the run's own data)")
-    ev.add_argument("--bench", metavar="PATH", help="multiple-choice benchmark: a C-Eval/CMMLU folder or CSV, or JSONL")
-    ev.add_argument("--format", default="auto", choices=["auto", "jsonl", "ceval", "cmmlu", "csv"],
-                    help="benchmark format")
-    ev.add_argument("--shots", type=INT_GE0, default=0,
-                    help="solved examples before each question (from the dev split)")
-    ev.add_argument("--dev", metavar="FILE", help="dev examples for --shots with a JSONL benchmark")
-    ev.add_argument("--gsm8k", metavar="FILE", help='GSM8K JSONL ({"question", "answer" ending "#### N"}): '
-                    "accuracy of greedy generated answers")
-    ev.add_argument("--toolcall", metavar="FILE", help="SFT JSONL with tool calls: parse, valid-call and call-match "
-                    "rates of the first reply, and answer accuracy with the built-in tools run")
-    ev.add_argument("--tools", metavar="NAMES", help="built-in tools --gsm8k may call (calculator)")
-    ev.add_argument("--think", action="store_true", help="open the think block in --gsm8k/--toolcall prompts")
-    ev.add_argument("--max-new-tokens", type=INT_GE1, default=256, metavar="N",
-                    help="tokens per reply for --gsm8k/--toolcall")
-    ev.add_argument("--max-turns", type=INT_GE1, default=4, metavar="N", help="replies per problem for "
-                    "--gsm8k/--toolcall (each reply that calls tools costs one)")
-    ev.add_argument("--limit", type=INT_GE1, help="score at most this many questions")
-    ev.add_argument("--samples", action="store_true", help="generate replies to a fixed prompt set")
-    ev.add_argument("--prompts", metavar="FILE", help="prompts for --samples, one per line")
-    ev.add_argument("--chat", action="store_true", help="render sample prompts with the chat template")
-    ev.add_argument("--batch-size", type=INT_GE1, default=8, help="sequences per forward")
-    ev.add_argument("--seq-len", type=INT_GE1, help="window length (default: the model's max_seq_len)")
-    ev.add_argument("--max-tokens", type=INT_GE1, help="stop after scoring this many tokens")
-    ev.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="inference precision")
-    ev.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps")
-    ev.add_argument("--no-write", action="store_true", help="do not write RUN/samples.jsonl")
-    ev.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    ev.add_argument("--quiet", action="store_true", help="no progress")
+    add_option_flags(ev, EvalOptions)
 
     exp = sub.add_parser("export", help="write a run as an HF transformers directory or a GGUF file",
                          formatter_class=fmt)
@@ -285,15 +268,15 @@ def add_inference_parsers(sub, fmt) -> None:
     """chat, generate and serve: a trained model at work."""
     chat = sub.add_parser("chat", help="talk to a trained model in the terminal (streaming)", formatter_class=fmt)
     chat.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint) or a checkpoint directory")
-    add_sampling_flags(chat, chat_defaults)
+    add_option_flags(chat, SamplingOptions)
 
     gen = sub.add_parser("generate", help="continue a plain-text prompt (a pretrained model; no chat template)",
                          formatter_class=fmt)
     gen.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint) or a checkpoint directory")
     gen.add_argument("--prompt", help="text to continue (default: standard input; empty: a new document)")
     gen.add_argument("--num-samples", type=INT_GE1, default=1, help="continuations to write, one after another")
-    add_sampling_flags(gen, chat_defaults)
-    add_device_flags(gen)
+    add_option_flags(gen, SamplingOptions)
+    add_option_flags(gen, DeviceOptions)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP API and a web chat page", formatter_class=fmt)
     serve.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint), checkpoint or HF directory")
@@ -301,7 +284,7 @@ def add_inference_parsers(sub, fmt) -> None:
     serve.add_argument("--port", type=number(int, "[1, 65535]"), default=8000, help="TCP port")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOFORGE_API_KEY, else none)")
-    add_device_flags(serve)
+    add_option_flags(serve, DeviceOptions)
     serve.add_argument("--request-timeout", type=FLOAT_GE0, default=300.0, help="seconds a request may take, queueing "
                        "included; the reply then ends with finish_reason length (0: no limit)")
     serve.add_argument("--max-pending", type=INT_GE1, default=64,
@@ -312,27 +295,15 @@ def add_inference_parsers(sub, fmt) -> None:
     chat.add_argument("--tools", default=None, metavar="NAME[,NAME]",
                       help="built-in tools to offer and run when the model calls them: calculator")
     chat.add_argument("--max-tool-turns", type=INT_GE1, default=5, help="tool rounds per message before giving up")
-    add_device_flags(chat)
-
-
-def add_sampling_flags(p: argparse.ArgumentParser, defaults) -> None:
-    p.add_argument("--temperature", type=FLOAT_GE0, default=defaults.DEFAULT_TEMPERATURE, help="0 is greedy")
-    p.add_argument("--top-k", type=INT_GE0, default=defaults.DEFAULT_TOP_K, help="0 disables")
-    p.add_argument("--top-p", type=number(float, "(0, 1]"), default=defaults.DEFAULT_TOP_P, help="1.0 disables")
-    p.add_argument("--repetition-penalty", type=FLOAT_GT0, default=defaults.DEFAULT_REPETITION_PENALTY,
-                   help="1.0 disables")
-    p.add_argument("--max-new-tokens", type=INT_GE1, default=defaults.DEFAULT_MAX_NEW_TOKENS, help="reply length cap")
-    p.add_argument("--seed", type=number(int), help="makes sampling reproducible")
-
-
-def add_device_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default=chat_defaults.DEFAULT_DEVICE, help="auto, cpu, cuda, cuda:N, mps")
-    p.add_argument("--precision", default=chat_defaults.DEFAULT_PRECISION, choices=chat_defaults.PRECISION_CHOICES,
-                   help="inference precision")
+    add_option_flags(chat, DeviceOptions)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    parser, required = vars(args).pop("required_alone", (None, []))
+    missing = [a.option_strings[0] for a in required if args.action is None and getattr(args, a.dest) is None]
+    if missing:  # `prepare` or `lora` without `merge` (add_merge_parser): the message argparse gives
+        parser.error(f"the following arguments are required: {', '.join(missing)}")
     # The one import left for later: the commands load torch (about a second) and the modules that do the work,
     # which `--help` and a usage error do not need.
     from nanoforge import commands
@@ -348,38 +319,12 @@ def add_grpo_parser(sub, fmt) -> None:
     rl.add_argument("--data", metavar="FILE.jsonl", help="prompts: chats ending in a user turn (or an empty "
                     'assistant placeholder), GSM8K\'s {"question", "answer"}; "answer"/"gt" for the rewards')
     rl.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    # default None: a --resume can tell a given option from an omitted one (defaults in nanoforge/recipes/grpo.py)
-    rl.add_argument("--loss", choices=["grpo", "cispo", "reinforce"], help="policy loss: clipped ratio (grpo), "
-                    "clipped importance weight (cispo), plain policy gradient (default: grpo)")
-    rl.add_argument("--num-generations", type=INT_GE1, metavar="G", help="replies sampled per prompt (default: 6)")
-    rl.add_argument("--prompts-per-step", type=INT_GE1, metavar="P",
-                    help="prompts per rollout, per process (default: 2)")
-    rl.add_argument("--beta", type=FLOAT_GE0, help="weight of the k3 KL to the --init model; 0 skips the reference "
-                    "(default: 0.1)")
-    rl.add_argument("--epsilon", type=FLOAT_GT0, help="ratio clip: [1 - epsilon, 1 + epsilon] (default: 0.2)")
-    rl.add_argument("--epsilon-high", type=FLOAT_GT0, help="upper clip 1 + epsilon_high (DAPO's clip-higher; "
-                    "default: --epsilon)")
-    rl.add_argument("--advantage", choices=["zscore", "mean"], help="group advantage: (r - mean) / std, or "
-                    "r - mean (default: zscore)")
-    rl.add_argument("--loss-norm", choices=["sequence", "token"], help="average over each reply's tokens then "
-                    "replies, or over all tokens (default: sequence)")
-    rl.add_argument("--temperature", type=FLOAT_GT0, help="sampling temperature; log-probs are trained at it too "
-                    "(default: 0.8)")
-    rl.add_argument("--max-new-tokens", type=INT_GE1, help="reply length cap; a reply cut there has no stop token "
-                    "(default: 256)")
-    rl.add_argument("--ppo-epochs", type=INT_GE1, metavar="K", help="optimizer steps on each rollout, so the ratio and "
-                    "clipping act (default: 1)")
-    add_reward_flags(rl)
-    rl.add_argument("--tools", metavar="NAME[,NAME]", help="multi-turn tool use: run the replies' tool calls "
-                    "(built-in: calculator) and train on whole trajectories with the agent reward (records need "
-                    '"gt"; no --reward)')
-    rl.add_argument("--max-turns", type=INT_GE1, metavar="N", help="with --tools: replies per trajectory (default: 3)")
+    add_option_flags(rl, RLOptions, given_only=True)
     add_run_flags(rl)
 
 
 def add_ppo_parser(sub, fmt) -> None:
-    """`nanoforge ppo`: defaults None, so a --resume can tell a given option from an omitted one (the defaults
-    are in nanoforge/recipes/ppo.py)."""
+    """`nanoforge ppo`: PPO on sampled replies (recipes/ppo.py)."""
     p = sub.add_parser("ppo", help="reinforcement learning with PPO: a critic from the policy's weights, GAE, clipped "
                        "policy and value losses, KL penalty, early stop on approximate KL", formatter_class=fmt)
     p.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the SFT run, checkpoint or HF model directory to "
@@ -387,39 +332,8 @@ def add_ppo_parser(sub, fmt) -> None:
     p.add_argument("--data", metavar="FILE.jsonl", help="prompts: chats ending in a user turn (or an empty "
                    'assistant placeholder), GSM8K\'s {"question", "answer"}; "answer"/"gt" for the rewards')
     p.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    p.add_argument("--num-generations", type=INT_GE1, metavar="G", help="replies sampled per prompt (default: 1)")
-    p.add_argument("--prompts-per-step", type=INT_GE1, metavar="P",
-                   help="prompts per rollout, per process (default: 8)")
-    p.add_argument("--temperature", type=FLOAT_GT0, help="sampling temperature; log-probs are taken at it too "
-                   "(default: 1.0)")
-    p.add_argument("--max-new-tokens", type=INT_GE1, help="reply length cap (default: 256)")
-    p.add_argument("--ppo-epochs", type=INT_GE1, metavar="K", help="optimizer steps on each rollout (default: 2)")
-    p.add_argument("--epsilon", type=FLOAT_GT0, help="ratio clip: [1 - epsilon, 1 + epsilon] (default: 0.2)")
-    p.add_argument("--beta", type=FLOAT_GE0, help="per-token KL penalty to the --init model in the rewards; 0 skips "
-                   "the reference (default: 0.05)")
-    p.add_argument("--vf-coef", type=FLOAT_GE0, help="weight of the value loss (default: 0.5)")
-    p.add_argument("--value-clip", type=FLOAT_GT0, help="how far a value may move from its rollout value before its "
-                   "loss is clipped (default: 0.2)")
-    p.add_argument("--gamma", type=number(float, "[0, 1]"), help="GAE discount (default: 1.0)")
-    p.add_argument("--lam", type=number(float, "[0, 1]"), help="GAE lambda (default: 0.95)")
-    p.add_argument("--target-kl", type=FLOAT_GT0, help="skip a rollout's remaining epochs once the approximate KL to "
-                   "the sampling policy exceeds this (default: never)")
-    add_reward_flags(p)
+    add_option_flags(p, PPOOptions, given_only=True)
     add_run_flags(p)
-
-
-def add_reward_flags(p: argparse.ArgumentParser) -> None:
-    """The rewards of an RL command (grpo, ppo) and --think; defaults None, so a --resume can tell a given option
-    from an omitted one."""
-    p.add_argument("--reward", metavar="NAME[,NAME]", help="math, format, length, repetition, module:function "
-                   "or path/file.py:function, summed (default: math)")
-    p.add_argument("--reward-weights", metavar="W[,W]", help="one weight per reward (and the reward model last)")
-    p.add_argument("--reward-model", metavar="LOCAL_DIR", help="a local HF sequence-classification model whose "
-                   "score is added as a reward (never downloaded)")
-    p.add_argument("--trust-remote-code", action="store_true", default=None,
-                   help="let --reward-model run its own Python code")
-    p.add_argument("--think", action="store_true", default=None, help="open the think block of every reply "
-                   "(a template in MiniMind-3's format)")
 
 
 if __name__ == "__main__":

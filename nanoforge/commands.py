@@ -4,24 +4,28 @@ usage errors need neither torch nor these modules."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from nanoforge.bench import format_bench, run_bench, write_json
-from nanoforge.config import MODEL_FIELDS, TRAIN_FIELDS, build_config, parse_value
+from nanoforge.config import MODEL_FIELDS, TRAIN_FIELDS, LoraConfig, build_config, parse_value
+from nanoforge.data.options import PrepareOptions
 from nanoforge.data.parts import merge_prepared
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.demo.pipeline import run_demo
 from nanoforge.errors import NanoforgeError
+from nanoforge.eval.options import EvalOptions
 from nanoforge.eval.run import run_eval
 from nanoforge.weights.export import export_gguf, export_hf
 from nanoforge.infer.chat import run_chat, run_generate
-from nanoforge.model.lora import LoraConfig
+from nanoforge.infer.defaults import DeviceOptions, SamplingOptions
 from nanoforge.plan import format_plan, make_plan
-from nanoforge.recipes.grpo import RLOptions, grpo
-from nanoforge.recipes.ppo import PPOOptions, ppo
+from nanoforge.recipes.grpo import grpo
+from nanoforge.recipes.options import DistillOptions, DPOOptions, PPOOptions, RLOptions
+from nanoforge.recipes.ppo import ppo
 from nanoforge.report.markdown import write_report
 from nanoforge.data.sources import train_tokenizer
 from nanoforge.train.autoresume import AUTO, resolve_resume
@@ -74,15 +78,9 @@ def cmd_tokenizer(args) -> None:
 def cmd_prepare(args) -> None:
     if args.action == "merge":
         merge_prepared(args.parts, args.out, force=args.force, allow_incomplete=args.allow_incomplete)
-        return
-    missing = [flag for flag, value in (("--kind", args.kind), ("--data", args.data), ("--tokenizer", args.tokenizer))
-               if not value]
-    if missing or args.parts:
-        raise NanoforgeError(f"prepare needs {', '.join(missing)}" if missing else
-                             f"prepare: unexpected {' '.join(args.parts)} (input files go after --data)")
-    prepare_dataset(args.kind, args.data, args.tokenizer, args.out, val_fraction=args.val_fraction,
-                    workers=args.workers, skip_invalid=args.skip_invalid, force=args.force,
-                    drop_empty_think=args.drop_empty_think, text_column=args.text_column, part=args.part)
+    else:
+        options = dataclasses.asdict(options_from(args, PrepareOptions)[0])
+        prepare_dataset(args.kind, args.data, args.tokenizer, args.out, **options)
 
 
 def cmd_pretrain(args) -> None:
@@ -98,15 +96,18 @@ def cmd_sft(args) -> None:
     print(f"sft finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
 
 
+def options_from(args: argparse.Namespace, cls) -> tuple[Any, set[str]]:
+    """A command's options dataclass from its flags (cli.add_option_flags), and the names of those given: a
+    resumable command's omitted flags are absent from the namespace, and the dataclass defaults fill them."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    return cls(**given), set(given)
+
+
 def cmd_lora(args) -> None:
     if args.action == "merge":
-        if not args.run:
-            raise NanoforgeError("lora merge needs the LoRA run: nanoforge lora merge RUN --out DIR")
         print(f"merged model written to {lora_merge(args.run, args.out)}")
         return
-    given = {k: v for k, v in dict(rank=args.rank, alpha=args.alpha, dropout=args.dropout,
-                                   targets=args.targets).items() if v is not None}
-    lcfg = LoraConfig(**given)
+    lcfg, given = options_from(args, LoraConfig)
     if args.resume:
         check_resume_options(Path(args.out), {key: (f"--{key[5:]}", value) for key, value in lcfg.to_dict().items()
                                               if key[5:] in given})
@@ -116,24 +117,26 @@ def cmd_lora(args) -> None:
 
 
 def cmd_dpo(args) -> None:
+    options, given = options_from(args, DPOOptions)
     summary = dpo(args.init, args.data, args.out, config_file=args.config, overrides=config_overrides(args),
-                  resume=args.resume, beta=args.beta, quiet=args.quiet)
+                  resume=args.resume, options=options, quiet=args.quiet, given=given)
     print(f"dpo finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
 
 
 def cmd_rl(args) -> None:
     """grpo and ppo: the stage's options dataclass filled from the flags of the same names."""
     options_cls, train_rl = {"grpo": (RLOptions, grpo), "ppo": (PPOOptions, ppo)}[args.command]
-    options = options_cls(**{k: getattr(args, k) for k in options_cls.__dataclass_fields__})
+    options, given = options_from(args, options_cls)
     summary = train_rl(args.init, args.data, args.out, options, config_file=args.config,
-                       overrides=config_overrides(args), resume=args.resume, quiet=args.quiet)
+                       overrides=config_overrides(args), resume=args.resume, quiet=args.quiet, given=given)
     print(f"{args.command} finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
 
 
 def cmd_distill(args) -> None:
+    options, given = options_from(args, DistillOptions)
     summary = distill(args.teacher, args.init, args.data, args.out, config_file=args.config,
-                      overrides=config_overrides(args), resume=args.resume, temperature=args.temperature,
-                      alpha=args.alpha, quiet=args.quiet)
+                      overrides=config_overrides(args), resume=args.resume, options=options, quiet=args.quiet,
+                      given=given)
     print(f"distill finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
 
 
@@ -155,12 +158,7 @@ def cmd_bench(args) -> None:
 
 
 def cmd_eval(args) -> None:
-    run_eval(args.run, data=args.data, bench=args.bench, fmt=args.format, shots=args.shots, dev=args.dev,
-             samples=args.samples, prompts_file=args.prompts, chat=args.chat, batch_size=args.batch_size,
-             seq_len=args.seq_len, max_tokens=args.max_tokens, limit=args.limit, precision=args.precision,
-             device=args.device, write=not args.no_write, json_out=args.json, progress=not args.quiet,
-             split=args.split, gsm8k=args.gsm8k, toolcall=args.toolcall, tools=args.tools, think=args.think,
-             max_new_tokens=args.max_new_tokens, max_turns=args.max_turns)
+    run_eval(args.run, options_from(args, EvalOptions)[0])
 
 
 def cmd_export(args) -> None:
@@ -177,16 +175,17 @@ def cmd_serve(args) -> None:
 
 
 def cmd_generate(args) -> None:
-    run_generate(args.run, prompt=args.prompt, num_samples=args.num_samples, temperature=args.temperature,
-                 top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-                 max_new_tokens=args.max_new_tokens, seed=args.seed, device=args.device, precision=args.precision)
+    run_generate(args.run, prompt=args.prompt, num_samples=args.num_samples, **inference_options(args))
 
 
 def cmd_chat(args) -> None:
-    run_chat(args.run, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-             repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_new_tokens,
-             system=args.system, seed=args.seed, device=args.device, precision=args.precision,
-             tools=args.tools, think=args.think, max_tool_turns=args.max_tool_turns)
+    run_chat(args.run, system=args.system, tools=args.tools, think=args.think, max_tool_turns=args.max_tool_turns,
+             **inference_options(args))
+
+
+def inference_options(args) -> dict[str, Any]:
+    """chat's and generate's sampling and device flags, as the keywords of infer/chat.py's run_chat/run_generate."""
+    return {**vars(options_from(args, SamplingOptions)[0]), **vars(options_from(args, DeviceOptions)[0])}
 
 
 COMMANDS = {"demo": cmd_demo, "report": cmd_report, "tokenizer": cmd_tokenizer, "prepare": cmd_prepare,

@@ -11,7 +11,7 @@ import math
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from nanoforge.errors import NanoforgeError
 
@@ -153,6 +153,68 @@ class TrainConfig:
             raise ConfigError(f"micro_batch={self.micro_batch!r} must be empty, 'auto' or a positive integer")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ConfigError("beta1 and beta2 must be in [0, 1)")
+
+
+def option(default: Any = None, interval: str | None = None, **flag: Any) -> Any:
+    """A field of a command's options dataclass: its default, and for its flag (cli.add_option_flags) a number's
+    interval ("[1, inf)", cli.number) and argparse's choices, metavar or nargs; its help is its comment."""
+    return dataclasses.field(default=default, metadata={"interval": interval, **flag})
+
+
+# short target name -> (submodule of a Block, Linear inside it)
+TARGETS: dict[str, tuple[str, str]] = {
+    "q": ("self_attn", "q_proj"), "k": ("self_attn", "k_proj"), "v": ("self_attn", "v_proj"),
+    "o": ("self_attn", "o_proj"),
+    "gate": ("mlp", "gate_proj"), "up": ("mlp", "up_proj"), "down": ("mlp", "down_proj"),
+}
+
+
+def parse_targets(spec: str | Iterable[str]) -> tuple[str, ...]:
+    """"q,k,v" (or "q_proj,v_proj", or "all", or a list of names) -> ("q", "k", "v"), in the model's order."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    names = [s.strip() for s in items if s.strip()]
+    if names == ["all"]:
+        return tuple(TARGETS)
+    wanted = set()
+    for name in names:
+        short = name[:-len("_proj")] if name.endswith("_proj") else name
+        if short not in TARGETS:
+            raise NanoforgeError(f"unknown LoRA target {name!r}; valid targets: {', '.join(TARGETS)} "
+                                 f"(or their _proj names, or 'all')")
+        wanted.add(short)
+    if not wanted:
+        raise NanoforgeError(f"no LoRA targets given; choose from {', '.join(TARGETS)} (or 'all')")
+    return tuple(t for t in TARGETS if t in wanted)
+
+
+@dataclass
+class LoraConfig:
+    """`nanoforge lora`'s options (cli.add_option_flags), saved with the run as to_dict's lora_* keys."""
+    rank: int = option(16, "[1, inf)")  # adapter rank
+    alpha: float = option(32.0, "(0, inf)")  # adapter scale numerator, scale = alpha / rank (a new rank, same lr)
+    dropout: float = option(0.05, "[0, 1)")  # dropout on the adapters' input (the frozen path sees x unchanged)
+    targets: str | tuple[str, ...] = option(",".join(TARGETS))  # linear layers to adapt
+
+    def __post_init__(self):
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+            raise NanoforgeError(f"lora rank={self.rank!r} must be a positive integer")
+        if not self.alpha > 0:
+            raise NanoforgeError(f"lora alpha={self.alpha!r} must be > 0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise NanoforgeError(f"lora dropout={self.dropout!r} must be in [0, 1)")
+        self.targets = parse_targets(self.targets)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat scalars, for config.toml's [run] section and state.json."""
+        return {"lora_rank": self.rank, "lora_alpha": float(self.alpha), "lora_dropout": float(self.dropout),
+                "lora_targets": ",".join(self.targets)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LoraConfig:
+        try:
+            return cls(rank=d["lora_rank"], alpha=d["lora_alpha"], dropout=d["lora_dropout"], targets=d["lora_targets"])
+        except KeyError as e:
+            raise NanoforgeError(f"LoRA settings are incomplete: {e.args[0]} is missing") from None
 
 
 def field_help(cls) -> dict[str, str]:

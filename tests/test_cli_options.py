@@ -2,14 +2,21 @@
 not change what a user types or gets by default. A deliberate change of a flag updates the snapshot in the same
 commit: NANOFORGE_UPDATE_CLI_SNAPSHOT=1 pytest tests/test_cli_options.py rewrites it; review its diff."""
 import argparse
+import dataclasses
 import json
 import os
 import re
 from pathlib import Path
 
 from nanoforge.cli import build_parser
+from nanoforge.config import LoraConfig
+from nanoforge.data.options import PrepareOptions
+from nanoforge.eval.options import EvalOptions
+from nanoforge.infer.defaults import DeviceOptions, SamplingOptions
+from nanoforge.recipes.options import DistillOptions, DPOOptions, PPOOptions, RLOptions
 
 SNAPSHOT = Path(__file__).with_name("cli_options.json")
+OUT, PREPARE = ["--out", "RUN"], ["--kind", "sft", "--data", "F", "--tokenizer", "T", "--out", "D"]
 
 
 def _commands(parser: argparse.ArgumentParser, prefix: str = ""):
@@ -44,3 +51,28 @@ def test_every_flag_and_default_is_the_recorded_one():
     assert sorted(now) == sorted(recorded), "commands added or removed"
     for command in recorded:
         assert now[command] == recorded[command], f"`{command}`: its flags or defaults changed"
+
+
+# The commands whose options are a dataclass (cli.add_option_flags), with a command line that gives none of them.
+OPTIONS = {"eval": ([EvalOptions], ["RUN"]), "prepare": ([PrepareOptions], PREPARE), "grpo": ([RLOptions], OUT),
+           "ppo": ([PPOOptions], OUT), "lora": ([LoraConfig], OUT), "dpo": ([DPOOptions], OUT),
+           "distill": ([DistillOptions], OUT), "chat": ([SamplingOptions, DeviceOptions], ["RUN"]),
+           "generate": ([SamplingOptions, DeviceOptions], ["RUN"]), "serve": ([DeviceOptions], ["RUN"])}
+
+
+def test_each_flag_states_its_fields_default_and_an_omitted_flag_gets_it():
+    """The default --help shows is the dataclass field's (none is written by hand), and parsing a command line
+    without the flag gives the field's default (a resumable command leaves it out of the namespace: the
+    dataclass fills it, and a --resume can tell it was not given)."""
+    parsers = dict(_commands(build_parser()))
+    for command, (classes, minimal) in OPTIONS.items():
+        actions = {a.dest: a for a in parsers[command]._actions}
+        formatter = parsers[command]._get_formatter()
+        parsed = vars(build_parser().parse_args([command, *minimal]))
+        for f in (f for cls in classes for f in dataclasses.fields(cls)):
+            shown = re.findall(r"\(default: ([^)]*)\)", formatter._expand_help(actions[f.name]))
+            where = f"{command} --{f.name.replace('_', '-')}"
+            if f.default is not None and (shown or f.default not in (False, 0)):  # argparse shows no 0 or False
+                assert shown and shown[-1] == str(f.default), f"{where}: help says {shown}, the field {f.default!r}"
+            assert parsed.get(f.name, f.default) == f.default, f"{where}: parsed {parsed.get(f.name)!r}"
+            assert (f.name in parsed) == (actions[f.name].default != argparse.SUPPRESS), where

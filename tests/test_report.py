@@ -434,12 +434,13 @@ def test_eval_of_a_run_defaults_to_its_whole_validation_split(run_with_val, prep
     """`nanoforge eval RUN` with nothing else scores every token of the run's own val split (training's own
     validation may be capped); --split picks another; a directory without such data is a clear error."""
     from nanoforge.data.shards import read_manifest
+    from nanoforge.eval.options import EvalOptions
     from nanoforge.eval.run import run_eval
     said = []
-    got = run_eval(run_with_val, progress=False, log=said.append)["data"]
+    got = run_eval(run_with_val, EvalOptions(quiet=True), log=said.append)["data"]
     val_tokens = read_manifest(prepared)["splits"]["val"]["tokens"]
     assert got["tokens"] == val_tokens and any("the val split of" in s for s in said)
-    whole = run_eval(run_with_val, data=[str(prepared)], progress=False, log=lambda *a: None)["data"]
+    whole = run_eval(run_with_val, EvalOptions(data=[str(prepared)], quiet=True), log=lambda *a: None)["data"]
     assert whole["tokens"] == val_tokens + read_manifest(prepared)["splits"]["train"]["tokens"]
     alone = tmp_path / "stray"
     shutil.copytree(run_with_val / "checkpoints", alone / "checkpoints")
@@ -447,4 +448,4 @@ def test_eval_of_a_run_defaults_to_its_whole_validation_split(run_with_val, prep
     (alone / "config.toml").write_text((run_with_val / "config.toml").read_text().replace(str(prepared.resolve()),
                                                                                            str(tmp_path / "gone")))
     with pytest.raises(NanoforgeError, match="no prepared data with a validation split to default to"):
-        run_eval(alone, progress=False, log=lambda *a: None)
+        run_eval(alone, EvalOptions(quiet=True), log=lambda *a: None)

@@ -36,6 +36,7 @@ from nanoforge.device import autocast_context, eval_mode
 from nanoforge.errors import NanoforgeError
 from nanoforge.eval.choice import evaluate_choices
 from nanoforge.eval.common import Progress, check_precision, format_table, load_run
+from nanoforge.eval.options import EvalOptions
 from nanoforge.eval.gsm8k import evaluate_gsm8k, read_gsm8k
 from nanoforge.eval.toolcall import evaluate_toolcall, read_toolcall
 from nanoforge.infer.samples import generate_samples, load_prompts, write_samples
@@ -279,23 +280,19 @@ def _add_bits_per_byte(result: dict, totals: _Totals, text_bytes: int, byte_tabl
 # ------------------------------------------------------------------------------ what `nanoforge eval` calls
 
 
-def run_eval(run, data=None, bench=None, fmt: str = "auto", shots: int = 0, dev=None, samples: bool = False,
-             prompts_file=None, chat: bool = False, batch_size: int = 8, seq_len: int | None = None,
-             max_tokens: int | None = None, limit: int | None = None, precision: str = "fp32",
-             device: str = "auto", write: bool = True, json_out=None, progress: bool = True,
-             split: str | None = None, gsm8k=None, toolcall=None, tools: str | None = None, think: bool = False,
-             max_new_tokens: int = 256, max_turns: int = 4, log: Callable[[str], None] = print) -> dict:
+def run_eval(run, o: EvalOptions, log: Callable[[str], None] = print) -> dict:
     """`nanoforge eval RUN [--data F ...] [--bench PATH] [--gsm8k F] [--toolcall F] [--samples]`: any of them,
-    loading the model once; `tools` (--tools calculator) are the built-in tools --gsm8k may call. Writes
-    RUN/samples.jsonl for --samples (unless write=False) and the whole result to --json.
+    loading the model once; --tools (calculator) are the built-in tools --gsm8k may call. Writes
+    RUN/samples.jsonl for --samples (unless --no-write) and the whole result to --json.
     With none of them, the run's own held-out data: the whole validation split of the prepared directory it
     trained on (every token, whatever the batch size, unlike the capped validation during training).
-    `split` picks the split of a prepared directory (default: all of --data; val of the run's own data)."""
+    --split picks the split of a prepared directory (default: all of --data; val of the run's own data)."""
     # before the model loads, so that a wrong --tools or a bad file fails at once
-    tool_names = parse_tool_names(tools)
-    problems = read_gsm8k(gsm8k, limit) if gsm8k else None
-    cases = read_toolcall(toolcall, limit) if toolcall else None
-    if not data and not bench and not samples and not gsm8k and not toolcall:
+    tool_names = parse_tool_names(o.tools)
+    problems = read_gsm8k(o.gsm8k, o.limit) if o.gsm8k else None
+    cases = read_toolcall(o.toolcall, o.limit) if o.toolcall else None
+    data, split = o.data, o.split
+    if not (data or o.bench or o.samples or o.gsm8k or o.toolcall):
         own = None if isinstance(run, tuple) else own_validation_data(run)
         if own is None:
             raise NanoforgeError("nothing to evaluate: give --data FILE..., --bench PATH, --gsm8k FILE, "
@@ -303,36 +300,36 @@ def run_eval(run, data=None, bench=None, fmt: str = "auto", shots: int = 0, dev=
                                  f"({run} has no prepared data with a validation split to default to)")
         data, split = [str(own)], split or "val"
         log(f"evaluating on the {split} split of {own}, the data the run trained on")
-    model, tokenizer, dev_device, ckpt = load_run(run, device)
+    model, tokenizer, dev_device, ckpt = load_run(run, o.device)
     loaded = (model, tokenizer)
     out: dict = {"checkpoint": str(ckpt) if ckpt else None}
     if data:
-        out["data"] = evaluate_data(loaded, data, batch_size=batch_size, seq_len=seq_len, max_tokens=max_tokens,
-                                    precision=precision, device=str(dev_device), progress=progress,
+        out["data"] = evaluate_data(loaded, data, batch_size=o.batch_size, seq_len=o.seq_len, max_tokens=o.max_tokens,
+                                    precision=o.precision, device=str(dev_device), progress=not o.quiet,
                                     split=split or "all", log=log)
-    if bench:
-        out["bench"] = evaluate_choices(loaded, bench, fmt=fmt, shots=shots, dev_path=dev, batch_size=batch_size,
-                                        limit=limit, precision=precision, device=str(dev_device),
-                                        progress=progress, log=log)
-    generation = dict(think=think, batch_size=batch_size, max_new_tokens=max_new_tokens, max_turns=max_turns,
-                      precision=precision, progress=progress, log=log)
-    if gsm8k:
-        out["gsm8k"] = {"file": str(gsm8k), **evaluate_gsm8k(model, tokenizer, problems, tools=tool_names,
+    if o.bench:
+        out["bench"] = evaluate_choices(loaded, o.bench, fmt=o.format, shots=o.shots, dev_path=o.dev,
+                                        batch_size=o.batch_size, limit=o.limit, precision=o.precision,
+                                        device=str(dev_device), progress=not o.quiet, log=log)
+    generation = dict(think=o.think, batch_size=o.batch_size, max_new_tokens=o.max_new_tokens, max_turns=o.max_turns,
+                      precision=o.precision, progress=not o.quiet, log=log)
+    if o.gsm8k:
+        out["gsm8k"] = {"file": str(o.gsm8k), **evaluate_gsm8k(model, tokenizer, problems, tools=tool_names,
                                                              **generation)}
-    if toolcall:
-        out["toolcall"] = {"file": str(toolcall), **evaluate_toolcall(model, tokenizer, cases, **generation)}
-    if samples:
-        prompts = load_prompts(prompts_file) if prompts_file else None
-        got = generate_samples(model, tokenizer, prompts, chat=chat, precision=precision)  # its fixed-seed sampling
+    if o.toolcall:
+        out["toolcall"] = {"file": str(o.toolcall), **evaluate_toolcall(model, tokenizer, cases, **generation)}
+    if o.samples:
+        prompts = load_prompts(o.prompts) if o.prompts else None
+        got = generate_samples(model, tokenizer, prompts, chat=o.chat, precision=o.precision)  # its fixed-seed sampling
         for s in got:
             log(f"--- {s['prompt']!r}\n{s['prompt']}{s['text']}")
         out["samples"] = got
-        if write and ckpt is not None and not isinstance(run, tuple):
+        if not o.no_write and ckpt is not None and not isinstance(run, tuple):
             step = None
             with contextlib.suppress(NanoforgeError):
                 step = load_state(ckpt).get("step")
             run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else Path(run)
             out["samples_file"] = str(write_samples(run_dir, got, step))
-    if json_out:
-        Path(json_out).write_text(json.dumps(out, ensure_ascii=False, indent=1), encoding="utf-8")
+    if o.json:
+        Path(o.json).write_text(json.dumps(out, ensure_ascii=False, indent=1), encoding="utf-8")
     return out

@@ -1,14 +1,34 @@
-"""Defaults of `nanoforge chat`, shared with `generate`, `serve` and the CLI, in a module that imports nothing:
-`nanoforge --help` shows them without loading torch.
+"""Options of `nanoforge chat`, shared with `generate` and `serve` (cli.add_option_flags), without torch: `--help`
+shows them without loading it. A little randomness and a mild repetition penalty keep a small model from looping;
+top-k and top-p cut off its long tail of unlikely tokens."""
+from __future__ import annotations
 
-A little randomness and a mild repetition penalty keep a small model from looping; top-k and top-p cut off its
-long tail of unlikely tokens.
-"""
-DEFAULT_TEMPERATURE = 0.7
-DEFAULT_TOP_K = 50
-DEFAULT_TOP_P = 0.9
-DEFAULT_REPETITION_PENALTY = 1.1
-DEFAULT_MAX_NEW_TOKENS = 256
-DEFAULT_DEVICE = "auto"
-DEFAULT_PRECISION = "auto"  # bf16 on a GPU that supports it, else fp32 (bf16 on a CPU is slower, not faster)
+from dataclasses import dataclass
+
+from nanoforge.config import option
+
 PRECISION_CHOICES = ("auto", "fp32", "bf16", "fp16")
+
+
+@dataclass
+class SamplingOptions:
+    temperature: float = option(0.7, "[0, inf)")  # 0 is greedy
+    top_k: int = option(50, "[0, inf)")  # 0 disables
+    top_p: float = option(0.9, "(0, 1]")  # 1.0 disables
+    repetition_penalty: float = option(1.1, "(0, inf)")  # 1.0 disables
+    max_new_tokens: int = option(256, "[1, inf)")  # reply length cap
+    seed: int | None = option(None)  # makes sampling reproducible
+
+
+@dataclass
+class DeviceOptions:
+    device: str = option("auto")  # auto, cpu, cuda, cuda:N, mps
+    # auto: bf16 on a GPU that supports it, else fp32 (bf16 on a CPU is slower, not faster)
+    precision: str = option("auto", choices=PRECISION_CHOICES)  # inference precision
+
+
+# the defaults by name, for the functions that take them as keywords (infer/chat.py, serve/app.py)
+DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, DEFAULT_REPETITION_PENALTY, DEFAULT_MAX_NEW_TOKENS = (
+    SamplingOptions.temperature, SamplingOptions.top_k, SamplingOptions.top_p, SamplingOptions.repetition_penalty,
+    SamplingOptions.max_new_tokens)
+DEFAULT_DEVICE, DEFAULT_PRECISION = DeviceOptions.device, DeviceOptions.precision

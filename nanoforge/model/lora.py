@@ -23,71 +23,16 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
-from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanoforge.config import TARGETS, LoraConfig  # noqa: F401 (LoraConfig: its users import it from here)
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.gpt import check_same_tensors
 
-# short target name -> (submodule of a Block, Linear inside it)
-TARGETS: dict[str, tuple[str, str]] = {
-    "q": ("self_attn", "q_proj"), "k": ("self_attn", "k_proj"), "v": ("self_attn", "v_proj"),
-    "o": ("self_attn", "o_proj"),
-    "gate": ("mlp", "gate_proj"), "up": ("mlp", "up_proj"), "down": ("mlp", "down_proj"),
-}
 ADAPTER_KEYS = (".lora_A.", ".lora_B.")
-
-
-def parse_targets(spec: str | Iterable[str]) -> tuple[str, ...]:
-    """"q,k,v" (or "q_proj,v_proj", or "all", or a list of names) -> ("q", "k", "v"), in the model's order."""
-    items = spec.split(",") if isinstance(spec, str) else list(spec)
-    names = [s.strip() for s in items if s.strip()]
-    if names == ["all"]:
-        return tuple(TARGETS)
-    wanted = set()
-    for name in names:
-        short = name[:-len("_proj")] if name.endswith("_proj") else name
-        if short not in TARGETS:
-            raise NanoforgeError(f"unknown LoRA target {name!r}; valid targets: {', '.join(TARGETS)} "
-                                 f"(or their _proj names, or 'all')")
-        wanted.add(short)
-    if not wanted:
-        raise NanoforgeError(f"no LoRA targets given; choose from {', '.join(TARGETS)} (or 'all')")
-    return tuple(t for t in TARGETS if t in wanted)
-
-
-@dataclass
-class LoraConfig:
-    rank: int = 16
-    alpha: float = 32.0  # the update is scaled by alpha / rank, so changing the rank needs no new lr
-    dropout: float = 0.05  # on the adapter's input only; the frozen path sees x unchanged
-    targets: tuple[str, ...] | str = ("q", "k", "v", "o", "gate", "up", "down")
-
-    def __post_init__(self):
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
-            raise NanoforgeError(f"lora rank={self.rank!r} must be a positive integer")
-        if not self.alpha > 0:
-            raise NanoforgeError(f"lora alpha={self.alpha!r} must be > 0")
-        if not 0.0 <= self.dropout < 1.0:
-            raise NanoforgeError(f"lora dropout={self.dropout!r} must be in [0, 1)")
-        self.targets = parse_targets(self.targets)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Flat scalars, for config.toml's [run] section and state.json."""
-        return {"lora_rank": self.rank, "lora_alpha": float(self.alpha), "lora_dropout": float(self.dropout),
-                "lora_targets": ",".join(self.targets)}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> LoraConfig:
-        try:
-            return cls(rank=d["lora_rank"], alpha=d["lora_alpha"], dropout=d["lora_dropout"], targets=d["lora_targets"])
-        except KeyError as e:
-            raise NanoforgeError(f"LoRA settings are incomplete: {e.args[0]} is missing") from None
-
 
 # ----------------------------------------------------------------------------------- The adapted projection
 

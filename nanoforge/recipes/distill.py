@@ -16,28 +16,26 @@ from nanoforge.train.distributed import setup
 from nanoforge.train.loop import Stage
 from nanoforge.train.microbatch import fit_micro_batch
 from nanoforge.train.objectives import causal_lm_loss, make_distill_loss
-from nanoforge.train.rundir import (check_resume_options, check_same_origin, copy_tokenizer, finetune_setup, fit_vocab,
-                                    fresh_run_guard, open_run, resolve_data, saved_run_info, write_run_config)
+from nanoforge.recipes.options import DistillOptions
+from nanoforge.train.rundir import (check_same_origin, copy_tokenizer, finetune_setup, fit_vocab, fresh_run_guard,
+                                    open_run, resolve_data, resolve_run_options, saved_run_info, write_run_config)
 from nanoforge.weights.load import init_tokenizer_dir, load_model
 
-DISTILL_TEMPERATURE, DISTILL_ALPHA = 1.5, 0.5  # softening of both distributions; weight of the data's own loss
 
 
 @fresh_run_guard
 def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str | Path,
             config_file: str | None = None, overrides: dict[str, Any] | None = None, resume: bool = False,
-            temperature: float | None = None, alpha: float | None = None, quiet: bool = False) -> dict[str, Any]:
+            options: DistillOptions | None = None, quiet: bool = False, given=None) -> dict[str, Any]:
     """`nanoforge distill`: train a student (a run, or a fresh model of a preset) to match a teacher's
     softened distributions on the data's supervised positions, mixed with the data's own cross-entropy."""
     overrides = dict(overrides or {})
     if resume:
         saved = saved_run_info(out)
         check_same_origin(Path(out), "--teacher", teacher, saved.get("teacher"))
-        check_resume_options(Path(out), {"temperature": ("--temperature", temperature), "alpha": ("--alpha", alpha)})
         teacher = saved.get("teacher", teacher)
-        temperature, alpha = saved.get("temperature", temperature), saved.get("alpha", alpha)
-    temperature = DISTILL_TEMPERATURE if temperature is None else temperature
-    alpha = DISTILL_ALPHA if alpha is None else alpha
+    o = resolve_run_options(Path(out), options or DistillOptions(), resume, given)
+    temperature, alpha = o["temperature"], o["alpha"]
     if not teacher:
         raise NanoforgeError("--teacher is required: the run or checkpoint to distill from")
     teacher_model, teacher_tok, teacher_path = load_model(teacher)

@@ -15,24 +15,21 @@ from nanoforge.recipes.common import SFT_DEFAULTS, initial_gpt, make_sampler, sa
 from nanoforge.train.distributed import main_first, setup, world
 from nanoforge.train.loop import Stage
 from nanoforge.train.objectives import dpo_loss
-from nanoforge.train.rundir import check_resume_options, finetune_setup, fresh_run_guard, saved_run_info
+from nanoforge.recipes.options import DPOOptions
+from nanoforge.train.rundir import finetune_setup, fresh_run_guard, resolve_run_options
 
 # MiniMind's DPO default (lr 4e-8) leaves the loss at log 2 (its users' reports); measured on the tiny preset,
 # held-out margin and accuracy move from lr 1e-4 up (see docs/perf.md). The SFT rate is a safe middle here.
-DPO_BETA = 0.1  # strength of the pull towards the reference
 DPO_DEFAULTS = {**SFT_DEFAULTS, "lr": 5e-5, "warmup_steps": 10, "max_steps": 300, "batch_size": 8}
 
 
 @fresh_run_guard
 def dpo(init: str | None, data: Sequence[str], out: str | Path, config_file: str | None = None,
-        overrides: dict[str, Any] | None = None, resume: bool = False, beta: float | None = None,
-        quiet: bool = False) -> dict[str, Any]:
+        overrides: dict[str, Any] | None = None, resume: bool = False, options: DPOOptions | None = None,
+        quiet: bool = False, given=None) -> dict[str, Any]:
     """`nanoforge dpo`: direct preference optimisation on chosen/rejected pairs. The reference model is the
     --init model; its log-probabilities are computed once, before training, and cached in the run."""
-    if resume:
-        check_resume_options(Path(out), {"beta": ("--beta", beta)})
-        beta = saved_run_info(out).get("beta", beta)
-    beta = DPO_BETA if beta is None else beta
+    beta = resolve_run_options(Path(out), options or DPOOptions(), resume, given)["beta"]
     run_dir, mcfg, tcfg, run_info, init_path, tok, data_dir = finetune_setup(
         "dpo", init, data, out, config_file, dict(overrides or {}), resume, quiet, DPO_DEFAULTS, {"beta": beta})
     prompts = sample_prompts(tcfg)

@@ -6,7 +6,7 @@ samples, report); --data is a prompts JSONL file (rl/prompts.py), read as it is,
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,9 +27,10 @@ from nanoforge.rl.grpo_batches import RolloutBatches, policy_count, policy_objec
 from nanoforge.tokenizer import load_tokenizer
 from nanoforge.train.distributed import setup, world
 from nanoforge.train.loop import Stage
-from nanoforge.train.rundir import (copy_tokenizer, fresh_run_guard, resolve_run_options, resumed_run,
-                                    write_run_config)
+from nanoforge.train.rundir import (copy_tokenizer, fresh_run_guard, given_fields, resolve_run_options,
+                                    resumed_run, write_run_config)
 from nanoforge.recipes.common import initial_gpt, make_sampler, sample_prompts, train_and_report
+from nanoforge.recipes.options import RLOptions
 
 # Training defaults under --config and the flags. RL moves a model that already answers: small steps (1e-6..1e-5
 # for real models; MiniMind's GRPO uses 3e-7 with a cosine schedule), constant, every step logged (a step is a
@@ -38,45 +39,16 @@ GRPO_DEFAULTS = {"lr": 3e-6, "schedule": "constant", "warmup_steps": 0, "weight_
                  "eval_every": 0, "save_every": 50, "log_every": 1, "grad_clip": 1.0, "sample_every": 0}
 
 
-@dataclass
-class RLOptions:
-    """The stage's own options (saved under [run] in config.toml). None: not given (a --resume keeps the saved
-    value); DEFAULTS fills the rest."""
-    loss: str | None = None
-    num_generations: int | None = None
-    prompts_per_step: int | None = None
-    beta: float | None = None
-    epsilon: float | None = None
-    epsilon_high: float | None = None
-    advantage: str | None = None
-    loss_norm: str | None = None
-    temperature: float | None = None
-    max_new_tokens: int | None = None
-    ppo_epochs: int | None = None
-    reward: str | None = None
-    reward_weights: str | None = None
-    reward_model: str | None = None
-    trust_remote_code: bool | None = None
-    think: bool | None = None
-    tools: str | None = None
-    max_turns: int | None = None
-
-
-# MiniMind's GRPO: 2 prompts x 6 replies, temperature 0.8, beta 0.1, clip 0.2, per-sequence mean
-DEFAULTS = {"loss": "grpo", "num_generations": 6, "prompts_per_step": 2, "beta": 0.1, "epsilon": 0.2,
-            "advantage": "zscore", "loss_norm": "sequence", "temperature": 0.8, "max_new_tokens": 256,
-            "ppo_epochs": 1, "trust_remote_code": False, "think": False}
-MAX_TURNS = 3  # replies per trajectory under --tools when --max-turns is not given (call, answer, one spare)
 FLAGS = {f.name: "--" + f.name.replace("_", "-") for f in fields(RLOptions)}
 
 
-def check_options(o: dict[str, Any]) -> None:
+def check_options(o: dict[str, Any], given: set[str]) -> None:
     for key, choices in (("loss", LOSSES), ("advantage", ADVANTAGES), ("loss_norm", NORMS)):
         if o[key] not in choices:
             raise NanoforgeError(f"{FLAGS[key]} {o[key]!r} is not one of {', '.join(choices)}")
     if o.get("tools") is not None:
         check_tool_options(o)
-    elif "max_turns" in o:
+    elif "max_turns" in given:
         raise NanoforgeError("--max-turns only applies to multi-turn rollouts: add --tools calculator")
     elif not o.get("reward") and not o.get("reward_model"):
         raise NanoforgeError("--reward: no reward given (math, format, length, repetition, module:function) and "
@@ -94,14 +66,13 @@ def check_tool_options(o: dict[str, Any]) -> None:
                              "penalty); drop " + " and ".join(given))
 
 
-def resolve_options(out: Path, options: RLOptions, resume: bool) -> dict[str, Any]:
+def resolve_options(out: Path, options: RLOptions, resume: bool, given=None) -> dict[str, Any]:
     """The options this run trains with: on --resume the saved ones (a different value given is an error)."""
-    resolved = resolve_run_options(out, options, DEFAULTS, resume)
-    if resolved.get("tools") is not None:
-        resolved.setdefault("max_turns", MAX_TURNS)
-    elif "reward" not in resolved and not resolved.get("reward_model"):
+    given = given_fields(options, given)
+    resolved = resolve_run_options(out, options, resume, given)
+    if resolved["tools"] is None and resolved["reward"] is None and not resolved["reward_model"]:
         resolved["reward"] = "math"
-    check_options(resolved)
+    check_options(resolved, given)
     return resolved
 
 
@@ -174,11 +145,12 @@ def frozen_reference(mcfg, tcfg, init_path: Path, device) -> GPT:
 @fresh_run_guard
 def grpo(init: str | None, data: str | None, out: str | Path, options: RLOptions | None = None,
          config_file: str | None = None, overrides: dict[str, Any] | None = None, resume: bool = False,
-         quiet: bool = False) -> dict[str, Any]:
+         quiet: bool = False, given=None) -> dict[str, Any]:
     """`nanoforge grpo`: sample G replies to each of P prompts, score them, and train the policy on their group
-    advantages with the --loss surrogate (and a k3 KL to the frozen --init model when --beta > 0)."""
+    advantages with the --loss surrogate (and a k3 KL to the frozen --init model when --beta > 0). `given`: the
+    options given on the command line (the others keep a resumed run's saved values)."""
     out = Path(out)
-    o = resolve_options(out, options or RLOptions(), resume)
+    o = resolve_options(out, options or RLOptions(), resume, given)
     rewards = chosen_rewards(o)
     run_dir, mcfg, tcfg, run_info, init_path, tok, records = rl_setup(
         "grpo", init, data, out, config_file, dict(overrides or {}), resume, o)

@@ -7,7 +7,7 @@ the loader drops the latter, so chat, eval and export read a PPO run as its poli
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -23,42 +23,16 @@ from nanoforge.train.distributed import setup, world
 from nanoforge.train.loop import Stage
 from nanoforge.train.rundir import fresh_run_guard, resolve_run_options
 from nanoforge.recipes.common import initial_gpt, make_sampler, sample_prompts, train_and_report
+from nanoforge.recipes.options import PPOOptions
 
 
-@dataclass
-class PPOOptions:
-    """The stage's own options (saved under [run] in config.toml). None: not given (a --resume keeps the saved
-    value); DEFAULTS fills the rest."""
-    num_generations: int | None = None
-    prompts_per_step: int | None = None
-    temperature: float | None = None
-    max_new_tokens: int | None = None
-    ppo_epochs: int | None = None
-    epsilon: float | None = None
-    beta: float | None = None
-    vf_coef: float | None = None
-    value_clip: float | None = None
-    gamma: float | None = None
-    lam: float | None = None
-    target_kl: float | None = None
-    reward: str | None = None
-    reward_weights: str | None = None
-    reward_model: str | None = None
-    trust_remote_code: bool | None = None
-    think: bool | None = None
-
-
-# MiniMind's PPO: 2 epochs per batch, clip 0.2, clipped value loss, GAE gamma 1 lambda 0.95, a KL penalty
-DEFAULTS = {"num_generations": 1, "prompts_per_step": 8, "temperature": 1.0, "max_new_tokens": 256,
-            "ppo_epochs": 2, "epsilon": 0.2, "beta": 0.05, "vf_coef": 0.5, "value_clip": 0.2, "gamma": 1.0,
-            "lam": 0.95, "trust_remote_code": False, "think": False}
 FLAGS = {f.name: "--" + f.name.replace("_", "-") for f in fields(PPOOptions)}
 
 
-def resolve_options(out: Path, options: PPOOptions, resume: bool) -> dict[str, Any]:
+def resolve_options(out: Path, options: PPOOptions, resume: bool, given=None) -> dict[str, Any]:
     """The options this run trains with: on --resume the saved ones (a different value given is an error)."""
-    o = resolve_run_options(out, options, DEFAULTS, resume)
-    if "reward" not in o and not o.get("reward_model"):
+    o = resolve_run_options(out, options, resume, given)
+    if o["reward"] is None and not o["reward_model"]:
         o["reward"] = "math"
     for key in ("num_generations", "prompts_per_step", "ppo_epochs", "max_new_tokens"):
         if o[key] < 1:
@@ -71,12 +45,12 @@ def resolve_options(out: Path, options: PPOOptions, resume: bool) -> dict[str, A
 @fresh_run_guard
 def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions | None = None,
         config_file: str | None = None, overrides: dict[str, Any] | None = None, resume: bool = False,
-        quiet: bool = False) -> dict[str, Any]:
+        quiet: bool = False, given=None) -> dict[str, Any]:
     """`nanoforge ppo`: sample replies to P prompts with the policy, score them, and train policy and critic
     on them with PPO's clipped surrogate and clipped value loss (per-token KL penalty to the frozen --init
     model in the rewards when --beta > 0, GAE advantages), --ppo-epochs updates per rollout."""
     out = Path(out)
-    o = resolve_options(out, options or PPOOptions(), resume)
+    o = resolve_options(out, options or PPOOptions(), resume, given)
     rewards = chosen_rewards(o)
     cfg_ppo = PPOConfig(epsilon=o["epsilon"], vf_coef=o["vf_coef"], value_clip=o["value_clip"], beta=o["beta"],
                         gamma=o["gamma"], lam=o["lam"], temperature=o["temperature"], target_kl=o.get("target_kl"))

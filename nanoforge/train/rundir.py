@@ -167,15 +167,22 @@ def check_resume_options(run_dir: Path, requested: dict[str, tuple[str, Any]]) -
                              "its own: drop them (--resume alone uses the saved ones), or choose another --out")
 
 
-def resolve_run_options(out: Path, options, defaults: dict[str, Any], resume: bool) -> dict[str, Any]:
-    """A stage's own options (a dataclass of them, None where not given; saved under [run] in config.toml):
-    the given ones over, on --resume, the saved ones (a different value given is an error) over `defaults`."""
-    names = dataclasses.asdict(options)
-    given = {k: v for k, v in names.items() if v is not None}
+def given_fields(options, given=None) -> set[str]:
+    """The fields of a stage's options that its caller set: `given` (cli: the flags on the command line), by
+    default those off their default (a call from Python)."""
+    return set(given) if given is not None else {f.name for f in dataclasses.fields(options)
+                                                 if getattr(options, f.name) != f.default}
+
+
+def resolve_run_options(out: Path, options, resume: bool, given=None) -> dict[str, Any]:
+    """A stage's own options (a dataclass of them; saved under [run] in config.toml): on --resume the saved ones,
+    but for those `given` (the flags on the command line; by default the fields off their default), where a
+    different value is an error."""
+    values, given = dataclasses.asdict(options), given_fields(options, given)
     if resume:
-        check_resume_options(out, {k: ("--" + k.replace("_", "-"), v) for k, v in given.items()})
-    saved = {k: v for k, v in saved_run_info(out).items() if k in names} if resume else {}
-    return {**defaults, **saved, **given}
+        check_resume_options(out, {k: ("--" + k.replace("_", "-"), values[k]) for k in given})
+        values.update({k: v for k, v in saved_run_info(out).items() if k in values and k not in given})
+    return values
 
 
 def fit_vocab(mcfg: ModelConfig, tokenizer, explicit: set[str]) -> None:

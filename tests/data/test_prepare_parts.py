@@ -184,7 +184,8 @@ def test_allow_incomplete_merges_some_parts_only(parts, tmp_path):
     assert some == sum(TokenShards(parts / q, "train").num_tokens for q in ("q1", "q2"))
     from nanoforge.cli import build_parser
     commands = next(a.choices for a in build_parser()._actions if isinstance(a.choices, dict))
-    assert "--allow-incomplete" in commands["prepare"].format_help()
+    merge = next(a.choices for a in commands["prepare"]._actions if isinstance(a.choices, dict))["merge"]
+    assert "--allow-incomplete" in merge.format_help()  # `prepare merge` is a subcommand
     # a complete merge is the whole of its input: it merges on, and counts as the whole prepare does
     assert nf("prepare", "merge", parts / "q1", parts / "q2", parts / "q3", "--out", tmp_path / "all").returncode == 0
     again = nf("prepare", "merge", tmp_path / "all", parts / "whole", "--out", tmp_path / "twice")

@@ -13,6 +13,7 @@ from conftest import _missing_shared_data, shared_data_dir
 from nanoforge.data.jsonl import DataError
 from nanoforge.eval.gsm8k import extract_answer, gold_answer, numbers_equal, read_gsm8k
 from nanoforge.eval.toolcall import calls_match, read_toolcall, same_answer, valid_call
+from nanoforge.eval.options import EvalOptions
 from nanoforge.eval.run import run_eval
 from nanoforge.infer.generate import SamplingConfig
 from nanoforge.infer.toolloop import run_in_batches, run_tool_loop
@@ -200,7 +201,7 @@ def test_toolcall_eval_on_the_tool_runs_own_conversations(tool_model, tmp_path):
     model, tokenizer = tool_model
     path = write_tool_sft(tmp_path / "tools.jsonl")
     lines = []
-    result = run_eval((model, tokenizer), toolcall=path, max_new_tokens=64, batch_size=8, progress=False,
+    result = run_eval((model, tokenizer), EvalOptions(toolcall=path, max_new_tokens=64, batch_size=8, quiet=True),
                       log=lines.append)["toolcall"]
     assert result["records"] == result["records_with_calls"] == result["answer_records"] == 2 * len(QUESTIONS)
     assert result["parse_rate"] >= 0.9 and result["valid_call_rate"] >= 0.9 and result["no_call_agreement"] is None
@@ -282,8 +283,8 @@ def test_gsm8k_eval_with_and_without_the_calculator(tool_model, tmp_path):
     cfg = SamplingConfig(temperature=0, max_new_tokens=64)
     for tools in (["calculator"], []):
         lines = []
-        result = run_eval((model, tokenizer), gsm8k=path, tools=",".join(tools), max_new_tokens=64,
-                          batch_size=5, progress=False, log=lines.append)["gsm8k"]
+        result = run_eval((model, tokenizer), EvalOptions(gsm8k=path, tools=",".join(tools), max_new_tokens=64,
+                          batch_size=5, quiet=True), log=lines.append)["gsm8k"]
         direct = run_tool_loop(model, tokenizer, [[{"role": "user", "content": question(*q)}] for q in QUESTIONS],
                                cfg, tools=tools)
         right = [re.findall(r"\d+", r.final_content)[-1:] == [t] for r, t in zip(direct, truths)]
@@ -312,7 +313,7 @@ def test_gsm8k_through_the_cli_writes_json(tool_run_dir, tool_model, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "gsm8k (4 problems, tools: calculator)" in r.stdout and "accuracy" in r.stdout
     got = json.loads(out.read_text())["gsm8k"]
-    here = run_eval(tool_model, gsm8k=path, tools="calculator", limit=4, max_new_tokens=64, progress=False,
+    here = run_eval(tool_model, EvalOptions(gsm8k=path, tools="calculator", limit=4, max_new_tokens=64, quiet=True),
                     log=lambda *a: None)["gsm8k"]
     assert got["file"] == str(path) and got["problems"] == 4
     assert [row["content"] for row in got["per_record"]] == [row["content"] for row in here["per_record"]]
@@ -373,7 +374,7 @@ def test_toolcall_cli_scores_odd_shapes_and_skips_a_record_longer_than_the_conte
            f"context (512 tokens); first: {odd}:5" in r.stdout
     assert "toolcall (4 records)" in r.stdout and re.search(r"too long for the context \(not scored\) +1", r.stdout)
     got = json.loads((tmp_path / "odd.json").read_text())["toolcall"]
-    here = run_eval(tool_model, toolcall=plain, max_new_tokens=64, progress=False, log=lambda *a: None)["toolcall"]
+    here = run_eval(tool_model, EvalOptions(toolcall=plain, max_new_tokens=64, quiet=True), log=lambda *a: None)["toolcall"]
     assert (got["records"], got["too_long"], got["too_long_records"]) == (4, 1, [f"{odd}:5"])
     strip = lambda rows: [{k: v for k, v in row.items() if k != "where"} for row in rows]  # noqa: E731
     assert strip(got["per_record"]) == strip(here["per_record"])
@@ -391,7 +392,7 @@ def test_gsm8k_cli_skips_a_question_longer_than_the_context(tool_run_dir, tool_m
     assert "1 of 4 problems skipped, not scored" in r.stdout and f"first: {path}:2" in r.stdout
     got = json.loads((tmp_path / "out.json").read_text())["gsm8k"]
     _write(path, lines)
-    here = run_eval(tool_model, gsm8k=path, tools="calculator", max_new_tokens=64, progress=False,
+    here = run_eval(tool_model, EvalOptions(gsm8k=path, tools="calculator", max_new_tokens=64, quiet=True),
                     log=lambda *a: None)["gsm8k"]
     assert (got["problems"], got["too_long"], here["too_long"]) == (3, 1, 0)
     assert got["accuracy"] == here["accuracy"]  # over the three that fit

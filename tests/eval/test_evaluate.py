@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from nanoforge.errors import NanoforgeError
 from nanoforge.eval.choice import build_prompt, evaluate_choices, load_benchmark, wilson_interval
+from nanoforge.eval.options import EvalOptions
 from nanoforge.eval.run import evaluate_data, run_eval, token_byte_lengths
 from nanoforge.infer.samples import generate_samples, load_prompts, write_samples
 
@@ -374,8 +375,9 @@ def test_run_eval_writes_samples_into_the_run_and_recalls_memorised_text(bench, 
                               SamplingConfig(temperature=0, max_new_tokens=12))
     assert answer.startswith(greedy[0]["text"].strip()[:8])  # the memorised answer comes back
     (tmp_path / "p.txt").write_text("Hello\nQuestion:\n", encoding="utf-8")
-    out = run_eval(bench["run"], data=[bench["dir"] / "train.jsonl"], bench=bench["dir"] / "bench.jsonl",
-                   samples=True, prompts_file=tmp_path / "p.txt", device="cpu", **QUIET)
+    out = run_eval(bench["run"], EvalOptions(data=[bench["dir"] / "train.jsonl"], bench=bench["dir"] / "bench.jsonl",
+                                             samples=True, prompts=tmp_path / "p.txt", device="cpu", quiet=True),
+                   log=lambda *a: None)
     lines = (bench["run"] / "samples.jsonl").read_text(encoding="utf-8").splitlines()
     assert len(out["samples"]) == 2 == len(lines) and json.loads(lines[0])["step"] == 300
     assert out["data"]["loss"] < 0.5 and out["bench"]["overall"]["n"] == N_QUESTIONS
