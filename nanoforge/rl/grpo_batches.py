@@ -3,11 +3,10 @@ samples a rollout every ppo_epochs steps, and `policy_objective`, the loss over 
 
 With --ppo-epochs K the same rollout is trained on for K optimizer steps (each its grad_accum micro-batches),
 so from the second step on the policy differs from the one that sampled and the ratio and its clipping act
-(MiniMind's GRPO takes one step per rollout, where the ratio is always 1 and clipping never acts).
-
-No forward of its own for the old (sampling) log-probs: the first update runs on the sampling weights (RL has
-no dropout), so its detached log-probs are them exactly, kept for the further steps. (PPO's rewards and GAE need
-them before any update: rl/ppo_batches.py's rollouts bring them.)
+(MiniMind's GRPO takes one step per rollout, where the ratio is always 1 and clipping never acts). The old
+(sampling) log-probs take no forward of their own: the first update runs on the sampling weights (RL has no
+dropout), so its detached log-probs are them exactly, kept for the further steps (PPO's rewards and GAE need
+them before any update: rl/ppo_batches.py's rollouts bring them).
 
 Exact resume: a rollout is a function of the prompts it takes (the PromptIterator's position), the policy's
 weights and its seed, which is derived from (--seed, rollout index, rank) rather than carried as generator
