@@ -115,13 +115,21 @@ def reward_curve(run: Path) -> list[float]:
     return [r["reward_mean"] for r in recs if "reward_mean" in r]
 
 
-def run_rl(sft_run: Path, prompts: Path, out: Path, loss: str, steps: int, **kw) -> float:
-    """`grpo --reward math` from the SFT run; its wall time in seconds."""
+def phase_seconds(run: Path) -> dict[str, float]:
+    """The loop's own clock, summed over the steps (log_every is 1): rollout (the batch source: generation,
+    scoring, reference log-probs), forward + backward, optimizer step."""
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {k: sum(r.get(f"{k}_ms", 0.0) for r in recs) / 1e3 for k in ("data", "fwd_bwd", "optim")}
+
+
+def run_rl(sft_run: Path, prompts_file: Path, out: Path, loss: str, steps: int, **kw) -> float:
+    """`grpo --reward math` from the SFT run; its wall time in seconds. kw: generations, prompts (per step),
+    beta, ppo_epochs, lr, seed."""
     options = RLOptions(loss=loss, num_generations=kw.get("generations", 8), prompts_per_step=kw.get("prompts", 8),
                         beta=kw.get("beta", 0.0), temperature=1.0, max_new_tokens=6, reward="math",
                         ppo_epochs=kw.get("ppo_epochs", 1))
     start = time.perf_counter()
-    grpo(str(sft_run), str(prompts), out, options, quiet=True,
+    grpo(str(sft_run), str(prompts_file), out, options, quiet=True,
          overrides={"max_steps": steps, "lr": kw.get("lr", 3e-5), "save_every": 0, "tensorboard": False,
                     "precision": "fp32", "seed": kw.get("seed", 0)})
     return time.perf_counter() - start
@@ -149,6 +157,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, help="RL learning rate (AdamW, constant; default 3e-5 grpo, 5e-5 ppo)")
     ap.add_argument("--ppo-epochs", type=int, help="updates per rollout (default 1 grpo, 2 ppo)")
     ap.add_argument("--beta", type=float, default=0.0, help="KL weight (grpo: k3 loss term; ppo: reward penalty)")
+    ap.add_argument("--prompts-per-step", type=int, help="prompts per rollout (default 8 grpo, 64 ppo)")
+    ap.add_argument("--num-generations", type=int, help="replies per prompt (default 8 grpo, 1 ppo)")
     ap.add_argument("--add-max", type=int, default=12)
     ap.add_argument("--mul-max", type=int, default=8)
     ap.add_argument("--work", default="runs/grpo_arithmetic", help="work directory (replaced)")
@@ -165,14 +175,19 @@ def main() -> None:
     if args.algo == "ppo":
         args.steps = args.steps or 200
         seconds = run_ppo(run, prompts, work / f"rl-{name}", args.steps, lr=args.lr or 5e-5,
-                          ppo_epochs=args.ppo_epochs or 2, beta=args.beta)
+                          ppo_epochs=args.ppo_epochs or 2, beta=args.beta, prompts=args.prompts_per_step or 64,
+                          generations=args.num_generations or 1)
     else:
         args.steps = args.steps or 100
         seconds = run_rl(run, prompts, work / f"rl-{name}", args.loss, args.steps, lr=args.lr or 3e-5,
-                         ppo_epochs=args.ppo_epochs or 1, beta=args.beta)
+                         ppo_epochs=args.ppo_epochs or 1, beta=args.beta, prompts=args.prompts_per_step or 8,
+                         generations=args.num_generations or 8)
     after = greedy_accuracy(work / f"rl-{name}", held)
     curve = reward_curve(work / f"rl-{name}")
-    print(f"{'ppo' if args.algo == 'ppo' else 'grpo --loss ' + args.loss}: {args.steps} steps in {seconds:.0f} s")
+    phases = phase_seconds(work / f"rl-{name}")
+    print(f"{'ppo' if args.algo == 'ppo' else 'grpo --loss ' + args.loss}: {args.steps} steps in {seconds:.1f} s "
+          f"({seconds / args.steps:.3f} s/step; loop clock: rollout {phases['data']:.1f} s, forward+backward "
+          f"{phases['fwd_bwd']:.1f} s, optimizer {phases['optim']:.1f} s)")
     print("mean reward per step: " + " ".join(f"{r:.2f}" for r in curve))
     tenth = max(1, len(curve) // 10)
     print("mean reward per tenth of the run: " + " ".join(

@@ -173,7 +173,8 @@ def grpo(init: str | None, data: str | None, out: str | Path, options: RLOptions
     batches = RolloutBatches(model, tok, iterator, cfg, reward, tcfg.seed, o["ppo_epochs"], tcfg.grad_accum,
                              reference, rollout_fn)
     tcfg.batch_size = batches.micro_rows  # for the header: replies per micro-batch
-    loss = policy_objective(o["loss"], o["epsilon"], o.get("epsilon_high"), o["beta"], o["loss_norm"], o["temperature"])
+    loss = policy_objective(o["loss"], o["epsilon"], o.get("epsilon_high"), o["beta"], o["loss_norm"], o["temperature"],
+                            batches)
     stage = Stage("grpo", batches, loss, None, None, run_info, count_fn=policy_count(o["loss_norm"]),
                   sampler=make_sampler(run_dir, tcfg, tok, prompts, chat=True))
     if not quiet:

@@ -210,8 +210,8 @@ def agent_rollout(model, tokenizer, records: Sequence[PromptRecord], cfg: Rollou
                   max_turns: int) -> Batch:
     """rl/rollout.py `rollout` for `grpo --tools`: each record rolled out num_generations times by
     agent_rollouts (every trajectory of the step in one batch per round), rewarded by the agent reward alone
-    (`reward_fn` must be None), and laid out as the same batch: old (and reference) log-probs recomputed
-    over the packed ids in the loss's micro-batch chunks, so in fp32 the first update's ratio is exactly 1."""
+    (`reward_fn` must be None), and laid out as the same batch (the reference's log-probs recomputed over the
+    packed ids in the loss's micro-batch chunks; the old ones are the first update's)."""
     if reward_fn is not None:
         raise NanoforgeError("--tools: the agent reward is the reward; --reward and --reward-model do not apply")
     G = cfg.num_generations
@@ -226,7 +226,7 @@ def agent_rollout(model, tokenizer, records: Sequence[PromptRecord], cfg: Rollou
     seconds = time.perf_counter() - start
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)  # (B,)
     input_ids, loss_mask = pack_trajectories(trajectories, tokenizer.pad_id if tokenizer.pad_id is not None else 0)
-    return policy_batch(model, reference, input_ids, loss_mask, rewards, cfg, micro_rows,
+    return policy_batch(reference, input_ids, loss_mask, rewards, cfg, micro_rows,
                         agent_stats(trajectories, seconds))
 
 

@@ -3,7 +3,10 @@ samples a rollout every ppo_epochs steps, and `policy_objective`, the loss over 
 
 With --ppo-epochs K the same rollout is trained on for K optimizer steps (each its grad_accum micro-batches),
 so from the second step on the policy differs from the one that sampled and the ratio and its clipping act
-(MiniMind's GRPO takes one step per rollout, where the ratio is always 1 and clipping never acts).
+(MiniMind's GRPO takes one step per rollout, where the ratio is always 1 and clipping never acts). The old
+(sampling) log-probs take no forward of their own: the first update runs on the sampling weights (RL has no
+dropout), so its detached log-probs are them exactly, kept for the further steps (PPO's rewards and GAE need
+them before any update: rl/ppo_batches.py's rollouts bring them).
 
 Exact resume: a rollout is a function of the prompts it takes (the PromptIterator's position), the policy's
 weights and its seed, which is derived from (--seed, rollout index, rank) rather than carried as generator
@@ -50,6 +53,7 @@ class RolloutBatches:
         self.rollouts = 0  # rollouts sampled so far
         self.current: Batch | None = None
         self.every_rank: list[Batch] | None = None  # all ranks' current rollouts, for the checkpoint (rank 0)
+        self.first_logps: list[torch.Tensor] = []  # the first update's micro-batches' log-probs so far
 
     @property
     def sequences_per_epoch(self) -> int:
@@ -76,7 +80,20 @@ class RolloutBatches:
                                        self.reference, self.micro_rows)
         self.rollouts += 1
         self.every_rank = [self.current]
-        if self.prompts.world_size > 1 and self.cycle > 1:  # a checkpoint mid-rollout needs every rank's
+        if "old_logp" in self.current:  # ppo's; grpo's come with its first update (keep_old_logps)
+            self._share()
+
+    def keep_old_logps(self, logp: torch.Tensor) -> torch.Tensor:
+        """A first-update micro-batch's log-probs, detached: its old ones, kept (in micro-batch order) for later."""
+        if self.ppo_epochs > 1:
+            self.first_logps.append(logp.detach().cpu())
+            if len(self.first_logps) == self.grad_accum:
+                self.current["old_logp"], self.first_logps = torch.cat(self.first_logps), []
+                self._share()
+        return logp.detach()
+
+    def _share(self) -> None:  # a checkpoint between a rollout's steps holds every rank's rollout (rank 0 writes)
+        if self.prompts.world_size > 1 and self.ppo_epochs > 1:
             gathered: list[Any] = [None] * self.prompts.world_size
             dist.all_gather_object(gathered, encode_batch(self.current))
             self.every_rank = [decode_batch(b) for b in gathered]
@@ -121,12 +138,16 @@ def decode_batch(encoded: dict[str, Any]) -> Batch:
             for key, (dtype, shape, data) in encoded.items()}
 
 
-def policy_objective(loss: str, epsilon: float, epsilon_high: float | None, beta: float, norm: str, temperature: float):
+def policy_objective(loss: str, epsilon: float, epsilon_high: float | None, beta: float, norm: str, temperature: float,
+                     batches: RolloutBatches | None = None):
     """Stage.loss_fn: the policy loss of a rollout micro-batch under the current model, log-probs at the
     sampling temperature; the rollout's stat_* figures ride along as extras (so they are logged per step)."""
     def loss_fn(model, batch: Batch):
         logp = token_logps(model, batch["input_ids"], temperature)  # (B, L-1)
-        total, count, extras = policy_loss(logp, batch["old_logp"], batch["advantages"], batch["loss_mask"],
+        old_logp = batch.get("old_logp")
+        if old_logp is None:  # the rollout's first update: its own log-probs are the old ones (module docstring)
+            old_logp = batches.keep_old_logps(logp) if batches else logp.detach()
+        total, count, extras = policy_loss(logp, old_logp, batch["advantages"], batch["loss_mask"],
                                            loss=loss, epsilon=epsilon, epsilon_high=epsilon_high,
                                            ref_logp=batch.get("ref_logp"), beta=beta, norm=norm)
         extras.update({k[5:]: v for k, v in batch.items() if k.startswith("stat_")})

@@ -9,13 +9,13 @@ reply, right-padded with the tokenizer's pad id):
     input_ids    (B, L)     prompt + reply (+ the stop token <|im_end|> when the reply stopped; none when it was
                             cut at max_new_tokens)
     loss_mask    (B, L-1)   1 where the target input_ids[:, t+1] is a reply token (stop token included), else 0
-    old_logp     (B, L-1)   log-prob of each target under the policy that sampled it, at the sampling
-                            temperature (log_softmax(logits / T)), computed right after sampling without grad
-    ref_logp     (B, L-1)   the same under the frozen reference (absent when beta is 0: no reference is run)
+    ref_logp     (B, L-1)   log-prob of each target under the frozen reference at the sampling temperature
+                            (log_softmax(logits / T)), without grad (absent when beta is 0: no reference is run)
     advantages   (B,)       group advantages of the rewards (rl/losses.py group_advantages)
     rewards      (B,)       the combined reward of each reply
     stat_*       ()         the rollout's figures, logged by the stage's loss as extras
 
+The old log-probs (the sampling policy's) are the first update's own (rl/grpo_batches.py), no pass of their own.
 Sampling draws from exactly the distribution whose log-probs are trained: softmax(logits / T), no top-k, no
 top-p, no repetition penalty (a truncated or penalised distribution would give the sampled tokens other
 log-probs than the ones trained, and a ratio that no longer starts at 1).
@@ -100,9 +100,9 @@ def token_logps(model, input_ids: torch.Tensor, temperature: float) -> torch.Ten
 @torch.no_grad()
 def frozen_logps(model, input_ids: torch.Tensor, temperature: float, precision: str,
                  chunk: int | None = None) -> torch.Tensor:
-    """token_logps in eval mode, no grad, under the run's autocast: the old policy's and the reference's.
-    Computed `chunk` rows at a time, the micro-batches the loss will see: the same shapes give the same numbers
-    (in fp32 the first update's ratio is exactly 1), and the logits of a whole rollout need not fit at once."""
+    """token_logps in eval mode, no grad, under the run's autocast: the reference's. Computed `chunk` rows at a
+    time, the micro-batches the loss will see: the same shapes give the same numbers (in fp32 the first update's
+    KL is exactly 0), and the logits of a whole rollout need not fit at once."""
     device = next(model.parameters()).device
     with eval_mode(model), autocast_context(device, precision):
         return torch.cat([token_logps(model, part.to(device), temperature).cpu()
@@ -142,7 +142,7 @@ def rollout(model, tokenizer, records: Sequence[PromptRecord], cfg: RolloutConfi
     """A step's rollout batch (see the module docstring) for `records`, each sampled num_generations times;
     micro_rows: the rows of the micro-batches the loss will take (all by default)."""
     input_ids, loss_mask, rewards, stats = sample_scored(model, tokenizer, records, cfg, reward_fn, seed)
-    return policy_batch(model, reference, input_ids, loss_mask, rewards, cfg, micro_rows, stats)
+    return policy_batch(reference, input_ids, loss_mask, rewards, cfg, micro_rows, stats)
 
 
 def sample_scored(policy, tokenizer, records: Sequence[PromptRecord], cfg: RolloutConfig, reward_fn: RewardFn,
@@ -169,13 +169,12 @@ def sample_scored(policy, tokenizer, records: Sequence[PromptRecord], cfg: Rollo
         "rollout_tokens_per_s": new_tokens / max(seconds, 1e-9), **{f"reward_{k}": v for k, v in parts.items()}}
 
 
-def policy_batch(model, reference, input_ids: torch.Tensor, loss_mask: torch.Tensor, rewards: torch.Tensor,
+def policy_batch(reference, input_ids: torch.Tensor, loss_mask: torch.Tensor, rewards: torch.Tensor,
                  cfg: RolloutConfig, micro_rows: int | None, stats: dict[str, float]) -> Batch:
-    """The rollout batch of packed rows (rollout's, rl/agent.py's): old (and reference) log-probs in the loss's
-    micro-batch chunks, group advantages of the rewards, and the reward figures and `stats` as stat_* scalars."""
+    """The rollout batch of packed rows (rollout's, rl/agent.py's): the reference's log-probs (beta > 0) in the
+    loss's micro-batch chunks, group advantages of the rewards, and the reward figures and `stats` as stat_* scalars."""
     grouped = rewards.view(-1, cfg.num_generations)  # (P, G)
     batch = {"input_ids": input_ids, "loss_mask": loss_mask,
-             "old_logp": frozen_logps(model, input_ids, cfg.temperature, cfg.precision, micro_rows),
              "advantages": group_advantages(grouped, cfg.advantage).view(-1), "rewards": rewards}
     if reference is not None:
         batch["ref_logp"] = frozen_logps(reference, input_ids, cfg.temperature, cfg.precision, micro_rows)
@@ -187,5 +186,5 @@ def policy_batch(model, reference, input_ids: torch.Tensor, loss_mask: torch.Ten
 
 def rows(batch: Batch, start: int, stop: int) -> Batch:
     """Rows [start, stop) of a rollout batch (a micro-batch); the stat_* scalars are kept. The columns stay as
-    they are: the loss's forward then has the shape of the one that computed old_logp (frozen_logps's chunks)."""
+    they are: the loss's forward then has the shape of the one that computed ref_logp (frozen_logps's chunks)."""
     return {k: (v[start:stop] if v.dim() else v) for k, v in batch.items()}

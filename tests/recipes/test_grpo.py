@@ -16,10 +16,10 @@ from nanoforge.infer.generate import Completion
 from nanoforge.model.gpt import GPT
 from nanoforge.recipes.grpo import RLOptions, grpo
 from nanoforge.rl.losses import policy_loss
-from nanoforge.rl.prompts import read_prompts
 from nanoforge.rl.rewards import combine, parse_rewards
-from nanoforge.rl.rollout import RolloutConfig, pack, rollout, token_logps
-from nanoforge.rl.grpo_batches import decode_batch, encode_batch
+from nanoforge.rl.prompts import PromptIterator, read_prompts
+from nanoforge.rl.rollout import RolloutConfig, frozen_logps, pack, rollout, token_logps
+from nanoforge.rl.grpo_batches import RolloutBatches, decode_batch, encode_batch, policy_objective
 from nanoforge.weights import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,23 +79,22 @@ def test_rollout_layout_masks_and_old_logps_equal_a_fresh_forward(base_run, prom
     model, tok, batch = _rollout(base_run, prompts_file, tiny_tokenizer)
     ids, mask = batch["input_ids"], batch["loss_mask"]
     B, L = ids.shape
-    assert B == 6 and mask.shape == batch["old_logp"].shape == batch["ref_logp"].shape == (B, L - 1)
+    assert B == 6 and mask.shape == batch["ref_logp"].shape == (B, L - 1) and "old_logp" not in batch
     assert batch["advantages"].shape == batch["rewards"].shape == (B,)
     for row, m in zip(ids, mask):  # a reply whose last trained token is <|im_end|> stopped; else it ran to 6 tokens
         trained = row[1:][m.bool()].tolist()
         assert 1 <= len(trained) <= 7
         assert trained[-1] == tok.im_end_id or len(trained) == 6
         assert tok.im_end_id not in trained[:-1]
-    # the policy's forward (train mode, with grad) gives exactly the rollout's old log-probs: ratio 1, no clipping
+    # the policy's forward (train mode, with grad) gives exactly the reference's (the initial policy's) log-probs
     model.train()
     logp = token_logps(model, ids, 0.9)
     m = mask.bool()
-    assert torch.equal(logp.detach()[m], batch["old_logp"][m])
-    assert torch.equal(batch["ref_logp"][m], batch["old_logp"][m])  # the reference is the initial policy
-    _, _, extras = policy_loss(logp, batch["old_logp"], batch["advantages"], mask, ref_logp=batch["ref_logp"])
+    assert torch.equal(logp.detach()[m], batch["ref_logp"][m])
+    _, _, extras = policy_loss(logp, logp.detach(), batch["advantages"], mask, ref_logp=batch["ref_logp"])
     assert extras["ratio"].item() == 1.0 and extras["clip_fraction"].item() == 0.0 and extras["kl"].item() == 0.0
     # sampled at temperature 0.9: the log-probs at temperature 1 differ
-    assert not torch.equal(token_logps(model, ids, 1.0).detach()[m], batch["old_logp"][m])
+    assert not torch.equal(token_logps(model, ids, 1.0).detach()[m], batch["ref_logp"][m])
     # groups: advantages sum to ~0 per group, and are 0 in a group of equal rewards
     for g in range(2):
         adv, r = batch["advantages"][3 * g:3 * g + 3], batch["rewards"][3 * g:3 * g + 3]
@@ -105,6 +104,27 @@ def test_rollout_layout_masks_and_old_logps_equal_a_fresh_forward(base_run, prom
     # a checkpointed rollout comes back bit for bit
     again = decode_batch(json.loads(json.dumps(encode_batch(batch))))
     assert all(torch.equal(again[k], v) for k, v in batch.items())
+
+
+def test_the_first_updates_log_probs_are_the_old_ones_a_separate_forward_gives(base_run, prompts_file):
+    """--ppo-epochs 2, --grad-accum 2: the first update's micro-batches carry no old log-probs; the loss keeps
+    its own, which equal a no-grad eval-mode forward of the sampling policy (the separate pass they replace),
+    and the second update trains against them."""
+    from nanoforge.weights.load import load_model
+    model, tok, _ = load_model(base_run)
+    cfg = RolloutConfig(num_generations=3, temperature=0.9, max_new_tokens=6)
+    batches = RolloutBatches(model, tok, PromptIterator(read_prompts(prompts_file), 2, seed=0), cfg,
+                             combine(parse_rewards("math,length")), seed=1, ppo_epochs=2, grad_accum=2)
+    loss = policy_objective("grpo", 0.2, None, 0.0, "sequence", 0.9, batches)
+    model.train()
+    for _ in range(2):
+        micro = batches.next_batch()
+        assert "old_logp" not in micro
+        assert loss(model, micro)[2]["ratio"].item() == 1.0
+    separate = frozen_logps(model, batches.current["input_ids"], 0.9, "fp32", chunk=3)
+    assert torch.equal(batches.current["old_logp"], separate)
+    assert torch.equal(batches.next_batch()["old_logp"], separate[:3])
+    assert "current" in batches.state_dict()  # and the checkpoint between the two updates holds them
 
 
 def _metrics(run):
@@ -276,6 +296,7 @@ def test_two_processes_roll_out_their_own_prompts(base_run, prompts_file, tmp_pa
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     state = json.loads((tmp_path / "ddp" / "checkpoints" / "step_000003" / "state.json").read_text())
     assert len(state["data"]["current"]) == 2  # each rank's rollout, gathered into the checkpoint
+    assert all("old_logp" in rollout for rollout in state["data"]["current"])  # with its first update's log-probs
     assert state["data"]["prompts"]["cursor"] == 8  # 2 rollouts x 2 prompts x 2 ranks
     proc = subprocess.run(launcher + ["grpo", "--out", str(tmp_path / "ddp"), "--resume", "--max-steps", "4",
                                       "--quiet"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

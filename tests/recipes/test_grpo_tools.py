@@ -91,13 +91,14 @@ def test_a_scripted_step_equals_the_hand_built_batch(tiny_tokenizer):
     assert batch["stat_unfinished"].item() == 0.5 and batch["stat_truncated"].item() == 0.0
     assert batch["stat_reply_len"].item() == sum(sum(rows[n][1]) for n in names) / 4
 
-    # old log-probs, computed in the loss's micro-batch chunks, equal the training forward's: the first ratio is 1
+    # the reference's log-probs, computed in the loss's micro-batch chunks, equal the training forward's: the
+    # first update's KL is 0 (and its ratio 1: its old log-probs are its own)
     model.train()
-    loss = policy_objective("grpo", 0.2, None, 0.1, "sequence", 0.8)
+    loss = policy_objective("grpo", 0.2, None, 0.1, "sequence", 0.8, batches)
     for micro in (first, second):
         logp = token_logps(model, micro["input_ids"], 0.8)
         m = micro["loss_mask"].bool()
-        assert torch.equal(logp.detach()[m], micro["old_logp"][m])
+        assert "old_logp" not in micro and torch.equal(logp.detach()[m], micro["ref_logp"][m])
         _, _, extras = loss(model, micro)
         assert extras["ratio"].item() == 1.0 and extras["kl"].item() == 0.0
         assert extras["turns"].item() == 2.0  # the rollout's figures ride along to the log
