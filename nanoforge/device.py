@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import platform
 
@@ -32,6 +33,20 @@ def autocast_context(device: torch.device, precision: str):
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def keep_freed_memory() -> None:
+    """Let glibc keep freed memory for the next allocations instead of handing it back to the kernel. By default
+    every tensor over 128 KiB-32 MiB is a fresh mapping and freed heap is trimmed, so each training step on a CPU
+    page-faults its activations and gradients back in, zeroed by the kernel: measured 4% of a bf16 step of the
+    mini model (process CPU time, one thread; the zeros of a (2048, 6400) float32 tensor 61 ms -> 5 ms).
+    Nothing to do on other C libraries."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-4, 0)  # M_MMAP_MAX: large blocks come from the heap, not new mappings
+        libc.mallopt(-1, -1)  # M_TRIM_THRESHOLD: never trim the heap
+    except (OSError, AttributeError):
+        pass
 
 
 @contextlib.contextmanager
