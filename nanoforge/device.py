@@ -36,15 +36,12 @@ def autocast_context(device: torch.device, precision: str):
 
 
 def keep_freed_memory() -> None:
-    """Let glibc keep freed memory for the next allocations instead of handing it back to the kernel. By default
-    every tensor over 128 KiB-32 MiB is a fresh mapping and freed heap is trimmed, so each training step on a CPU
-    page-faults its activations and gradients back in, zeroed by the kernel: measured 4% of a bf16 step of the
-    mini model (process CPU time, one thread; the zeros of a (2048, 6400) float32 tensor 61 ms -> 5 ms).
-    Nothing to do on other C libraries."""
+    """glibc: keep freed memory for the next allocations. By default each tensor over 128 KiB-32 MiB is a fresh
+    mapping and freed heap is trimmed, so every CPU training step page-faults its large tensors back in, zeroed by
+    the kernel (8-13% of a bf16 mini-model step's CPU time, docs/perf.md). Nothing to do on other C libraries."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-4, 0)  # M_MMAP_MAX: large blocks come from the heap, not new mappings
-        libc.mallopt(-1, -1)  # M_TRIM_THRESHOLD: never trim the heap
+        libc.mallopt(-4, 0), libc.mallopt(-1, -1)  # M_MMAP_MAX 0: no mappings; M_TRIM_THRESHOLD -1: never trim
     except (OSError, AttributeError):
         pass
 
