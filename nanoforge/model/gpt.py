@@ -50,10 +50,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        # F.rms_norm is one fused kernel (forward and backward) on CPU and CUDA; it computes exactly
-        # x * rsqrt(mean(x^2) + eps). Passing no weight keeps HF's order: normalise, cast, then scale.
-        x = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * x.to(dtype)
+        # F.rms_norm computes exactly x * rsqrt(mean(x^2) + eps) (one kernel on CUDA; on CPU, torch 2.13, it is
+        # those ops). Passing no weight keeps HF's order: normalise, cast, then scale.
+        x = self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(dtype)
+        # Under autocast the matmuls that read a float32 stream's norm (q, k, v; gate, up) would each cast it
+        # again, and each gradient back: cast once here, to the same values (QK-norm's output stays as it was).
+        autocast = dtype == torch.float32 and torch.is_autocast_enabled(x.device.type)
+        return x.to(torch.get_autocast_dtype(x.device.type)) if autocast else x
 
 
 # -------------------- Rotary position embeddings (RoFormer, arXiv 2104.09864), with YaRN (arXiv 2309.00071)

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from nanoforge.config import ModelConfig, TrainConfig, config_dicts
-from nanoforge.device import autocast_context, eval_mode, precision_note, resolve_device, resolve_precision
+from nanoforge.device import (autocast_context, eval_mode, keep_freed_memory, precision_note, resolve_device,
+                              resolve_precision)
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.interface import TRAINABLE_INTERFACE, TrainableModel
 from nanoforge.weights import checkpoint as ckpt
@@ -353,7 +354,9 @@ def _start(stage: Stage, model: TrainableModel, mcfg: ModelConfig, tcfg: TrainCo
     torch.manual_seed(tcfg.seed)
     model.to(device)
     model.train()
-    if device.type == "cuda":
+    if device.type == "cpu":
+        keep_freed_memory()
+    elif device.type == "cuda":
         # fp32 matmuls (the fp32 parts of autocast too) on tensor cores, or not: set both ways, since an earlier
         # run in this process may have turned them on
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tcfg.tf32

@@ -255,6 +255,21 @@ def test_rmsnorm_float32_then_gain_in_input_dtype():
     torch.testing.assert_close(norm(xb), hf, atol=1e-6, rtol=0)
 
 
+def test_rmsnorm_under_autocast_casts_once_to_the_same_values():
+    # The residual stream's norm hands bf16 to its matmuls (which would each cast it); QK-norm's bf16 input
+    # gives float32, as before. Forward values are those of the float32 norm cast by autocast.
+    from nanoforge.model.gpt import RMSNorm
+    norm = RMSNorm(8, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, out_b = norm(x), norm(x.bfloat16())
+    assert out.dtype == torch.bfloat16 and out_b.dtype == torch.float32
+    assert torch.equal(out, norm(x).bfloat16())
+    assert torch.equal(out_b, norm(x.bfloat16()))
+
+
 def test_left_padding_positions_count_real_tokens():
     # RoPE is relative, so a constant shift per row hardly moves the logits: check the positions themselves.
     model = tiny_model()

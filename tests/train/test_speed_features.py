@@ -100,3 +100,4 @@ def test_compiled_training_matches_eager(pretrain_dir, tmp_path):
     assert set(a) == set(b)
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-5)
+
