@@ -35,6 +35,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -71,11 +72,11 @@ MAPPING = {
                     "position_ids, which transformers turns into the same block-diagonal mask"),
         ("truncation", "a conversation over 513 tokens is cut at a turn boundary (skipped if none fits) | "
                        "bfd truncates it to 512"),
-        ("order", "seeded permutation, first-fit packing | BFD packing, then the Trainer's seeded shuffle "
+        ("order", "seeded permutation, best fit within the next 64 conversations | BFD packing, then the Trainer's seeded shuffle "
                   "(rows differ; tokens/step differ slightly)"),
         ("optimizer", "AdamW betas (0.9, 0.95), eps 1e-8, wd 0, clip 1.0 | adamw_torch, same"),
         ("schedule", "linear warmup 2 steps, cosine to 0.1 x lr 5e-5 | cosine_with_min_lr, min_lr_rate 0.1, "
-                     "warmup_steps 2 (HF's step 1 has lr 0; ours starts at lr/warmup)"),
+                     "warmup_steps 2 (HF's step 1 has lr 0; ours lr/2)"),
         ("precision", "fp32, 1 thread, CPU | fp32, 1 thread, use_cpu"),
     ],
     "dpo": [
@@ -102,7 +103,7 @@ MAPPING = {
     ],
 }
 UNMATCHED = {
-    "sft": "row composition (first-fit vs BFD, different shuffles); HF's warmup starts at lr 0",
+    "sft": "row composition (windowed best fit vs BFD, different shuffles); HF's warmup starts at lr 0",
     "dpo": "the padding of the DPO batch (ours pads to the longest row of the step, TRL to the longest pair)",
     "grpo": "the random draws (different samplers); TRL also computes the old log-probs with an extra forward "
             "only when needed and logs entropy; ours samples with a KV cache of its own",
@@ -207,7 +208,7 @@ def compare_sft(args, run: Path, hf: Path, work: Path) -> dict:
                           seq_len=512, **OPT)
     return {"steps": steps, "data": str(data),
             "nanoforge": {"supervised_tokens_per_s": tokens / sum(ours["step_s"]), "step_s": ours["step_s_median"],
-                          "peak_rss_mb": ours_rss, "loss_first_last": _first_last(ours["recs"])},
+                          "peak_rss_mb": ours_rss, "loss_first_last": _first_last(metrics(work / "ours-sft"))},
             "trl": {"supervised_tokens_per_s": theirs["supervised_tokens_per_s"], "step_s": theirs["step_s_median"],
                     "peak_rss_mb": trl_rss, "loss_first_last": [theirs["losses"][0], theirs["losses"][-1]]}}
 
@@ -231,7 +232,7 @@ def compare_dpo(args, run: Path, hf: Path, work: Path) -> dict:
                           seq_len=512, beta=0.1, **OPT)
     return {"steps": steps, "pairs": 4 * steps, "data": str(src),
             "nanoforge": {"pairs_per_s": 4 / ours["step_s_median"], "step_s": ours["step_s_median"],
-                          "ref_pass_s": ref_s, "peak_rss_mb": ours_rss, "loss_first_last": _first_last(ours["recs"])},
+                          "ref_pass_s": ref_s, "peak_rss_mb": ours_rss, "loss_first_last": _first_last(metrics(work / "ours-dpo"))},
             "trl": {"pairs_per_s": theirs["pairs_per_s"], "step_s": theirs["step_s_median"], "ref_pass_s": theirs["ref_s"],
                     "peak_rss_mb": trl_rss, "loss_first_last": [theirs["losses"][0], theirs["losses"][-1]]}}
 
@@ -331,7 +332,7 @@ def main() -> None:
     ap.add_argument("--pretrain-steps", type=int, default=100)
     ap.add_argument("--arith-sft-steps", type=int, default=400, help="grpo_arithmetic's SFT steps")
     ap.add_argument("--roundtrip-steps", type=int, default=3)
-    ap.add_argument("--work", default="runs/vs_trl", help="work directory (reused)")
+    ap.add_argument("--work", default="runs/vs_trl", help="work directory (replaced)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     if args.data:
@@ -339,6 +340,7 @@ def main() -> None:
     if not Path(args.trl_python).is_file():
         sys.exit(f"{args.trl_python}: no such interpreter; make TRL's venv first (see this script's docstring)")
     work = Path(args.work).resolve()
+    shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     results = {"date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
