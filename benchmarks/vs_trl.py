@@ -104,7 +104,8 @@ MAPPING = {
 }
 UNMATCHED = {
     "sft": "row composition (windowed best fit vs BFD, different shuffles); HF's warmup starts at lr 0",
-    "dpo": "the padding of the DPO batch (ours pads to the longest row of the step, TRL to the longest pair)",
+    "dpo": "how each pads and truncates a batch (not aligned here; the step's cost depends on it); HF's warmup "
+           "starts at lr 0",
     "grpo": "the random draws (different samplers); TRL also computes the old log-probs with an extra forward "
             "only when needed and logs entropy; ours samples with a KV cache of its own",
 }
