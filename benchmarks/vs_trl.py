@@ -106,8 +106,7 @@ UNMATCHED = {
     "sft": "row composition (windowed best fit vs BFD, different shuffles); HF's warmup starts at lr 0",
     "dpo": "how each pads and truncates a batch (not aligned here; the step's cost depends on it); HF's warmup "
            "starts at lr 0",
-    "grpo": "the random draws (different samplers); TRL also computes the old log-probs with an extra forward "
-            "only when needed and logs entropy; ours samples with a KV cache of its own",
+    "grpo": "the random draws (different samplers: ours with its KV cache, TRL with transformers' generate)",
 }
 
 
