@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
     ap.add_argument("--work", type=Path, default=Path("/tmp/speedrun-dev"))
+    ap.add_argument("--resume", action="store_true", help="continue the run NAME from its last checkpoint")
     ap.add_argument("--set", nargs=2, action="append", default=[], metavar=("FLAG", "VALUE"))
     args = ap.parse_args()
     train_dir, dev_dir = dev_data(args.data, args.work, args.vocab)
@@ -60,10 +61,11 @@ def main() -> None:
     if args.steps:
         cfg["max-steps"] = args.steps
     run_dir = args.work / "runs" / args.name
-    shutil.rmtree(run_dir, ignore_errors=True)
+    if not args.resume:
+        shutil.rmtree(run_dir, ignore_errors=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     wall, peak = run(NANOFORGE + ["pretrain", "--data", str(train_dir), "--out", str(run_dir), "--quiet"]
-                     + flags(cfg), "pretrain", env)
+                     + flags(cfg) + ["--resume"] * args.resume, "pretrain", env)
     out = run_dir / "dev.json"
     run(NANOFORGE + ["eval", str(run_dir), "--data", str(dev_dir), "--json", str(out), "--quiet", "--no-write"],
         "eval", env)
