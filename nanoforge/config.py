@@ -80,6 +80,8 @@ class TrainConfig:
     # schedule of the run
     max_steps: int = 1000  # optimizer steps to train (see also epochs)
     epochs: float = 0.0  # > 0: train this many passes over the data (sets max_steps from the data's size)
+    # > 0: stop after this many seconds of training (or at max_steps), the lr schedule following elapsed / budget
+    time_budget: float = 0.0
     batch_size: int = 4  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
     # "" trains batch_size x grad_accum as given; "auto" finds the largest micro-batch that fits (a probe, see
@@ -147,7 +149,7 @@ class TrainConfig:
         _require(self, "epochs", self.epochs >= 0, ">= 0 (0 trains for max_steps)")
         _require(self, "val_fraction", 0.0 <= self.val_fraction < 1.0, "in [0, 1)")
         for name in ("warmup_steps", "eval_every", "save_every", "early_stop_patience", "workers", "sample_every",
-                     "weight_decay", "grad_clip", "memory_budget_gb"):
+                     "weight_decay", "grad_clip", "memory_budget_gb", "time_budget"):
             _require(self, name, getattr(self, name) >= 0, ">= 0")
         if self.micro_batch not in ("", "auto") and not (self.micro_batch.isdigit() and int(self.micro_batch) > 0):
             raise ConfigError(f"micro_batch={self.micro_batch!r} must be empty, 'auto' or a positive integer")

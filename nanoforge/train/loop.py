@@ -184,7 +184,7 @@ class _Step:
 
 def train(stage: Stage, model: TrainableModel, mcfg: ModelConfig, tcfg: TrainConfig, run_dir: str | Path,
           resume: bool = False, quiet: bool = False) -> dict[str, Any]:
-    """Run (or resume) a stage to tcfg.max_steps. Returns a summary of the run."""
+    """Run (or resume) a stage to tcfg.max_steps or the end of tcfg.time_budget. Returns a summary of the run."""
     run = _start(stage, model, mcfg, tcfg, Path(run_dir), resume, quiet)
     flops_per_token = model.flops_per_token(tcfg.seq_len)
     meter = _Throughput(run.device, flops_per_token,
@@ -192,9 +192,13 @@ def train(stage: Stage, model: TrainableModel, mcfg: ModelConfig, tcfg: TrainCon
     _print_header(run)
     summary: dict[str, Any] = {}
     last_saved, stop_reason = None, "max_steps"
+    start = time.perf_counter() - run.state.train_seconds  # a resumed run continues its time budget
     try:
         with _SignalFlag() as flag:
             while run.state.step < tcfg.max_steps:
+                if _out_of_time(run, start):
+                    stop_reason = "time_budget"
+                    break
                 result = _train_step(run, flag, meter)  # accumulate, clip, step (or skip), count
                 step = run.state.step
                 if _due(step, tcfg.log_every, tcfg):
@@ -224,6 +228,16 @@ def train(stage: Stage, model: TrainableModel, mcfg: ModelConfig, tcfg: TrainCon
     return summary
 
 
+def _out_of_time(run: Run, start: float) -> bool:
+    """Records the training seconds spent (rank 0's clock under torchrun, so all ranks take the same lr and stop
+    at the same step); whether tcfg.time_budget is spent."""
+    seconds, budget = time.perf_counter() - start, run.tcfg.time_budget
+    if budget and run.world.distributed:  # every rank but 0 adds 0
+        seconds = distributed.all_reduce_sum(torch.tensor(seconds * run.world.is_main, device=run.device)).item()
+    run.state.train_seconds = seconds
+    return bool(budget) and seconds >= budget
+
+
 def _due(step: int, every: int, tcfg: TrainConfig) -> bool:
     """Every `every` steps (0: never), and at the last step."""
     return bool(every) and (step % every == 0 or step == tcfg.max_steps)
@@ -238,7 +252,7 @@ def _train_step(run: Run, flag: _SignalFlag, meter: _Throughput) -> _Step:
     loss, extras, n_supervised = _accumulate(run, micro)
     clock.lap("fwd_bwd")
     grad_norm = _clip(run)
-    lr = lr_at(state.step, tcfg) * state.lr_scale
+    lr = lr_at(state.step, tcfg, state.train_seconds) * state.lr_scale
     kept_loss, kept_steps, signum = run.guard.step(loss, grad_norm, lr, flag.signum)
     run.optimizer.zero_grad(set_to_none=True)
     clock.lap("optim")
@@ -301,7 +315,8 @@ def _log_progress(run: Run, result: _Step, meter: _Throughput) -> None:
     if run.guard.scaler.is_enabled():
         values["loss_scale"] = run.guard.scaler.get_scale()
     run.log.log(step, values)
-    run.log.print(progress_line(step, tcfg.max_steps, values, meter.seconds_left(tcfg.max_steps - step)))
+    eta = min(meter.seconds_left(tcfg.max_steps - step), (tcfg.time_budget or math.inf) - run.state.train_seconds)
+    run.log.print(progress_line(step, tcfg.max_steps, values, eta))
 
 
 def _validate(run: Run) -> dict[str, Any]:
@@ -387,7 +402,8 @@ def _print_header(run: Run) -> None:
     run.log.print(f"{run.stage.name}: {n_params / 1e6:.2f}M parameters on {run.device}, {run.state.precision}, "
                   f"{tcfg.batch_size}x{tcfg.seq_len} x {tcfg.grad_accum} accum"
                   + (f" x {world.world_size} processes ({'FSDP2' if run.fsdp else 'DDP'})" if world.distributed
-                     else "") + f", {tcfg.max_steps} steps -> {run.run_dir}")
+                     else "") + f", {tcfg.max_steps} steps"
+                  + (f" or {tcfg.time_budget:g} s" if tcfg.time_budget else "") + f" -> {run.run_dir}")
     run.log.print(precision_note(run.state.precision, run.device))
     if tcfg.warmup_steps >= tcfg.max_steps and run.state.step == 0:
         run.log.print(f"note: warmup_steps={tcfg.warmup_steps} covers the whole run of {tcfg.max_steps} steps: "

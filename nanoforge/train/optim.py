@@ -1,8 +1,9 @@
 """AdamW with honest parameter groups, an optional Muon for the weight matrices, and the learning-rate
 schedules.
 
-Schedules are pure functions of the step, so they need no state in the checkpoint: resuming at step s
-gives exactly the lr an uninterrupted run would have used. A group may carry an "lr_scale": set_lr gives
+Schedules are pure functions of the step (and, with a time budget, of the training seconds spent, which the
+run state keeps), so resuming at step s gives exactly the lr an uninterrupted run would have used (with a time
+budget: the same schedule, not the same steps). A group may carry an "lr_scale": set_lr gives
 it the schedule's lr times that (Muon's matrices run at muon_lr while the rest run at lr).
 """
 from __future__ import annotations
@@ -41,32 +42,34 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
                              eps=1e-8, fused=fused or None)
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate for optimizer step `step` (0-based).
+def lr_at(step: int, cfg: TrainConfig, seconds: float = 0.0) -> float:
+    """Learning rate for optimizer step `step` (0-based), `seconds` into training.
 
     cosine:   linear warmup, then cosine from lr to lr*min_lr_ratio at max_steps.
     wsd:      warmup, stable at lr, then linear decay to the minimum over the last `decay_fraction` of the
               steps (warmup-stable-decay, arXiv 2404.06395; lets a run be extended from the stable phase).
     onecycle: linear warmup, then linear decay to the minimum.
     constant: warmup, then lr.
+    With a time_budget the run's progress is seconds / time_budget (or step / max_steps where further), not
+    steps: the schedule ends when the budget does, however fast the steps are.
     """
     peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
     if step < cfg.warmup_steps:
         return peak * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
         return peak
-    span = max(1, cfg.max_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.time_budget:
+        progress = min(1.0, max(seconds / cfg.time_budget, step / cfg.max_steps))
+        decayed = (progress - 1.0 + cfg.decay_fraction) / max(cfg.decay_fraction, 1e-9)  # wsd: share of its decay
+    else:
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+        decay_steps = max(1, round(cfg.decay_fraction * cfg.max_steps))
+        decayed = (step - cfg.max_steps + decay_steps + 1) / decay_steps
     if cfg.schedule == "cosine":
         return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
     if cfg.schedule == "onecycle":
         return peak + (floor - peak) * progress
-    # wsd
-    decay_steps = max(1, round(cfg.decay_fraction * cfg.max_steps))
-    decay_start = cfg.max_steps - decay_steps
-    if step < decay_start:
-        return peak
-    return peak + (floor - peak) * min(1.0, (step - decay_start + 1) / decay_steps)
+    return peak + (floor - peak) * min(1.0, max(0.0, decayed))  # wsd
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -34,6 +34,7 @@ class RunState:
     best_val_loss: float | None = None
     evals_since_best: int = 0
     tokens_seen: int = 0
+    train_seconds: float = 0.0  # the training loop's wall time so far: a resumed run continues its time budget
 
     @classmethod
     def from_dict(cls, saved: dict[str, Any]) -> RunState:

@@ -1,6 +1,7 @@
 """The training loop: exact resume, gradient accumulation, the non-finite guard, checkpoints, signals."""
 import json
 import math
+import os
 import shutil
 import signal
 import subprocess
@@ -322,3 +323,28 @@ def test_early_stopping_when_validation_stops_improving(pretrain_dir, tmp_path):
                             "early_stop_patience": 2}, quiet=True)
     assert s["stop_reason"] == "early_stop" and s["step"] == 3
     assert ckpt.latest_checkpoint(tmp_path / "es").name == "step_000003"
+
+
+@pytest.mark.slow
+def test_time_budget_ends_the_run_on_time_with_its_schedule_done_and_resume_continues_it(pretrain_dir, tmp_path):
+    """--time-budget S: the run stops once S seconds of training are spent, however many steps that took, with
+    its wsd decay finished (the lr follows seconds, not steps), and writes its final checkpoint as usual. The
+    seconds spent are in the checkpoint, so --resume continues the same clock: a larger budget adds only the
+    difference, and a spent one trains no further."""
+    out = tmp_path / "tb"
+    line = [sys.executable, "-m", "nanoforge", "pretrain", "--data", str(pretrain_dir), "--out", str(out),
+            "--preset", "tiny", "--max-steps", "100000", "--save-every", "0", "--log-every", "1", "--quiet",
+            "--d-model", "32", "--n-layers", "1", "--seq-len", "32", "--batch-size", "2", "--tensorboard", "false", "--eval-every", "0", "--precision", "fp32", "--schedule", "wsd",
+            "--decay-fraction", "0.5", "--min-lr-ratio", "0", "--warmup-steps", "2"]
+    seen, env = [], {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 threads on a loaded machine: seconds per step
+    for budget, resume in (("3", []), ("5", ["--resume"]), ("5", ["--resume"])):
+        done = subprocess.run(line + ["--time-budget", budget] + resume, capture_output=True, text=True, cwd=ROOT,
+                              timeout=300, env=env)
+        assert done.returncode == 0, done.stderr
+        state = ckpt.load_state(ckpt.latest_checkpoint(out))
+        seen.append((state["step"], state["run_state"]["train_seconds"]))
+    (first, t1), (second, t2), (third, t3) = seen
+    assert 3.0 <= t1 < 5.0 and 5.0 <= t2 < 7.0 and 2 < first < second == third and t3 == pytest.approx(t2, abs=0.5)
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in recs if "lr" in r and r["step"] <= first]
+    assert lrs[-1] < 0.1 * max(lrs) and lrs[len(lrs) // 4] == max(lrs)  # stable, then decayed to ~0 by the end

@@ -35,6 +35,16 @@ def test_wsd_is_flat_then_decays_over_last_fraction():
     assert lr_at(99, c) == pytest.approx(0.1)
 
 
+def test_time_budget_schedule_follows_the_seconds_spent_or_the_steps_if_further():
+    c = cfg(schedule="wsd", decay_fraction=0.2, time_budget=60.0, max_steps=10**6)
+    assert lr_at(500, c, seconds=30.0) == 1.0 and lr_at(500, c, seconds=47.9) == 1.0  # stable for 80% of the time
+    assert lr_at(500, c, seconds=54.0) == pytest.approx(0.55) and lr_at(500, c, seconds=60.0) == pytest.approx(0.1)
+    assert lr_at(4, c, seconds=54.0) == pytest.approx(0.5)  # warmup stays in steps
+    assert lr_at(95, cfg(schedule="wsd", decay_fraction=0.2, time_budget=600.0), seconds=1.0) == pytest.approx(0.325)
+    cos = cfg(schedule="cosine", time_budget=60.0, max_steps=10**6)
+    assert lr_at(500, cos, seconds=30.0) == pytest.approx(0.55) and lr_at(500, cos, seconds=99.0) == pytest.approx(0.1)
+
+
 def test_onecycle_is_linear_down():
     c = cfg(schedule="onecycle")
     assert lr_at(55, c) == pytest.approx(1.0 + (0.1 - 1.0) * 0.5)
