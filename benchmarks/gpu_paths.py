@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data" / "tiny"
+SHARED = Path(os.environ.get("NANOFORGE_DATA", "data")) / "tiny"  # see data_dir.py
 TINY = ["--preset", "tiny", "--seq-len", "64", "--tensorboard", "false", "--log-every", "5", "--eval-every", "10",
         "--quiet"]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data" / "minimind" / "pretrain_en_tinystories.jsonl"
+SHARED = Path(os.environ.get("NANOFORGE_DATA", "data")) / "minimind" / "pretrain_en_tinystories.jsonl"  # see data_dir.py
 
 READER = """
 import re, sys, time

@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 from nanoforge.data.prepare import prepare_dataset  # noqa: E402  (no torch import: workers start faster)
 from nanoforge.data.sources import train_tokenizer  # noqa: E402
 
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "minimind"
+DEFAULT_DATA = Path(os.environ.get("NANOFORGE_DATA", "data")) / "minimind"  # see data_dir.py
 
 
 class TreeMemory:

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "text" / "tinyshakespeare.txt"
+DEFAULT_DATA = Path(os.environ.get("NANOFORGE_DATA", "data")) / "text" / "tinyshakespeare.txt"  # see data_dir.py
 NANOFORGE = [sys.executable, "-m", "nanoforge"]
 
 VOCAB = 2048
