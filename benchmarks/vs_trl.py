@@ -2,16 +2,16 @@
 
 TRL lives in its own venv, outside the repository (nothing of it goes into nanoforge's dependencies):
 
-    python3.11 -m venv /work/trlvenv
-    /work/trlvenv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu  # or plain PyPI
-    /work/trlvenv/bin/pip install trl        # measured with trl 1.16.0, transformers 5.25.0, torch 2.13.0+cpu
+    python3.11 -m venv TRLVENV
+    TRLVENV/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu  # or plain PyPI
+    TRLVENV/bin/pip install trl        # measured with trl 1.16.0, transformers 5.25.0, torch 2.13.0+cpu
 
 This script runs in nanoforge's venv; TRL runs as a child process (benchmarks/trl_worker.py under
 --trl-python, importing only trl/transformers/torch/datasets), and so does nanoforge (its CLI). Each tool runs
 one after the other with one thread (OMP_NUM_THREADS=1; the worker also calls torch.set_num_threads(1)), fp32,
 CPU; peak memory is each child's RSS high-water mark (ru_maxrss from wait4).
 
-    NANOFORGE_DATA=../shared/data .venv/bin/python benchmarks/vs_trl.py --trl-python /work/trlvenv/bin/python \\
+    NANOFORGE_DATA=DATA .venv/bin/python benchmarks/vs_trl.py --trl-python TRLVENV/bin/python \\
         [--only sft|dpo|grpo|roundtrip] [--steps N] [--init RUN] [--json OUT]
 
 0. Model: --init RUN, or `nanoforge pretrain` of a small llama-shaped model on $NANOFORGE_DATA/tiny/pretrain_tiny.jsonl
@@ -319,7 +319,8 @@ def _fmt(v) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trl-python", default="/work/trlvenv/bin/python", help="the interpreter of TRL's venv")
+    ap.add_argument("--trl-python", default=os.environ.get("NANOFORGE_TRL_PYTHON", "TRLVENV/bin/python"),
+                    help="the interpreter of TRL's venv (default: $NANOFORGE_TRL_PYTHON)")
     ap.add_argument("--data", help="folder holding tiny/ and minimind/ (default: $NANOFORGE_DATA)")
     ap.add_argument("--init", help="a nanoforge run to compare on (default: pretrain a small one)")
     ap.add_argument("--only", choices=["sft", "dpo", "grpo", "roundtrip"])
