@@ -10,8 +10,9 @@ from nanoforge.config import ModelConfig, TrainConfig
 from nanoforge.errors import NanoforgeError
 from nanoforge.weights.load import adapter_metadata, check_base, load_adapter_checkpoint
 from nanoforge.model.gpt import GPT
-from nanoforge.model.lora import (LoraConfig, LoraLinear, LoraModel, attach_lora, load_lora_state_dict,
-                                  lora_state_dict, merge_lora, num_trainable, parse_targets)
+from nanoforge.config import LoraConfig, parse_targets
+from nanoforge.model.lora import (LoraLinear, LoraModel, attach_lora, load_lora_state_dict, lora_state_dict,
+                                  merge_lora, num_trainable)
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.train.loop import Stage, train
 from nanoforge.train.objectives import causal_lm_loss
