@@ -8,6 +8,7 @@ from nanoforge.data.prepare import prepare_dataset
 from nanoforge.errors import NanoforgeError
 from nanoforge.train.objectives import make_distill_loss
 from nanoforge.recipes.distill import distill
+from nanoforge.recipes.options import DistillOptions
 from nanoforge.recipes.pretrain import pretrain
 
 FAST = {"tensorboard": False, "log_every": 5, "eval_every": 0, "precision": "fp32", "warmup_steps": 2,
@@ -35,7 +36,7 @@ def test_student_kl_to_teacher_falls(teacher, tmp_path):
     out = tmp_path / "student"
     s = distill(str(teacher / "run"), "tiny", [str(teacher / "data")], out,
                 overrides={**FAST, "d_model": 32, "n_layers": 1, "max_steps": 40, "lr": 5e-3},
-                temperature=2.0, alpha=0.2, quiet=True)
+                options=DistillOptions(temperature=2.0, alpha=0.2), quiet=True)
     k = kls(out)
     assert k[-1] < 0.7 * k[0], k
     assert s["step"] == 40
