@@ -139,8 +139,8 @@ def run_ppo(sft_run: Path, prompts_file: Path, out: Path, steps: int, **kw) -> f
     """`ppo --reward math` from the SFT run; its wall time in seconds."""
     options = PPOOptions(num_generations=kw.get("generations", 1), prompts_per_step=kw.get("prompts", 64),
                          beta=kw.get("beta", 0.0), temperature=1.0, max_new_tokens=6, reward="math",
-                         ppo_epochs=kw.get("ppo_epochs", 2), target_kl=kw.get("target_kl"), lam=kw.get("lam"),
-                         vf_coef=kw.get("vf_coef"))
+                         ppo_epochs=kw.get("ppo_epochs", 2),
+                         **{k: kw[k] for k in ("target_kl", "lam", "vf_coef") if kw.get(k) is not None})
     start = time.perf_counter()
     ppo(str(sft_run), str(prompts_file), out, options, quiet=True,
         overrides={"max_steps": steps, "lr": kw.get("lr", 1e-4), "save_every": 0, "tensorboard": False,
