@@ -21,9 +21,7 @@ import torch
 
 from nanoforge.device import resolve_device
 from nanoforge.errors import NanoforgeError
-from nanoforge.infer.defaults import (DEFAULT_DEVICE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_PRECISION,
-                                     DEFAULT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P,
-                                     PRECISION_CHOICES)
+from nanoforge.infer.defaults import PRECISION_CHOICES, DeviceOptions as _D, SamplingOptions as _S
 from nanoforge.infer.generate import SamplingConfig, stream
 from nanoforge.infer.toolloop import stop_ids
 from nanoforge.chat.replies import THINK_OPEN, Reply, StreamParser, reply_from_events
@@ -252,10 +250,10 @@ class _ReplyPrinter:
             self.section = kind
 
 
-def run_chat(run_dir, temperature: float = DEFAULT_TEMPERATURE, top_k: int = DEFAULT_TOP_K,
-             top_p: float = DEFAULT_TOP_P, repetition_penalty: float = DEFAULT_REPETITION_PENALTY,
-             max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, system: str | None = None, seed: int | None = None,
-             device: str = DEFAULT_DEVICE, precision: str = DEFAULT_PRECISION, tools: str | None = None,
+def run_chat(run_dir, temperature: float = _S.temperature, top_k: int = _S.top_k,
+             top_p: float = _S.top_p, repetition_penalty: float = _S.repetition_penalty,
+             max_new_tokens: int = _S.max_new_tokens, system: str | None = None, seed: int | None = None,
+             device: str = _D.device, precision: str = _D.precision, tools: str | None = None,
              think: bool = False, max_tool_turns: int = DEFAULT_MAX_TOOL_TURNS) -> None:
     """`nanoforge chat RUN`: load the run's latest checkpoint (or a checkpoint directory) and chat on the
     terminal; with piped standard input, answer it once and return. `tools`: "calculator" (comma-separated
@@ -269,12 +267,10 @@ def run_chat(run_dir, temperature: float = DEFAULT_TEMPERATURE, top_k: int = DEF
               tools=tool_names, think=think, max_tool_turns=max_tool_turns)
 
 
-def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, temperature: float = DEFAULT_TEMPERATURE,
-                 top_k: int = DEFAULT_TOP_K, top_p: float = DEFAULT_TOP_P,
-                 repetition_penalty: float = DEFAULT_REPETITION_PENALTY,
-                 max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, seed: int | None = None,
-                 device: str = DEFAULT_DEVICE, precision: str = DEFAULT_PRECISION,
-                 input_stream: TextIO | None = None, out: TextIO | None = None) -> None:
+def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, temperature: float = _S.temperature,
+                 top_k: int = _S.top_k, top_p: float = _S.top_p, repetition_penalty: float = _S.repetition_penalty,
+                 max_new_tokens: int = _S.max_new_tokens, seed: int | None = None, device: str = _D.device,
+                 precision: str = _D.precision, input_stream: TextIO | None = None, out: TextIO | None = None) -> None:
     """`nanoforge generate RUN`: continue a plain-text prompt (no chat template), the way a pretrained model
     is meant to be used; the prompt is --prompt, else standard input. An empty prompt samples from the start
     of a document (after <|endoftext|>). Streams each of num_samples continuations to `out`, the prompt first."""

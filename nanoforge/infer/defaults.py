@@ -26,9 +26,3 @@ class DeviceOptions:
     # auto: bf16 on a GPU that supports it, else fp32 (bf16 on a CPU is slower, not faster)
     precision: str = option("auto", choices=PRECISION_CHOICES)  # inference precision
 
-
-# the defaults by name, for the functions that take them as keywords (infer/chat.py, serve/app.py)
-DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, DEFAULT_REPETITION_PENALTY, DEFAULT_MAX_NEW_TOKENS = (
-    SamplingOptions.temperature, SamplingOptions.top_k, SamplingOptions.top_p, SamplingOptions.repetition_penalty,
-    SamplingOptions.max_new_tokens)
-DEFAULT_DEVICE, DEFAULT_PRECISION = DeviceOptions.device, DeviceOptions.precision

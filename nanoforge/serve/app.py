@@ -193,10 +193,7 @@ def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
                     far, never a 504: a stream's 200 is sent before generation starts); None or 0: no limit
     """
     if defaults is None:
-        defaults = SamplingConfig(temperature=chat_defaults.DEFAULT_TEMPERATURE, top_k=chat_defaults.DEFAULT_TOP_K,
-                                  top_p=chat_defaults.DEFAULT_TOP_P,
-                                  repetition_penalty=chat_defaults.DEFAULT_REPETITION_PENALTY,
-                                  max_new_tokens=chat_defaults.DEFAULT_MAX_NEW_TOKENS)
+        defaults = SamplingConfig(**vars(chat_defaults.SamplingOptions()))
     limits = Limits(model.model.rotary_emb.n_positions, max_tokens_cap, defaults)
     worker = _Worker(model, tokenizer, precision, max_pending, request_timeout)
 

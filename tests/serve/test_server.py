@@ -112,10 +112,7 @@ def client(server):
 
 def server_cfg(**fields) -> SamplingConfig:
     """The sampling the server uses: `nanoforge chat`'s defaults, with the request's fields on top."""
-    base = dict(temperature=chat_defaults.DEFAULT_TEMPERATURE, top_k=chat_defaults.DEFAULT_TOP_K,
-                top_p=chat_defaults.DEFAULT_TOP_P, repetition_penalty=chat_defaults.DEFAULT_REPETITION_PENALTY,
-                max_new_tokens=chat_defaults.DEFAULT_MAX_NEW_TOKENS)
-    return SamplingConfig(**{**base, **fields})
+    return SamplingConfig(**{**vars(chat_defaults.SamplingOptions()), **fields})
 
 
 def chat_stop_ids(tok) -> list[int]:

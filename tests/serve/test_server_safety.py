@@ -108,8 +108,7 @@ def test_a_reply_past_the_request_timeout_ends_with_length(slowed):
     slow = model.forward
     del model.forward  # the premise, unslowed: left alone, this reply runs long
     stop_ids = [t for t in (tok.eos_id, tok.im_end_id, tok.im_start_id) if t is not None]
-    cfg = SamplingConfig(temperature=0, top_k=chat_defaults.DEFAULT_TOP_K, top_p=chat_defaults.DEFAULT_TOP_P,
-                         repetition_penalty=chat_defaults.DEFAULT_REPETITION_PENALTY, max_new_tokens=80)
+    cfg = SamplingConfig(**{**vars(chat_defaults.SamplingOptions()), "temperature": 0, "max_new_tokens": 80})
     for question in ("hi", "hello", "tell me more", "why?", "go on", "and then?"):  # a random model's reply
         messages = [{"role": "user", "content": question}]                        # length depends on the prompt
         prompt_ids, _ = tok.render_chat(messages, add_generation_prompt=True)
