@@ -3,10 +3,8 @@ split between data, forward+backward and optimizer, for any preset, precision an
 `--compare-naive`, the same model trained by the naive fp32 loop a first training script would be, side by side.
 
 How the figures are made (each printed with the table):
-- "ours" runs `train/loop.py:train()` itself, on random tokens from a fixed seed (or on --data), in a temporary
-  run directory: no TensorBoard, no validation, nothing kept. The loop logs every step; tokens/s is the median of
-  the per-step figures after `warmup` steps, and the split is the median of the loop's data_ms / fwd_bwd_ms /
-  optim_ms (with sync_timing on, so the split is exact on a GPU).
+- "ours" runs `train/loop.py:train()` itself on seeded random tokens (or --data) in a temporary run directory;
+  tokens/s and the data/fwd_bwd/optim split are medians of the logged steps after `warmup` (sync_timing on).
 - MFU = flops_per_token * tokens/s / peak, FLOPs by the PaLM convention 6N + 12 L h s (model.flops_per_token);
   the peak is the datasheet entry of train/metrics.py's GPU table on CUDA, and on CPU the best measured
   1024 x 1024 matmul rate in the run's precision.

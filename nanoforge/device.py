@@ -36,9 +36,8 @@ def autocast_context(device: torch.device, precision: str):
 
 
 def keep_freed_memory() -> None:
-    """glibc: keep freed memory for the next allocations. By default each tensor over 128 KiB-32 MiB is a fresh
-    mapping and freed heap is trimmed, so every CPU training step page-faults its large tensors back in, zeroed by
-    the kernel (6% of a bf16 mini-model step's CPU time with the RMSNorm cast, docs/perf.md). No-op elsewhere."""
+    """glibc: keep freed memory for reuse, or every CPU step page-faults its large tensors back in, zeroed by the
+    kernel (6% of a bf16 mini-model step, docs/perf.md). No-op elsewhere."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-4, 0), libc.mallopt(-1, -1)  # M_MMAP_MAX 0: no mappings; M_TRIM_THRESHOLD -1: never trim

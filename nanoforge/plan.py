@@ -6,9 +6,8 @@ Every number is an estimate with its assumptions printed beside it:
 - weights, gradients and AdamW state are exact byte counts (fp32 master weights, two fp32 moments);
 - activations follow Korthikanti et al. (arXiv 2205.05198, section 4.1): about s*b*h*34 bytes per layer in
   16-bit precision when attention runs through a fused kernel that stores no s x s score matrix (SDPA's flash
-  path), twice that in fp32; our SwiGLU MLP keeps 3 intermediate tensors of 8/3 h instead of GPT's 2 of 4h,
-  which the formula's constant absorbs within a few percent. Add the logits: b*s*V in 16-bit, their fp32
-  upcast for the loss, and its gradient;
+  path), twice that in fp32 (SwiGLU's 3 tensors of 8/3 h change it by a few percent); plus the logits b*s*V
+  in 16-bit, their fp32 upcast for the loss, and its gradient;
 - time uses the model's FLOPs per token (6N + 12 L h s) divided by the device's dense bf16 peak times an
   assumed model-FLOPs utilisation (--mfu, 0.40 by default for GPUs, a level small dense models reach with
   bf16 and fused attention) or by a measured tokens/s (--tokens-per-s, e.g. from `nanoforge bench`).

@@ -1,14 +1,11 @@
 """Byte-level BPE tokenizers: train one, load any `tokenizer.json`, render chats with ChatML (with thinking and
 tool calls in MiniMind-3's format for the tokenizers nanoforge trains).
 
-Why byte-level BPE (GPT-2: Radford et al. 2019, "Language Models are Unsupervised Multitask Learners",
-section 2.2): the 256 byte symbols are always in the vocabulary, so every string, Chinese, emoji or binary
-junk, encodes and decodes back exactly; there is no <unk>. The HF `tokenizers` library does the work in
-Rust, and its `tokenizer.json` is the format every tool reads, MiniMind's included.
+Why byte-level BPE (GPT-2, section 2.2): the 256 bytes are always in the vocabulary, so every string encodes and
+decodes back exactly, with no <unk>; HF `tokenizers` does the work, and its `tokenizer.json` every tool reads.
 
-The chat template is the single definition of how a conversation becomes text. It is stored next to the
-tokenizer in HF's format, so `transformers.AutoTokenizer.apply_chat_template` renders the very same string
-that SFT trained on, and `render_chat` computes the loss mask from that one rendered string.
+The chat template, stored next to the tokenizer in HF's format, is the one definition of how a conversation
+becomes text: `apply_chat_template` renders the string SFT trained on, and `render_chat` masks that string.
 
 Control tokens come only from the template: text inside a message's content that spells a special token
 (`<|im_end|>`, `<|im_start|>`, `<|endoftext|>`, ...) is encoded as plain text, so a user cannot forge a

@@ -2,9 +2,8 @@
 
 A frozen projection W (out, in) learns only a low-rank update: y = W x + (alpha / r) * B A dropout(x), with
 A (r, in) and B (out, r). B starts at zero, so the adapted model is exactly the base model until the first
-step. Only A and B are trained: AdamW keeps two fp32 moments per trainable parameter, so the optimizer state
-shrinks by the ratio of model to adapter parameters: 22x for rank 16 on every projection of the mini model
-(1.16M trainable of 25.8M, 8.9 MiB of AdamW state instead of 197 MiB).
+step. Only A and B are trained, so AdamW's state shrinks 22x for rank 16 on every projection of the mini model
+(8.9 MiB instead of 197 MiB).
 
 Names follow PEFT's layout without its adapter-name level, so a checkpoint reads like the model it adapts:
 
@@ -13,11 +12,9 @@ Names follow PEFT's layout without its adapter-name level, so a checkpoint reads
     model.layers.{i}.self_attn.q_proj.lora_B.weight   (out, r)
 
 `LoraLinear` registers the wrapped Linear's own weight Parameter as its `weight` (no nested `.base`), so
-`model.state_dict()` keeps every base key unchanged and `merge_lora` can hand back a plain GPT.
-
-A LoRA run saves only the adapters plus a reference to its base: the path and sha256 of the base
-`model.safetensors` and `weights_fingerprint` of the base tensors (weights/load.py records and checks them).
-`LoraModel` wraps a GPT so that the one training loop saves and restores adapters only.
+`model.state_dict()` keeps every base key unchanged and `merge_lora` can hand back a plain GPT. `LoraModel`
+wraps a GPT so that the one loop saves and restores only the adapters, plus the base's path, sha256 and
+`weights_fingerprint` (weights/load.py records and checks them).
 """
 from __future__ import annotations
 

@@ -34,10 +34,8 @@ How a trajectory ends (`Trajectory.end`; only "answer" is finished, for the agen
 A trajectory only runs when ids + max_new_tokens fits, so no long row shortens another's reply and a batch
 gives the same trajectories as each alone (greedy; up to float rounding).
 
-The stop tokens are the eval loop's (infer/toolloop.stop_ids: <|endoftext|>, <|im_end|>, <|im_start|>); the
-one sampled is kept and trained whichever it is, since it is what the model wrote (a model trained on the
-template ends with <|im_end|>, which the environment text follows). Each round prefills every live trajectory
-from its first token: no cache is kept between rounds (simple, and what the trainer's forward recomputes).
+The stop tokens are infer/toolloop.stop_ids; the one sampled is kept and trained, since the model wrote it.
+Each round prefills every live trajectory from its first token: no cache is kept between rounds (simple).
 """
 from __future__ import annotations
 

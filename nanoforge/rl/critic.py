@@ -1,11 +1,8 @@
 """PPO's critic and the one module the loop trains for PPO: the policy and its value model side by side.
 
-`ValueModel` is a GPT trunk with a scalar head: the final hidden state (after the final RMSNorm) at every
-position goes through Linear(d_model, 1) to a value. It starts as a copy of the policy's weights (MiniMind's
-PPO builds its critic on the SFT weights), so it reads prompts as the policy does from the first step, and it
-has its own copy: critic updates never move the policy. The trunk is a plain GPT whose `lm_head` is the
-identity, so `GPT.forward` itself (attention masks, packed rows, activation checkpointing) yields the hidden
-states, and the critic carries no vocabulary-sized output matrix.
+`ValueModel` is a GPT trunk (its `lm_head` the identity, so GPT.forward's masks and packing apply and there is
+no vocabulary-sized matrix) with Linear(d_model, 1) on the final hidden states. It starts as its own copy of the
+policy's weights (as MiniMind's PPO does), so it reads prompts as the policy does and never moves the policy.
 
 `PolicyWithValue` holds both as submodules, so one optimizer, one gradient clip, one checkpoint and DDP's one
 forward cover both. Its forward returns (logits, values). Its checkpoint (`state_dict_for_save`) is the
@@ -15,8 +12,7 @@ policy's own keys, unchanged (exactly a GPT checkpoint's), plus the critic's und
     critic.trunk.model.embed_tokens.weight, critic.trunk.model.layers.{i}....       the critic's trunk
     critic.head.weight (1, d_model), critic.head.bias (1,)                          the value head
 
-so `policy_weights` (dropping the `critic.` keys) turns a PPO checkpoint into a GPT's for chat, eval and export.
-Generation (rollouts, samples) uses `.policy`, a plain GPT.
+so `policy_weights` (dropping the `critic.` keys) turns a PPO checkpoint into a GPT's; generation uses `.policy`.
 """
 from __future__ import annotations
 

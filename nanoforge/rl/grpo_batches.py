@@ -2,16 +2,13 @@
 samples a rollout every ppo_epochs steps, and `policy_objective`, the loss over a rollout batch.
 
 With --ppo-epochs K the same rollout is trained on for K optimizer steps (each its grad_accum micro-batches),
-so from the second step on the policy differs from the one that sampled and the ratio and its clipping act
-(MiniMind's GRPO takes one step per rollout, where the ratio is always 1 and clipping never acts). The old
-(sampling) log-probs take no forward of their own: the first update runs on the sampling weights (RL has no
-dropout), so its detached log-probs are them exactly, kept for the further steps (PPO's rewards and GAE need
-them before any update: rl/ppo_batches.py's rollouts bring them).
+so the ratio and its clipping act (with MiniMind's one step per rollout the ratio is always 1). The old log-probs
+take no forward of their own: the first update runs on the sampling weights (no dropout), so its detached
+log-probs are them exactly (PPO needs them before any update: rl/ppo_batches.py's rollouts bring them).
 
 Exact resume: a rollout is a function of the prompts it takes (the PromptIterator's position), the policy's
-weights and its seed, which is derived from (--seed, rollout index, rank) rather than carried as generator
-state; a checkpoint taken in the middle of a rollout's K steps also holds that rollout (every rank's, gathered
-to rank 0 as it is sampled, since only rank 0 writes the checkpoint).
+weights and its seed, derived from (--seed, rollout index, rank); a checkpoint in the middle of a rollout's K
+steps also holds that rollout (every rank's, gathered to rank 0, which writes it).
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """PPO's two halves for the one loop (train/stage.py's contract): `PPOBatches`, the batch source that samples a
 rollout every --ppo-epochs steps and turns it into rl/ppo_update.py's batch (old log-probs and values, shaped rewards,
-GAE), and `ppo_objective`, the loss over it. rl/grpo_batches.py's RolloutBatches is GRPO's; this is its PPO sibling,
-built from the same pieces (rl/rollout.py's render, sample, score and pack; rl/grpo_batches.py's rollout seeds and
-exact batch encoding).
+GAE), and `ppo_objective`, the loss over it; GRPO's sibling (rl/grpo_batches.py), from the same pieces.
 
 The model is a PolicyWithValue (rl/critic.py): replies are sampled with `model.policy` (a plain GPT), the old
 log-probs and values come from the combined forward (rl/ppo_update.py forward_ppo), in the micro-batches the loss will
@@ -12,9 +10,8 @@ Early stopping (--target-kl): before each further epoch over a rollout, the curr
 the one that sampled it (rl/losses.py approx_kl, over this rollout's reply tokens, averaged over the ranks) is
 measured with one no-grad forward of the policy; above target_kl the remaining epochs are skipped and the next
 step samples a new rollout (Spinning Up's and MiniMind's rule: the check comes before the update it would
-stop). The KL logged by the loss cannot serve: it is measured before the step's update, so after the first
-epoch it is always 0. The decision is a function of the weights and the saved rollout, so a resumed run takes
-the same one.
+stop); the loss's KL is measured before the update, so always 0 after the first epoch. The decision depends
+only on the weights and the saved rollout, so a resumed run takes the same one.
 """
 from __future__ import annotations
 

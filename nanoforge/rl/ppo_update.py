@@ -11,8 +11,7 @@ stop token; 0 on the prompt, tool results and padding), and only those are PPO's
 One batch of rollouts is trained in two parts:
   1. once, when it is sampled: `forward_ppo` (no grad) gives old_logp and old_values, the reference gives
      ref_logp, and `ppo_batch` turns the sequence scores into per-token rewards, GAE advantages (whitened) and
-     returns. They are constants of the batch: every PPO epoch and every micro-batch trains on the same ones,
-     and the whitening sees the whole batch, not a micro-batch.
+     returns: constants of the batch for every epoch and micro-batch (the whitening sees the whole batch).
   2. each update (`--ppo-epochs` of them): `ppo_loss`, the loss the one loop calls, returning (sum, count,
      extras). Before each further epoch rl/ppo_batches.py asks `should_stop_early(approx_kl, target_kl)`.
 """

@@ -1,7 +1,5 @@
 """Rollouts: P prompts x G replies sampled at once through the KV-cache generator, scored, and laid out as the
-batch the policy loss trains on. The RL stages (grpo's GRPO/CISPO/REINFORCE, ppo; multi-turn tool rollouts,
-rl/agent.py, lay out the same batch) share this module: `render_prompt`, `sample_replies`, `token_logps` and
-`pack` are the pieces.
+batch the policy loss trains on; every RL stage (and rl/agent.py's layout) shares these pieces.
 
 A rollout batch (CPU tensors, B = P x G rows, groups of G consecutive rows share a prompt; L = longest prompt +
 reply, right-padded with the tokenizer's pad id):
@@ -16,9 +14,8 @@ reply, right-padded with the tokenizer's pad id):
     stat_*       ()         the rollout's figures, logged by the stage's loss as extras
 
 The old log-probs (the sampling policy's) are the first update's own (rl/grpo_batches.py), no pass of their own.
-Sampling draws from exactly the distribution whose log-probs are trained: softmax(logits / T), no top-k, no
-top-p, no repetition penalty (a truncated or penalised distribution would give the sampled tokens other
-log-probs than the ones trained, and a ratio that no longer starts at 1).
+Sampling draws from exactly the distribution whose log-probs are trained, softmax(logits / T): with top-k, top-p
+or a repetition penalty the ratio would no longer start at 1.
 """
 from __future__ import annotations
 

@@ -5,12 +5,8 @@ One optimizer step:
     fetch grad_accum micro-batches -> count supervised tokens in all of them -> for each micro-batch:
     forward under autocast, loss = (sum of token losses) / (supervised tokens in the WHOLE step), backward
     -> unscale (fp16) -> clip -> guard against non-finite values -> lr from the schedule -> step.
-
-Normalising by the tokens of the whole accumulated batch (not per micro-batch) makes the update identical
-to one big batch even when micro-batches hold different numbers of supervised tokens, as SFT batches do.
-
-Under torchrun the same holds across processes: the count is the whole step's on all ranks, so N processes with
-batch B train exactly like one with batch N*B (train/distributed.py has the wrapping and collectives).
+Normalising by the whole step's tokens (on all ranks) makes the update that of one big batch, even when
+micro-batches hold different numbers of supervised tokens (SFT) or run on N processes (train/distributed.py).
 """
 from __future__ import annotations
 
@@ -229,8 +225,7 @@ def train(stage: Stage, model: TrainableModel, mcfg: ModelConfig, tcfg: TrainCon
 
 
 def _out_of_time(run: Run, start: float) -> bool:
-    """Records the training seconds spent (rank 0's clock under torchrun, so all ranks take the same lr and stop
-    at the same step); whether tcfg.time_budget is spent."""
+    """Records the training seconds (rank 0's, so all ranks agree); whether tcfg.time_budget is spent."""
     seconds, budget = time.perf_counter() - start, run.tcfg.time_budget
     if budget and run.world.distributed:  # every rank but 0 adds 0
         seconds = distributed.all_reduce_sum(torch.tensor(seconds * run.world.is_main, device=run.device)).item()

@@ -50,8 +50,7 @@ def lr_at(step: int, cfg: TrainConfig, seconds: float = 0.0) -> float:
               steps (warmup-stable-decay, arXiv 2404.06395; lets a run be extended from the stable phase).
     onecycle: linear warmup, then linear decay to the minimum.
     constant: warmup, then lr.
-    With a time_budget the run's progress is seconds / time_budget (or step / max_steps where further), not
-    steps: the schedule ends when the budget does, however fast the steps are.
+    With a time_budget, progress is max(seconds / time_budget, step / max_steps): it ends with the budget.
     """
     peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
     if step < cfg.warmup_steps:
