@@ -10,8 +10,9 @@ from nanoforge import __version__
 from nanoforge.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, LoraConfig, ModelConfig, TrainConfig, field_help
 from nanoforge.data.options import PrepareOptions
 from nanoforge.eval.options import EvalOptions
-from nanoforge.infer.defaults import DeviceOptions, SamplingOptions
+from nanoforge.infer.defaults import ChatOptions, DeviceOptions, SamplingOptions
 from nanoforge.recipes.options import DistillOptions, DPOOptions, PPOOptions, RLOptions
+from nanoforge.serve.options import ServeOptions
 
 
 def number(kind: type, interval: str = "(-inf, inf)"):
@@ -280,21 +281,9 @@ def add_inference_parsers(sub, fmt) -> None:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP API and a web chat page", formatter_class=fmt)
     serve.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint), checkpoint or HF directory")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind; anything but loopback wants --api-key")
-    serve.add_argument("--port", type=number(int, "[1, 65535]"), default=8000, help="TCP port")
-    serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOFORGE_API_KEY, else none)")
+    add_option_flags(serve, ServeOptions)
     add_option_flags(serve, DeviceOptions)
-    serve.add_argument("--request-timeout", type=FLOAT_GE0, default=300.0, help="seconds a request may take, queueing "
-                       "included; the reply then ends with finish_reason length (0: no limit)")
-    serve.add_argument("--max-pending", type=INT_GE1, default=64,
-                       help="requests waiting beyond this get 503 server_busy")
-    chat.add_argument("--system", help="system prompt")
-    chat.add_argument("--think", action="store_true", help="open the think block: the model reasons first, shown "
-                      "apart from its answer (a template in MiniMind-3's format)")
-    chat.add_argument("--tools", default=None, metavar="NAME[,NAME]",
-                      help="built-in tools to offer and run when the model calls them: calculator")
-    chat.add_argument("--max-tool-turns", type=INT_GE1, default=5, help="tool rounds per message before giving up")
+    add_option_flags(chat, ChatOptions)
     add_option_flags(chat, DeviceOptions)
 
 

@@ -21,10 +21,11 @@ from nanoforge.eval.options import EvalOptions
 from nanoforge.eval.run import run_eval
 from nanoforge.weights.export import export_gguf, export_hf
 from nanoforge.infer.chat import run_chat, run_generate
-from nanoforge.infer.defaults import DeviceOptions, SamplingOptions
+from nanoforge.infer.defaults import ChatOptions, DeviceOptions, SamplingOptions
 from nanoforge.plan import format_plan, make_plan
 from nanoforge.recipes.grpo import grpo
 from nanoforge.recipes.options import DistillOptions, DPOOptions, PPOOptions, RLOptions
+from nanoforge.serve.options import ServeOptions
 from nanoforge.recipes.ppo import ppo
 from nanoforge.report.markdown import write_report
 from nanoforge.data.sources import train_tokenizer
@@ -169,9 +170,9 @@ def cmd_export(args) -> None:
 
 def cmd_serve(args) -> None:
     from nanoforge.serve.app import run_server  # here: it needs fastapi and uvicorn, the optional `serve` extra
-    run_server(args.run, host=args.host, port=args.port,
-               api_key=args.api_key or os.environ.get("NANOFORGE_API_KEY") or None, device=args.device,
-               precision=args.precision, request_timeout=args.request_timeout or None, max_pending=args.max_pending)
+    options, _ = options_from(args, ServeOptions)
+    options.api_key = options.api_key or os.environ.get("NANOFORGE_API_KEY") or None
+    run_server(args.run, options, device=args.device, precision=args.precision)
 
 
 def cmd_generate(args) -> None:
@@ -179,8 +180,7 @@ def cmd_generate(args) -> None:
 
 
 def cmd_chat(args) -> None:
-    run_chat(args.run, system=args.system, tools=args.tools, think=args.think, max_tool_turns=args.max_tool_turns,
-             **inference_options(args))
+    run_chat(args.run, **vars(options_from(args, ChatOptions)[0]), **inference_options(args))
 
 
 def inference_options(args) -> dict[str, Any]:

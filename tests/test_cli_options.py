@@ -12,8 +12,9 @@ from nanoforge.cli import build_parser
 from nanoforge.config import LoraConfig
 from nanoforge.data.options import PrepareOptions
 from nanoforge.eval.options import EvalOptions
-from nanoforge.infer.defaults import DeviceOptions, SamplingOptions
+from nanoforge.infer.defaults import ChatOptions, DeviceOptions, SamplingOptions
 from nanoforge.recipes.options import DistillOptions, DPOOptions, PPOOptions, RLOptions
+from nanoforge.serve.options import ServeOptions
 
 SNAPSHOT = Path(__file__).with_name("cli_options.json")
 OUT, PREPARE = ["--out", "RUN"], ["--kind", "sft", "--data", "F", "--tokenizer", "T", "--out", "D"]
@@ -56,8 +57,8 @@ def test_every_flag_and_default_is_the_recorded_one():
 # The commands whose options are a dataclass (cli.add_option_flags), with a command line that gives none of them.
 OPTIONS = {"eval": ([EvalOptions], ["RUN"]), "prepare": ([PrepareOptions], PREPARE), "grpo": ([RLOptions], OUT),
            "ppo": ([PPOOptions], OUT), "lora": ([LoraConfig], OUT), "dpo": ([DPOOptions], OUT),
-           "distill": ([DistillOptions], OUT), "chat": ([SamplingOptions, DeviceOptions], ["RUN"]),
-           "generate": ([SamplingOptions, DeviceOptions], ["RUN"]), "serve": ([DeviceOptions], ["RUN"])}
+           "distill": ([DistillOptions], OUT), "chat": ([SamplingOptions, ChatOptions, DeviceOptions], ["RUN"]),
+           "generate": ([SamplingOptions, DeviceOptions], ["RUN"]), "serve": ([ServeOptions, DeviceOptions], ["RUN"])}
 
 
 def test_each_flag_states_its_fields_default_and_an_omitted_flag_gets_it():

@@ -21,14 +21,12 @@ import torch
 
 from nanoforge.device import resolve_device
 from nanoforge.errors import NanoforgeError
-from nanoforge.infer.defaults import PRECISION_CHOICES, DeviceOptions as _D, SamplingOptions as _S
+from nanoforge.infer.defaults import PRECISION_CHOICES, ChatOptions, DeviceOptions as _D, SamplingOptions as _S
 from nanoforge.infer.generate import SamplingConfig, stream
 from nanoforge.infer.toolloop import stop_ids
 from nanoforge.chat.replies import THINK_OPEN, Reply, StreamParser, reply_from_events
 from nanoforge.chat.tools import assistant_message, parse_tool_names, tool_messages, tool_schemas
 from nanoforge.weights.load import load_model
-
-DEFAULT_MAX_TOOL_TURNS = 5
 
 HELP = """commands:
   /reset        forget the conversation (the system prompt stays)
@@ -40,7 +38,7 @@ HELP = """commands:
 def chat_loop(model, tokenizer, cfg: SamplingConfig, system: str | None, input_stream: TextIO,
               output_stream: TextIO, interactive: bool, precision: str = "fp32",
               on_prompt: Callable[[list[int]], None] | None = None, tools: Sequence[str] = (),
-              think: bool = False, max_tool_turns: int = DEFAULT_MAX_TOOL_TURNS) -> list[dict]:
+              think: bool = False, max_tool_turns: int = ChatOptions.max_tool_turns) -> list[dict]:
     """Run a conversation on the given streams; return the messages it ended with.
 
     Interactive: a `you> ` prompt per line, commands (see HELP), each reply streamed after `bot> `.
@@ -254,7 +252,7 @@ def run_chat(run_dir, temperature: float = _S.temperature, top_k: int = _S.top_k
              top_p: float = _S.top_p, repetition_penalty: float = _S.repetition_penalty,
              max_new_tokens: int = _S.max_new_tokens, system: str | None = None, seed: int | None = None,
              device: str = _D.device, precision: str = _D.precision, tools: str | None = None,
-             think: bool = False, max_tool_turns: int = DEFAULT_MAX_TOOL_TURNS) -> None:
+             think: bool = False, max_tool_turns: int = ChatOptions.max_tool_turns) -> None:
     """`nanoforge chat RUN`: load the run's latest checkpoint (or a checkpoint directory) and chat on the
     terminal; with piped standard input, answer it once and return. `tools`: "calculator" (comma-separated
     built-in tool names) to offer and run; `think`: open the think block of each reply."""

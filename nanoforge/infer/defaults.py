@@ -26,3 +26,13 @@ class DeviceOptions:
     # auto: bf16 on a GPU that supports it, else fp32 (bf16 on a CPU is slower, not faster)
     precision: str = option("auto", choices=PRECISION_CHOICES)  # inference precision
 
+
+
+@dataclass
+class ChatOptions:
+    system: str | None = option(None)  # system prompt
+    # open the think block: the model reasons first, shown apart from its answer (a template in MiniMind-3's format)
+    think: bool = option(False)
+    # built-in tools to offer and run when the model calls them: calculator
+    tools: str | None = option(None, metavar="NAME[,NAME]")
+    max_tool_turns: int = option(5, "[1, inf)")  # tool rounds per message before giving up

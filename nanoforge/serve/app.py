@@ -24,12 +24,10 @@ Sampling defaults are those of `nanoforge chat` (temperature 0.7, top_p 0.9, plu
 """
 # No `from __future__ import annotations` here: FastAPI reads the endpoints' annotations (`request: Request`)
 # at runtime. fastapi and uvicorn are the optional `serve` extra: only `nanoforge serve` imports this module.
-import argparse
 import asyncio
 import contextlib
 import errno
 import logging
-import os
 import secrets
 import socket
 import sys
@@ -45,21 +43,18 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanoforge.errors import NanoforgeError
-from nanoforge.infer import defaults as chat_defaults
+from nanoforge.infer.defaults import SamplingOptions
 from nanoforge.serve import protocol
 from nanoforge.infer.chat import load_for_inference
 from nanoforge.serve.chat_reply import ChatChunks, call_id_prefix, chat_body, finish_reason, reply_message
 from nanoforge.serve.chat_request import parse_chat_request
 from nanoforge.infer.generate import Completion, SamplingConfig, stream_completion
+from nanoforge.serve.options import ServeOptions
 from nanoforge.serve.protocol import APIError, GenerationRequest, Limits
 from nanoforge.infer.toolloop import stop_ids
 from nanoforge.chat.calculator import BUILTIN_TOOLS, run_tool_call
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8000
 DEFAULT_MAX_BODY_BYTES = 1_000_000
-DEFAULT_MAX_PENDING = 64  # requests waiting for the worker; more get a 503 rather than an ever-growing queue
-DEFAULT_REQUEST_TIMEOUT = 300.0  # seconds from a request's arrival after which its generation is cut short
 PAGE = Path(__file__).with_name("static") / "chat.html"
 
 log = logging.getLogger("nanoforge.serve")
@@ -75,8 +70,7 @@ class _Cancelled(Exception):
 class _Worker:
     """The single generation thread and its queue: a one-worker executor runs jobs in arrival order."""
 
-    def __init__(self, model, tokenizer, precision: str, max_pending: int,
-                 request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT):
+    def __init__(self, model, tokenizer, precision: str, max_pending: int, request_timeout: float | None):
         self.model, self.tokenizer, self.precision = model, tokenizer, precision
         self.max_pending, self.request_timeout = max_pending, request_timeout
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoforge-generate")
@@ -179,8 +173,8 @@ class _Worker:
 
 def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_tokens_cap: int | None = None,
-               max_pending: int = DEFAULT_MAX_PENDING, precision: str = "fp32",
-               defaults: SamplingConfig | None = None, request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT):
+               max_pending: int = ServeOptions.max_pending, precision: str = "fp32",
+               defaults: SamplingConfig | None = None, request_timeout: float | None = ServeOptions.request_timeout):
     """The FastAPI app serving `model` under the name `model_name`.
 
     api_key         when set, every /v1 request needs `Authorization: Bearer <api_key>` (else 401)
@@ -193,7 +187,7 @@ def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
                     far, never a 504: a stream's 200 is sent before generation starts); None or 0: no limit
     """
     if defaults is None:
-        defaults = SamplingConfig(**vars(chat_defaults.SamplingOptions()))
+        defaults = SamplingConfig(**vars(SamplingOptions()))
     limits = Limits(model.model.rotary_emb.n_positions, max_tokens_cap, defaults)
     worker = _Worker(model, tokenizer, precision, max_pending, request_timeout)
 
@@ -389,55 +383,20 @@ def _check_can_listen(host: str, port: int) -> None:
         raise NanoforgeError(f"{host}:{port} {why}") from None
 
 
-def run_server(run_dir, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, api_key: str | None = None,
-               device: str = "auto", precision: str = "auto", model_name: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_tokens_cap: int | None = None,
-               log_level: str = "info", request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT,
-               max_pending: int = DEFAULT_MAX_PENDING) -> None:
-    """`nanoforge serve RUN`: load the run's latest checkpoint and serve it with uvicorn until Ctrl-C.
-
-    The model is named after the run directory unless `model_name` is given."""
+def run_server(run_dir, options: ServeOptions, device: str = "auto", precision: str = "auto",
+               max_tokens_cap: int | None = None) -> None:
+    """`nanoforge serve RUN`: load the run's latest checkpoint and serve it, named after the run directory, with
+    uvicorn until Ctrl-C."""
+    host, port, api_key = options.host, options.port, options.api_key
     _check_can_listen(host, port)  # before minutes of loading, and before saying "serving"
     model, tokenizer, _, precision = load_for_inference(run_dir, device, precision, announce=True)
-    name = model_name or Path(run_dir).resolve().name
-    app = create_app(model, tokenizer, name, api_key=api_key, max_body_bytes=max_body_bytes,
-                     max_tokens_cap=max_tokens_cap, precision=precision, request_timeout=request_timeout,
-                     max_pending=max_pending)
+    name = Path(run_dir).resolve().name
+    app = create_app(model, tokenizer, name, api_key=api_key, max_tokens_cap=max_tokens_cap, precision=precision,
+                     request_timeout=options.request_timeout or None, max_pending=options.max_pending)
     shown = f"[{host}]" if ":" in host else host
     print(f"serving {name!r}: web chat at http://{shown}:{port}/, OpenAI API at http://{shown}:{port}/v1"
           + (" (API key required)" if api_key else ""), file=sys.stderr)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"warning: listening on {host} without --api-key: anyone who can reach this machine can use the "
               f"model", file=sys.stderr)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m nanoforge.serve.app RUN [--host H] [--port P] [--api-key KEY]` (the key may also come
-    from the NANOFORGE_API_KEY environment variable, which, unlike an argument, `ps` does not show)."""
-    parser = argparse.ArgumentParser(prog="python -m nanoforge.serve.app", description=main.__doc__)
-    parser.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint) or a checkpoint directory")
-    parser.add_argument("--host", default=DEFAULT_HOST)
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
-    parser.add_argument("--api-key", default=os.environ.get("NANOFORGE_API_KEY") or None)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--precision", default="auto", choices=chat_defaults.PRECISION_CHOICES)
-    parser.add_argument("--model-name")
-    parser.add_argument("--max-tokens-cap", type=int)
-    parser.add_argument("--log-level", default="info")
-    parser.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT,
-                        help="seconds after which a reply is cut short with finish_reason 'length' (0: no limit)")
-    parser.add_argument("--max-pending", type=int, default=DEFAULT_MAX_PENDING,
-                        help="requests allowed to wait for the model; more are answered 503 server_busy")
-    args = parser.parse_args(argv)
-    try:
-        run_server(args.run, host=args.host, port=args.port, api_key=args.api_key, device=args.device,
-                   precision=args.precision, model_name=args.model_name, max_tokens_cap=args.max_tokens_cap,
-                   log_level=args.log_level, request_timeout=args.request_timeout, max_pending=args.max_pending)
-    except NanoforgeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-
-
-if __name__ == "__main__":
-    main()
+    uvicorn.run(app, host=host, port=port, log_level=options.log_level)

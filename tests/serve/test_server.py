@@ -37,7 +37,7 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m nanoforge.serve.app RUN --port P ...` in its own process, up once /health answers."""
+    """`python -m nanoforge serve RUN --port P ...` in its own process, up once /health answers."""
 
     def __init__(self, run_dir: Path, log_path: Path, *args: str):
         self.port = free_port()
@@ -47,7 +47,7 @@ class ServerProcess:
         env.pop("NANOFORGE_API_KEY", None)
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nanoforge.serve.app", str(run_dir), "--port", str(self.port),
+            [sys.executable, "-m", "nanoforge", "serve", str(run_dir), "--port", str(self.port),
              "--device", "cpu", "--log-level", "warning", *args],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.wait_healthy()

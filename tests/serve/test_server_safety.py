@@ -380,9 +380,10 @@ def test_a_port_in_use_is_a_clear_error_before_loading(tmp_path):
 
     from nanoforge.errors import NanoforgeError
     from nanoforge.serve.app import run_server
+    from nanoforge.serve.options import ServeOptions
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         with pytest.raises(NanoforgeError, match=f"127.0.0.1:{port} is already in use; choose another --port"):
-            run_server(tmp_path / "no_run", port=port)
+            run_server(tmp_path / "no_run", ServeOptions(port=port))
