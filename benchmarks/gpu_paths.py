@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -61,6 +62,107 @@ def corpus(work: Path) -> tuple[Path, Path]:
     return pre, sft
 
 
+class Paths:
+    """The checks, each a real `nanoforge` command on the tiny preset, then a look at what it wrote in `work`."""
+
+    def __init__(self, work: Path, device: str):
+        self.work, self.device, self.dev = work, device, ["--device", device]
+        self.pre_text, self.sft_text = corpus(work)
+
+    def ok(self, args: list[str], **kw) -> subprocess.CompletedProcess:
+        proc = nanoforge(args, self.work, **kw)
+        if proc.returncode != 0:
+            raise RuntimeError(f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-600:]}")
+        return proc
+
+    def prepare(self) -> str:
+        self.ok(["tokenizer", "train", "--data", str(self.pre_text), str(self.sft_text), "--vocab-size", "512",
+                 "--out", "tok"])
+        for kind, text, out in (("pretrain", self.pre_text, "pre"), ("sft", self.sft_text, "sft")):
+            self.ok(["prepare", "--kind", kind, "--data", str(text), "--tokenizer", "tok", "--out", out,
+                     "--val-fraction", "0.1"])
+        return ""
+
+    def bf16_guard(self) -> str:
+        # loss@4..6 non-finite: three skips in a row roll back to step 3's checkpoint; on CUDA with fused AdamW
+        # the skip happens on the device and the host reads the counters only at logging/saving steps
+        self.ok(["pretrain", "--data", "pre", "--out", "bf16", *TINY, *self.dev, "--precision", "bf16",
+                 "--max-steps", "20", "--save-every", "3"], inject_nonfinite="loss@4,loss@5,loss@6")
+        st = run_state(self.work / "bf16")
+        assert st["rollbacks"] == 1 and st["skipped_steps"] == 3, st
+        peak = max(r.get("peak_mem_gb", 0) for r in records(self.work / "bf16"))
+        assert peak > 0, "no peak memory logged"
+        return f"rollbacks {st['rollbacks']}, skipped {st['skipped_steps']}, peak {peak:.3f} GB"
+
+    def resume(self) -> str:
+        for out, steps in (("straight", "20"), ("halves", "10")):
+            self.ok(["pretrain", "--data", "pre", "--out", out, *TINY, *self.dev, "--max-steps", steps,
+                     "--save-every", "10", "--dropout", "0.1"])
+        self.ok(["pretrain", "--out", "halves", "--resume", "--max-steps", "20", "--quiet"])
+        a, b = losses(self.work / "straight"), losses(self.work / "halves")
+        worst = max(abs(x - y) / abs(x) for (_, x), (_, y) in zip(a, b))
+        assert [s for s, _ in a] == [s for s, _ in b] and worst < 1e-3, (a, b)
+        return f"resumed losses within {worst:.1e} (relative) of the straight run"
+
+    def fp16(self) -> str:
+        self.ok(["pretrain", "--data", "pre", "--out", "fp16", *TINY, *self.dev, "--precision", "fp16",
+                 "--max-steps", "10"])
+        last = losses(self.work / "fp16")[-1][1]
+        assert last == last and last < 20, last
+        return f"final loss {last:.3f}"
+
+    def micro_auto(self) -> str:
+        proc = self.ok(["pretrain", "--data", "pre", "--out", "auto", *TINY[:-1], *self.dev, "--batch-size", "64",
+                        "--micro-batch", "auto", "--max-steps", "3"])
+        said = next((line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if "micro-batch" in line),
+                    "")
+        assert "global batch 64" in said, proc.stdout[-500:] + proc.stderr[-500:]
+        return said[:160]
+
+    def compiled(self) -> str:
+        self.ok(["pretrain", "--data", "pre", "--out", "compiled", *TINY, *self.dev, "--compile", "true",
+                 "--max-steps", "10"])
+        return f"final loss {losses(self.work / 'compiled')[-1][1]:.3f}"
+
+    def sft_packed(self) -> str:
+        self.ok(["sft", "--init", "bf16", "--data", "sft", "--out", "sftrun", "--seq-len", "128", *self.dev,
+                 "--max-steps", "10", "--eval-every", "10", "--tensorboard", "false", "--quiet"])
+        val = [r["val_loss"] for r in records(self.work / "sftrun") if "val_loss" in r]
+        assert val and val[-1] == val[-1], val
+        return f"val loss {val[-1]:.3f} (packed rows: block-diagonal mask with GQA)"
+
+    def decode(self) -> str:
+        proc = self.ok(["generate", "sftrun", "--prompt", "The cat", "--max-new-tokens", "16", "--seed", "0",
+                        *self.dev])
+        chat = self.ok(["chat", "sftrun", "--max-new-tokens", "16", "--seed", "0", *self.dev], stdin="hi\n")
+        assert proc.stdout.startswith("The cat"), proc.stdout
+        return f"generate: {proc.stdout.strip()[:50]!r}; chat: {chat.stdout.strip()[:30]!r}"
+
+    def torchrun(self) -> str:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m"]
+        self.ok(["pretrain", "--data", "pre", "--out", "ddp", *TINY, *self.dev, "--max-steps", "5"],
+                launcher=launcher)
+        backend = "NCCL" if self.device.startswith("cuda") else "gloo"
+        return f"{backend}, 1 process, final loss {losses(self.work / 'ddp')[-1][1]:.3f}"
+
+
+CHECKS = [("prepare tiny data", "prepare"), ("bf16 pretrain, non-finite guard and rollback", "bf16_guard"),
+          ("exact resume (CUDA RNG in the checkpoint)", "resume"), ("fp16 with the gradient scaler", "fp16"),
+          ("--micro-batch auto probe", "micro_auto"), ("--compile", "compiled"), ("SFT on packed rows", "sft_packed"),
+          ("generate and chat (KV cache)", "decode"), ("torchrun (DDP)", "torchrun")]
+
+
+def check(name: str, fn) -> bool:
+    """Run one check; a failing path must not hide the others."""
+    t0 = time.perf_counter()
+    try:
+        detail, ok = fn() or "", True
+    except Exception as e:
+        ok, detail = False, f"{type(e).__name__}: {e}"
+    print(f"{'PASS' if ok else 'FAIL'}  {name}  ({time.perf_counter() - t0:.1f} s)  {detail}"[:400], flush=True)
+    return ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
@@ -69,110 +171,11 @@ def main() -> int:
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="nanoforge-gpu-paths-"))
     work.mkdir(parents=True, exist_ok=True)
-    dev = ["--device", args.device]
-    cuda = args.device.startswith("cuda")
-    results: list[tuple[str, bool, str, float]] = []
-
-    def check(name: str, fn) -> None:
-        t0 = time.perf_counter()
-        try:
-            detail = fn() or ""
-            ok = True
-        except Exception as e:  # one failing path must not hide the others
-            ok, detail = False, f"{type(e).__name__}: {e}"
-        results.append((name, ok, detail, time.perf_counter() - t0))
-        print(f"{'PASS' if ok else 'FAIL'}  {name}  ({time.perf_counter() - t0:.1f} s)  {detail}"[:400], flush=True)
-
-    def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-        if proc.returncode != 0:
-            raise RuntimeError(f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-600:]}")
-        return proc
-
-    pre_text, sft_text = corpus(work)
-
-    def prepare():
-        ok(nanoforge(["tokenizer", "train", "--data", str(pre_text), str(sft_text), "--vocab-size", "512",
-                      "--out", "tok"], work))
-        ok(nanoforge(["prepare", "--kind", "pretrain", "--data", str(pre_text), "--tokenizer", "tok", "--out", "pre",
-                      "--val-fraction", "0.1"], work))
-        ok(nanoforge(["prepare", "--kind", "sft", "--data", str(sft_text), "--tokenizer", "tok", "--out", "sft",
-                      "--val-fraction", "0.1"], work))
-    check("prepare tiny data", prepare)
-
-    def bf16_guard():
-        # loss@4..6 non-finite: three skips in a row roll back to step 3's checkpoint; on CUDA with fused AdamW
-        # the skip happens on the device and the host reads the counters only at logging/saving steps
-        ok(nanoforge(["pretrain", "--data", "pre", "--out", "bf16", *TINY, *dev, "--precision", "bf16",
-                      "--max-steps", "20", "--save-every", "3"], work, inject_nonfinite="loss@4,loss@5,loss@6"))
-        st = run_state(work / "bf16")
-        assert st["rollbacks"] == 1 and st["skipped_steps"] == 3, st
-        peak = max(r.get("peak_mem_gb", 0) for r in records(work / "bf16"))
-        assert peak > 0, "no peak memory logged"
-        return f"rollbacks {st['rollbacks']}, skipped {st['skipped_steps']}, peak {peak:.3f} GB"
-    check("bf16 pretrain, non-finite guard and rollback", bf16_guard)
-
-    def resume():
-        ok(nanoforge(["pretrain", "--data", "pre", "--out", "straight", *TINY, *dev, "--max-steps", "20",
-                      "--save-every", "10", "--dropout", "0.1"], work))
-        ok(nanoforge(["pretrain", "--data", "pre", "--out", "halves", *TINY, *dev, "--max-steps", "10",
-                      "--save-every", "10", "--dropout", "0.1"], work))
-        ok(nanoforge(["pretrain", "--out", "halves", "--resume", "--max-steps", "20", "--quiet"], work))
-        a, b = losses(work / "straight"), losses(work / "halves")
-        worst = max(abs(x - y) / abs(x) for (_, x), (_, y) in zip(a, b))
-        assert [s for s, _ in a] == [s for s, _ in b] and worst < 1e-3, (a, b)
-        return f"resumed losses within {worst:.1e} (relative) of the straight run"
-    check("exact resume (CUDA RNG in the checkpoint)", resume)
-
-    def fp16():
-        ok(nanoforge(["pretrain", "--data", "pre", "--out", "fp16", *TINY, *dev, "--precision", "fp16",
-                      "--max-steps", "10"], work))
-        last = losses(work / "fp16")[-1][1]
-        assert last == last and last < 20, last
-        return f"final loss {last:.3f}"
-    check("fp16 with the gradient scaler", fp16)
-
-    def micro_auto():
-        proc = ok(nanoforge(["pretrain", "--data", "pre", "--out", "auto", *TINY[:-1], *dev, "--batch-size", "64",
-                             "--micro-batch", "auto", "--max-steps", "3"], work))
-        said = next((line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if "micro-batch" in line),
-                    "")
-        assert "global batch 64" in said, proc.stdout[-500:] + proc.stderr[-500:]
-        return said[:160]
-    check("--micro-batch auto probe", micro_auto)
-
-    def compiled():
-        ok(nanoforge(["pretrain", "--data", "pre", "--out", "compiled", *TINY, *dev, "--compile", "true",
-                      "--max-steps", "10"], work))
-        return f"final loss {losses(work / 'compiled')[-1][1]:.3f}"
-    if not args.skip_compile:
-        check("--compile", compiled)
-
-    def sft_packed():
-        ok(nanoforge(["sft", "--init", "bf16", "--data", "sft", "--out", "sftrun", "--seq-len", "128", *dev,
-                      "--max-steps", "10", "--eval-every", "10", "--tensorboard", "false", "--quiet"], work))
-        val = [r["val_loss"] for r in records(work / "sftrun") if "val_loss" in r]
-        assert val and val[-1] == val[-1], val
-        return f"val loss {val[-1]:.3f} (packed rows: block-diagonal mask with GQA)"
-    check("SFT on packed rows", sft_packed)
-
-    def decode():
-        proc = ok(nanoforge(["generate", "sftrun", "--prompt", "The cat", "--max-new-tokens", "16", "--seed", "0",
-                             *dev], work))
-        chat = ok(nanoforge(["chat", "sftrun", "--max-new-tokens", "16", "--seed", "0", *dev], work, stdin="hi\n"))
-        assert proc.stdout.startswith("The cat"), proc.stdout
-        return f"generate: {proc.stdout.strip()[:50]!r}; chat: {chat.stdout.strip()[:30]!r}"
-    check("generate and chat (KV cache)", decode)
-
-    def torchrun():
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m"]
-        ok(nanoforge(["pretrain", "--data", "pre", "--out", "ddp", *TINY, *dev, "--max-steps", "5"], work,
-                     launcher=launcher))
-        return f"{'NCCL' if cuda else 'gloo'}, 1 process, final loss {losses(work / 'ddp')[-1][1]:.3f}"
-    check("torchrun (DDP)", torchrun)
-
-    passed = sum(ok_ for _, ok_, _, _ in results)
+    paths = Paths(work, args.device)
+    results = [check(name, getattr(paths, method)) for name, method in CHECKS
+               if not (method == "compiled" and args.skip_compile)]
+    passed = sum(results)
     if args.work is None and passed == len(results):
-        import shutil
         shutil.rmtree(work, ignore_errors=True)
         where = "(runs removed)"
     else:
