@@ -20,6 +20,7 @@ import dataclasses
 import json
 import random
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -80,23 +81,23 @@ def write_data(work: Path, add_max: int, mul_max: int, seed: int = 0, held_out: 
 
 
 def sft_model(work: Path, sft_file: Path, steps: int = 400, d_model: int = 128, layers: int = 4,
-              lr: float = 3e-3) -> Path:
+              lr: float = 3e-3, seed: int = 0) -> Path:
     """A tokenizer on the data, a random tiny model, then SFT on sft_file: the run directory."""
     tok = train_tokenizer([sft_file], vocab_size=320, out_dir=work / "tokenizer")
     prepare_dataset("sft", [sft_file], tok, work / "sft", val_fraction=0.0, workers=1, **QUIET)
-    _random_base(work / "base", tok, d_model, layers)
+    _random_base(work / "base", tok, d_model, layers, seed)
     sft(str(work / "base"), [str(work / "sft")], work / "run", quiet=True,
-        overrides={"max_steps": steps, "lr": lr, "warmup_steps": 10, "seq_len": 128, "batch_size": 16,
+        overrides={"seed": seed, "max_steps": steps, "lr": lr, "warmup_steps": 10, "seq_len": 128, "batch_size": 16,
                    "eval_every": 0, "save_every": 0, "tensorboard": False, "precision": "fp32", "sample_every": 0,
                    "min_lr_ratio": 0.1})
     return work / "run"
 
 
-def _random_base(out: Path, tok, d_model: int, layers: int) -> None:
+def _random_base(out: Path, tok, d_model: int, layers: int, seed: int = 0) -> None:
     """A randomly initialised run (config, tokenizer, one checkpoint) for sft --init."""
     mcfg, _ = build_config("tiny", None, {"vocab_size": tok.vocab_size, "d_model": d_model, "max_seq_len": 128,
                                          "n_layers": layers})
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     tok.save(out / "tokenizer")
     ckpt.save_checkpoint(out, 0, GPT(mcfg).state_dict_for_save(), {},
                          {"config": {"model": dataclasses.asdict(mcfg), "train": {"seq_len": 128}}})
@@ -148,6 +149,32 @@ def run_ppo(sft_run: Path, prompts_file: Path, out: Path, steps: int, **kw) -> f
     return time.perf_counter() - start
 
 
+def one_run(args, work: Path, seed: int) -> dict:
+    """SFT, accuracy before, the RL stage, accuracy after, for one seed (model init, SFT order, RL sampling)."""
+    shutil.rmtree(work, ignore_errors=True)
+    sft_file, prompts, held = write_data(work, args.add_max, args.mul_max)  # the same held-out split every seed
+    start = time.perf_counter()
+    run = sft_model(work, sft_file, args.sft_steps, seed=seed)
+    print(f"seed {seed}: sft {time.perf_counter() - start:.0f} s; {len(held)} held-out prompts", flush=True)
+    before = greedy_accuracy(run, held)
+    name, rl = ("ppo", run_ppo) if args.algo == "ppo" else (args.loss, run_rl)
+    grpo_only = {} if args.algo == "ppo" else {"loss": args.loss}
+    seconds = rl(run, prompts, work / f"rl-{name}", steps=args.steps, lr=args.lr, ppo_epochs=args.ppo_epochs,
+                 beta=args.beta, prompts=args.prompts_per_step, generations=args.num_generations, seed=seed,
+                 **grpo_only)
+    curve = reward_curve(work / f"rl-{name}")
+    tenth = max(1, len(curve) // 10)
+    out = {"seed": seed, "before": before, "after": greedy_accuracy(work / f"rl-{name}", held), "seconds": seconds,
+           "phases": phase_seconds(work / f"rl-{name}"),
+           "tenths": [sum(curve[i:i + tenth]) / len(curve[i:i + tenth]) for i in range(0, len(curve), tenth)]}
+    p = out["phases"]
+    print(f"seed {seed}: {args.steps} steps in {seconds:.1f} s ({seconds / args.steps:.3f} s/step; loop clock: "
+          f"rollout {p['data']:.1f} s, forward+backward {p['fwd_bwd']:.1f} s, optimizer {p['optim']:.1f} s)\n"
+          f"seed {seed}: mean reward per tenth of the run: {' '.join(f'{r:.2f}' for r in out['tenths'])}\n"
+          f"seed {seed}: greedy accuracy on held-out prompts: {before:.1%} -> {out['after']:.1%}", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--algo", default="grpo", choices=["grpo", "ppo"], help="the RL stage")
@@ -161,38 +188,24 @@ def main() -> None:
     ap.add_argument("--num-generations", type=int, help="replies per prompt (default 8 grpo, 1 ppo)")
     ap.add_argument("--add-max", type=int, default=12)
     ap.add_argument("--mul-max", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0, help="the first seed")
+    ap.add_argument("--runs", type=int, default=1, help="runs, seeds --seed, --seed + 1, ...; medians printed")
     ap.add_argument("--work", default="runs/grpo_arithmetic", help="work directory (replaced)")
     args = ap.parse_args()
+    ppo_ = args.algo == "ppo"
+    args.steps = args.steps or (200 if ppo_ else 100)
+    args.lr, args.ppo_epochs = args.lr or (5e-5 if ppo_ else 3e-5), args.ppo_epochs or (2 if ppo_ else 1)
+    args.prompts_per_step = args.prompts_per_step or (64 if ppo_ else 8)
+    args.num_generations = args.num_generations or (1 if ppo_ else 8)
     work = Path(args.work)
-    shutil.rmtree(work, ignore_errors=True)
-    sft_file, prompts, held = write_data(work, args.add_max, args.mul_max)
-    start = time.perf_counter()
-    run = sft_model(work, sft_file, args.sft_steps)
-    print(f"sft: {time.perf_counter() - start:.0f} s; {len(held)} held-out prompts", flush=True)
-    before = greedy_accuracy(run, held)
-    print(f"greedy accuracy on held-out prompts before RL: {before:.1%}", flush=True)
-    name = "ppo" if args.algo == "ppo" else args.loss
-    if args.algo == "ppo":
-        args.steps = args.steps or 200
-        seconds = run_ppo(run, prompts, work / f"rl-{name}", args.steps, lr=args.lr or 5e-5,
-                          ppo_epochs=args.ppo_epochs or 2, beta=args.beta, prompts=args.prompts_per_step or 64,
-                          generations=args.num_generations or 1)
-    else:
-        args.steps = args.steps or 100
-        seconds = run_rl(run, prompts, work / f"rl-{name}", args.loss, args.steps, lr=args.lr or 3e-5,
-                         ppo_epochs=args.ppo_epochs or 1, beta=args.beta, prompts=args.prompts_per_step or 8,
-                         generations=args.num_generations or 8)
-    after = greedy_accuracy(work / f"rl-{name}", held)
-    curve = reward_curve(work / f"rl-{name}")
-    phases = phase_seconds(work / f"rl-{name}")
-    print(f"{'ppo' if args.algo == 'ppo' else 'grpo --loss ' + args.loss}: {args.steps} steps in {seconds:.1f} s "
-          f"({seconds / args.steps:.3f} s/step; loop clock: rollout {phases['data']:.1f} s, forward+backward "
-          f"{phases['fwd_bwd']:.1f} s, optimizer {phases['optim']:.1f} s)")
-    print("mean reward per step: " + " ".join(f"{r:.2f}" for r in curve))
-    tenth = max(1, len(curve) // 10)
-    print("mean reward per tenth of the run: " + " ".join(
-        f"{sum(curve[i:i + tenth]) / len(curve[i:i + tenth]):.2f}" for i in range(0, len(curve), tenth)))
-    print(f"greedy accuracy on held-out prompts: {before:.1%} -> {after:.1%}")
+    runs = [one_run(args, work / f"seed{s}" if args.runs > 1 else work, s)
+            for s in range(args.seed, args.seed + args.runs)]
+    if args.runs > 1:
+        def med(values, fmt):
+            return f"{fmt(statistics.median(values))} (spread {fmt(min(values))}-{fmt(max(values))})"
+        pct, sec = "{:.1%}".format, "{:.1f} s".format
+        print(f"median of {args.runs}: greedy accuracy {med([r['before'] for r in runs], pct)} -> "
+              f"{med([r['after'] for r in runs], pct)}; RL stage {med([r['seconds'] for r in runs], sec)}")
 
 
 if __name__ == "__main__":
