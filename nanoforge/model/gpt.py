@@ -310,7 +310,8 @@ class GPT(nn.Module):
     # ---------------------------------------------------------------------------------------------- forward
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None,
-                attention_mask: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None,
+                layout: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, vocab_size), in whatever dtype autocast gives (callers upcast).
 
         Without a cache the tokens are positions 0..T-1. With a cache they follow the `cache.length` tokens
@@ -321,6 +322,8 @@ class GPT(nn.Module):
         `segment_ids` (B, T), for rows packed with several documents (SFT): a token attends only to earlier
         tokens of its own segment and its position restarts at 0 with each segment, so every packed
         conversation is computed exactly as if it were alone in the row.
+        `layout` (positions (B, T), allowed (B, T, T) True = may attend): any other arrangement, spelled out (RL's
+        rows sharing their prompt, rl/prefix.py).
         """
         B, T = input_ids.shape
         start = 0
@@ -333,10 +336,12 @@ class GPT(nn.Module):
         if start + T > rope.n_positions:
             raise NanoforgeError(f"sequence of {start + T} positions is longer than the model's "
                                  f"{rope.n_positions} (max_seq_len * rope_scaling_factor)")
-        if segment_ids is not None:
+        if segment_ids is not None or layout is not None:
             if cache is not None or attention_mask is not None:
-                raise NanoforgeError("segment_ids (packed rows) cannot be combined with a cache or attention_mask")
-            cos, sin, mask, is_causal = self._packed_positions_and_mask(segment_ids)
+                raise NanoforgeError("packed rows cannot be combined with a cache or attention_mask")
+            positions, allowed = layout or self._packed_layout(segment_ids)
+            cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)  # (B, 1, T, hd)
+            mask, is_causal = allowed.unsqueeze(1), False  # (B, 1, T, T)
         else:
             cos, sin, mask, is_causal = self._positions_and_mask(B, T, start, attention_mask, input_ids.device)
 
@@ -383,19 +388,15 @@ class GPT(nn.Module):
         allowed = allowed | (k_pos == q_pos)
         return cos, sin, allowed.unsqueeze(1), False  # mask (B, 1, T, S)
 
-    def _packed_positions_and_mask(self, segment_ids: torch.Tensor):
-        """Block-diagonal causal mask and per-segment positions for packed rows."""
-        B, T = segment_ids.shape
-        rope = self.model.rotary_emb
-        idx = torch.arange(T, device=segment_ids.device)
+    @staticmethod
+    def _packed_layout(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-segment positions and the block-diagonal causal mask of packed rows."""
+        idx = torch.arange(segment_ids.shape[1], device=segment_ids.device)
         starts = torch.ones_like(segment_ids, dtype=torch.bool)
         starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
         seg_start = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=-1).values  # (B, T)
-        positions = idx - seg_start  # (B, T)
-        cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)  # (B, 1, T, hd)
         same = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, T)
-        allowed = same & (idx[None, :] <= idx[:, None])  # causal within the segment
-        return cos, sin, allowed.unsqueeze(1), False  # mask (B, 1, T, T)
+        return idx - seg_start, same & (idx[None, :] <= idx[:, None])  # causal within the segment
 
     # -------------------------------------------------------------------------------- cache, sizes, weights
 

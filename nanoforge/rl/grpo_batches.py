@@ -21,7 +21,8 @@ import torch.distributed as dist
 from nanoforge.errors import NanoforgeError
 from nanoforge.rl.losses import loss_count, policy_loss
 from nanoforge.rl.prompts import PromptIterator
-from nanoforge.rl.rollout import Batch, RewardFn, RolloutConfig, rollout, rows, token_logps
+from nanoforge.rl.prefix import prefix_token_logps
+from nanoforge.rl.rollout import Batch, RewardFn, RolloutConfig, rollout, rows
 
 
 def rollout_seed(seed: int, index: int, rank: int) -> int:
@@ -140,7 +141,7 @@ def policy_objective(loss: str, epsilon: float, epsilon_high: float | None, beta
     """Stage.loss_fn: the policy loss of a rollout micro-batch under the current model, log-probs at the
     sampling temperature; the rollout's stat_* figures ride along as extras (so they are logged per step)."""
     def loss_fn(model, batch: Batch):
-        logp = token_logps(model, batch["input_ids"], temperature)  # (B, L-1)
+        logp = prefix_token_logps(model, batch["input_ids"], batch["loss_mask"], temperature)  # (B, L-1)
         old_logp = batch.get("old_logp")
         if old_logp is None:  # the rollout's first update: its own log-probs are the old ones (module docstring)
             old_logp = batches.keep_old_logps(logp) if batches else logp.detach()

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from nanoforge.device import autocast_context, eval_mode
 from nanoforge.errors import NanoforgeError
 from nanoforge.infer.generate import Completion, SamplingConfig, complete
 from nanoforge.chat.replies import THINK_OPEN
 from nanoforge.rl.losses import group_advantages
+from nanoforge.rl.prefix import prefix_token_logps
 from nanoforge.rl.prompts import PromptRecord
 
 Batch = dict[str, torch.Tensor]
@@ -86,24 +86,17 @@ def sample_replies(model, tokenizer, prompts: Sequence[list[int]], cfg: RolloutC
     return complete(model, tokenizer, prompts, sampling, stop_ids=[tokenizer.im_end_id], precision=cfg.precision)
 
 
-def token_logps(model, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """(B, L) ids -> (B, L-1) log-prob of each next token, log_softmax(logits / temperature), float32.
-    Right padding needs no attention mask: a causal model's real positions never see the pads after them."""
-    logits = model(input_ids)[:, :-1].float() / temperature  # (B, L-1, V)
-    targets = input_ids[:, 1:]  # (B, L-1)
-    return -F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
-
-
 @torch.no_grad()
-def frozen_logps(model, input_ids: torch.Tensor, temperature: float, precision: str,
+def frozen_logps(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, temperature: float, precision: str,
                  chunk: int | None = None) -> torch.Tensor:
-    """token_logps in eval mode, no grad, under the run's autocast: the reference's. Computed `chunk` rows at a
-    time, the micro-batches the loss will see: the same shapes give the same numbers (in fp32 the first update's
-    KL is exactly 0), and the logits of a whole rollout need not fit at once."""
+    """rl/prefix.py's log-probs in eval mode, no grad, under the run's autocast: the reference's. Computed `chunk`
+    rows at a time, the micro-batches the loss will see: the same shapes give the same numbers (in fp32 the first
+    update's KL is exactly 0), and the logits of a whole rollout need not fit at once."""
     device = next(model.parameters()).device
+    chunk = chunk or len(input_ids)
     with eval_mode(model), autocast_context(device, precision):
-        return torch.cat([token_logps(model, part.to(device), temperature).cpu()
-                          for part in input_ids.split(chunk or len(input_ids))])
+        return torch.cat([prefix_token_logps(model, ids.to(device), mask.to(device), temperature).cpu()
+                          for ids, mask in zip(input_ids.split(chunk), loss_mask.split(chunk))])
 
 
 def pack(prompts: Sequence[list[int]], replies: Sequence[Completion], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,7 +167,7 @@ def policy_batch(reference, input_ids: torch.Tensor, loss_mask: torch.Tensor, re
     batch = {"input_ids": input_ids, "loss_mask": loss_mask,
              "advantages": group_advantages(grouped, cfg.advantage).view(-1), "rewards": rewards}
     if reference is not None:
-        batch["ref_logp"] = frozen_logps(reference, input_ids, cfg.temperature, cfg.precision, micro_rows)
+        batch["ref_logp"] = frozen_logps(reference, input_ids, loss_mask, cfg.temperature, cfg.precision, micro_rows)
     stats = {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
              "zero_var_groups": (grouped.amax(1) == grouped.amin(1)).float().mean().item(), **stats}
     batch.update({f"stat_{k}": torch.tensor(v, dtype=torch.float32) for k, v in stats.items()})

@@ -18,7 +18,8 @@ from nanoforge.recipes.grpo import RLOptions, grpo
 from nanoforge.rl.losses import policy_loss
 from nanoforge.rl.rewards import combine, parse_rewards
 from nanoforge.rl.prompts import PromptIterator, read_prompts
-from nanoforge.rl.rollout import RolloutConfig, frozen_logps, pack, rollout, token_logps
+from nanoforge.rl.prefix import prefix_token_logps
+from nanoforge.rl.rollout import RolloutConfig, frozen_logps, pack, rollout
 from nanoforge.rl.grpo_batches import RolloutBatches, decode_batch, encode_batch, policy_objective
 from nanoforge.weights import checkpoint as ckpt
 
@@ -88,13 +89,13 @@ def test_rollout_layout_masks_and_old_logps_equal_a_fresh_forward(base_run, prom
         assert tok.im_end_id not in trained[:-1]
     # the policy's forward (train mode, with grad) gives exactly the reference's (the initial policy's) log-probs
     model.train()
-    logp = token_logps(model, ids, 0.9)
+    logp = prefix_token_logps(model, ids, mask, 0.9)
     m = mask.bool()
     assert torch.equal(logp.detach()[m], batch["ref_logp"][m])
     _, _, extras = policy_loss(logp, logp.detach(), batch["advantages"], mask, ref_logp=batch["ref_logp"])
     assert extras["ratio"].item() == 1.0 and extras["clip_fraction"].item() == 0.0 and extras["kl"].item() == 0.0
     # sampled at temperature 0.9: the log-probs at temperature 1 differ
-    assert not torch.equal(token_logps(model, ids, 1.0).detach()[m], batch["ref_logp"][m])
+    assert not torch.equal(prefix_token_logps(model, ids, mask, 1.0).detach()[m], batch["ref_logp"][m])
     # groups: advantages sum to ~0 per group, and are 0 in a group of equal rewards
     for g in range(2):
         adv, r = batch["advantages"][3 * g:3 * g + 3], batch["rewards"][3 * g:3 * g + 3]
@@ -121,7 +122,7 @@ def test_the_first_updates_log_probs_are_the_old_ones_a_separate_forward_gives(b
         micro = batches.next_batch()
         assert "old_logp" not in micro
         assert loss(model, micro)[2]["ratio"].item() == 1.0
-    separate = frozen_logps(model, batches.current["input_ids"], 0.9, "fp32", chunk=3)
+    separate = frozen_logps(model, batches.current["input_ids"], batches.current["loss_mask"], 0.9, "fp32", chunk=3)
     assert torch.equal(batches.current["old_logp"], separate)
     assert torch.equal(batches.next_batch()["old_logp"], separate[:3])
     assert "current" in batches.state_dict()  # and the checkpoint between the two updates holds them

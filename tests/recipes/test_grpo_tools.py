@@ -19,7 +19,8 @@ from nanoforge.rl.agent import agent_prompt, agent_rollout, environment_ids, pac
 from nanoforge.recipes.grpo import RLOptions, grpo
 from nanoforge.rl.losses import policy_loss
 from nanoforge.rl.prompts import PromptIterator
-from nanoforge.rl.rollout import RolloutConfig, token_logps
+from nanoforge.rl.prefix import prefix_token_logps
+from nanoforge.rl.rollout import RolloutConfig
 from nanoforge.rl.grpo_batches import RolloutBatches, policy_objective
 from nanoforge.chat.calculator import evaluate
 from nanoforge.weights import checkpoint as ckpt
@@ -96,7 +97,7 @@ def test_a_scripted_step_equals_the_hand_built_batch(tiny_tokenizer):
     model.train()
     loss = policy_objective("grpo", 0.2, None, 0.1, "sequence", 0.8, batches)
     for micro in (first, second):
-        logp = token_logps(model, micro["input_ids"], 0.8)
+        logp = prefix_token_logps(model, micro["input_ids"], micro["loss_mask"], 0.8)
         m = micro["loss_mask"].bool()
         assert "old_logp" not in micro and torch.equal(logp.detach()[m], micro["ref_logp"][m])
         _, _, extras = loss(model, micro)
