@@ -332,6 +332,10 @@ class GPT(nn.Module):
                 raise NanoforgeError(f"the KV cache was made for batch size {cache.batch_size}, got {B}")
             cache.check_room(T)
             start = cache.length
+            if start == 0 and B > 1 and segment_ids is None and layout is None:
+                shared = self._prefill_once(input_ids, cache, attention_mask)
+                if shared is not None:
+                    return shared
         rope = self.model.rotary_emb
         if start + T > rope.n_positions:
             raise NanoforgeError(f"sequence of {start + T} positions is longer than the model's "
@@ -387,6 +391,21 @@ class GPT(nn.Module):
         # every query see itself keeps such rows finite; real tokens never look at padded keys either way.
         allowed = allowed | (k_pos == q_pos)
         return cos, sin, allowed.unsqueeze(1), False  # mask (B, 1, T, S)
+
+    def _prefill_once(self, input_ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None):
+        """A prefill with each distinct prompt computed once (an RL rollout repeats each G times), its keys and
+        values then cached for every row that repeats it; None when the rows all differ."""
+        T = input_ids.shape[1]
+        rows = input_ids if attention_mask is None else torch.cat([input_ids, attention_mask.to(input_ids)], 1)
+        distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)
+        if len(distinct) == len(rows):
+            return None
+        small = self.new_cache(len(distinct), max_len=T, dtype=cache.k[0].dtype)
+        logits = GPT.forward(self, distinct[:, :T], small, None if attention_mask is None else distinct[:, T:])
+        for layer in range(len(cache.k)):
+            cache.update(layer, small.k[layer][inverse], small.v[layer][inverse])
+        cache.advance(T)
+        return logits[inverse]
 
     @staticmethod
     def _packed_layout(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,12 +1,7 @@
-"""Log-probs of rollout rows whose prompt is computed once per group, not once per reply.
-
-A GRPO step trains on G replies to each prompt, laid out as G rows that repeat the prompt. Consecutive rows with
-the same tokens before their first trained one become one row here: the prompt, then each reply after it, every
-reply at the positions it had in its own row and attending to the prompt and to its own earlier tokens only
-(GPT.forward's `layout`). Each reply's log-probs are then what its own row gives, up to float rounding, and so
-are the gradients, which sum the replies' contributions through the shared prompt; the forward and backward
-pass over P prompts + all replies instead of P x G prompts + all replies. At 8 replies of a few tokens to a
-short prompt that is about a third of the tokens; with long (tool, system) prompts, less still.
+"""Log-probs of rollout rows with each group's prompt computed once, not once per reply: consecutive rows with the
+same tokens before their first trained one become one row, the prompt then each reply, every reply at its own
+positions and attending to the prompt and its own earlier tokens only (GPT.forward's `layout`). The numbers and
+gradients are each row's own, up to float rounding; the pass is over P prompts + the replies, not P x G prompts.
 """
 from __future__ import annotations
 

@@ -355,6 +355,31 @@ def test_left_padded_batch_matches_prompts_alone():
             torch.testing.assert_close(no_cache[b, L - len(p):], alone, atol=1e-5, rtol=0)
 
 
+def test_a_prefill_computes_each_distinct_prompt_once():
+    """RL samples G replies to each prompt: the prefill runs the blocks on the distinct rows only (a row that
+    differs only by its padding counts as distinct) and caches every row's keys and values, so decoding then
+    gives each row what it alone would."""
+    model = tiny_model()
+    g = torch.Generator().manual_seed(3)
+    p, q = torch.randint(1, VOCAB, (5,), generator=g), torch.randint(1, VOCAB, (5,), generator=g)
+    ids = torch.stack([p, p, q, p, q, torch.cat([torch.tensor([0]), q[1:]])])
+    mask = torch.ones_like(ids)
+    mask[5, 0] = 0  # the same tokens as a left-padded q[1:], which is another prompt
+    seen = []
+    model.model.embed_tokens.register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape[0]))
+    nxt = torch.randint(1, VOCAB, (6, 1), generator=g)
+    with torch.no_grad():
+        cache = model.new_cache(6, max_len=8)
+        first = model(ids, cache=cache, attention_mask=mask)
+        second = model(nxt, cache=cache, attention_mask=torch.cat([mask, torch.ones_like(nxt)], 1))
+        assert seen == [3, 6] and cache.length == 6
+        for b in range(6):
+            real = ids[b][mask[b].bool()]
+            alone = model(torch.cat([real, nxt[b]])[None])[0]
+            torch.testing.assert_close(first[b, -1], alone[-2], atol=1e-5, rtol=0)
+            torch.testing.assert_close(second[b, -1], alone[-1], atol=1e-5, rtol=0)
+
+
 def test_attention_mask_shape_is_checked():
     model = tiny_model()
     cache = model.new_cache(2, max_len=16)
