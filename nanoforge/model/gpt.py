@@ -1,4 +1,4 @@
-"""The transformer: a decoder-only GPT in the Llama mould, plus its KV cache.
+"""The transformer: a decoder-only GPT in the Llama mould (its KV cache: model/kvcache.py).
 
 Pre-norm RMSNorm, rotary position embeddings (optionally YaRN-scaled), grouped-query attention through
 `scaled_dot_product_attention`, SwiGLU feed-forward, optional QK-norm, optionally tied embeddings.
@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanoforge.config import ModelConfig
+from nanoforge.model.kvcache import KVCache
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.moe import MLP, MoE
 
@@ -141,41 +142,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     (B, 1, T, hd). Done in x's dtype, as HF does (it casts the float32 tables to x's dtype)."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return x * cos + rotate_half(x) * sin
-
-
-# ------------------------------------------------------------------------------------------------- KV cache
-
-
-class KVCache:
-    """Keys and values of the tokens seen so far, preallocated per layer as (B, n_kv_heads, max_len, head_dim).
-
-    `length` is how many positions are filled (the same for every row; left padding makes rows of different
-    lengths line up). A forward with a cache writes its new keys and values at [length, length + T) in every
-    layer and then advances `length` by T. Create one with `GPT.new_cache`.
-    """
-
-    def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, max_len: int, head_dim: int,
-                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32):
-        shape = (batch_size, n_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.batch_size, self.max_len, self.length = batch_size, max_len, 0
-
-    def check_room(self, n_new: int) -> None:
-        if self.length + n_new > self.max_len:
-            raise NanoforgeError(f"KV cache overflow: it holds {self.length} of {self.max_len} positions and "
-                                 f"{n_new} more were given; create the cache with a larger max_len")
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, n_kv_heads, T, hd) after the cached positions; return all keys and values so far,
-        (B, n_kv_heads, length + T, hd). `length` itself moves once per forward, in `advance`."""
-        end = self.length + k.shape[2]
-        self.k[layer][:, :, self.length:end] = k
-        self.v[layer][:, :, self.length:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
-
-    def advance(self, n_new: int) -> None:
-        self.length += n_new
 
 
 # ------------------------------------------------------------------------------------------------ Attention
@@ -323,7 +289,7 @@ class GPT(nn.Module):
         tokens of its own segment and its position restarts at 0 with each segment, so every packed
         conversation is computed exactly as if it were alone in the row.
         `layout` (positions (B, T), allowed (B, T, T) True = may attend): any other arrangement, spelled out (RL's
-        rows sharing their prompt, rl/prefix.py).
+        rows sharing their prompt, model/prefix.py).
         """
         B, T = input_ids.shape
         start = 0
@@ -337,7 +303,7 @@ class GPT(nn.Module):
                 if shared is not None:
                     return shared
         rope = self.model.rotary_emb
-        if start + T > rope.n_positions:
+        if layout is None and start + T > rope.n_positions:  # a layout's positions are those of its rows alone
             raise NanoforgeError(f"sequence of {start + T} positions is longer than the model's "
                                  f"{rope.n_positions} (max_seq_len * rope_scaling_factor)")
         if segment_ids is not None or layout is not None:

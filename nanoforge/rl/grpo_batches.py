@@ -21,7 +21,7 @@ import torch.distributed as dist
 from nanoforge.errors import NanoforgeError
 from nanoforge.rl.losses import loss_count, policy_loss
 from nanoforge.rl.prompts import PromptIterator
-from nanoforge.rl.prefix import prefix_token_logps
+from nanoforge.model.prefix import prefix_token_logps
 from nanoforge.rl.rollout import Batch, RewardFn, RolloutConfig, rollout, rows
 
 

@@ -30,7 +30,7 @@ from nanoforge.errors import NanoforgeError
 from nanoforge.infer.generate import Completion, SamplingConfig, complete
 from nanoforge.chat.replies import THINK_OPEN
 from nanoforge.rl.losses import group_advantages
-from nanoforge.rl.prefix import prefix_token_logps
+from nanoforge.model.prefix import prefix_token_logps
 from nanoforge.rl.prompts import PromptRecord
 
 Batch = dict[str, torch.Tensor]
@@ -89,7 +89,7 @@ def sample_replies(model, tokenizer, prompts: Sequence[list[int]], cfg: RolloutC
 @torch.no_grad()
 def frozen_logps(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, temperature: float, precision: str,
                  chunk: int | None = None) -> torch.Tensor:
-    """rl/prefix.py's log-probs in eval mode, no grad, under the run's autocast: the reference's. Computed `chunk`
+    """model/prefix.py's log-probs in eval mode, no grad, under the run's autocast: the reference's. Computed `chunk`
     rows at a time, the micro-batches the loss will see: the same shapes give the same numbers (in fp32 the first
     update's KL is exactly 0), and the logits of a whole rollout need not fit at once."""
     device = next(model.parameters()).device

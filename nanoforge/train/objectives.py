@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoforge.data.batches import IGNORE
-from nanoforge.data.dpo import sequence_logps
+from nanoforge.model.prefix import prefix_token_logps
 
 
 def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]):
@@ -41,9 +41,15 @@ def dpo_loss(model: nn.Module, batch: dict[str, torch.Tensor], beta: float = 0.1
     (Stage.count_fn = nanoforge.data.dpo.count_pairs). At the start policy == reference, so every pair's
     loss is log 2 = 0.6931: a loss stuck there means the policy is not moving (lr far too small).
     """
-    logits = model(batch["input_ids"])  # (2B, T, V)
-    logps = sequence_logps(logits, batch["labels"])  # (2B,) float32
-    ratios = logps - batch["ref_logps"].float()  # (2B,) log pi/pi_ref of each reply
+    logps = pair_logps(model, batch["input_ids"], batch["labels"])  # (2B,) float32
+    loss_sum, n, extras = dpo_objective(logps, batch["ref_logps"], beta)
+    loss_sum, n, aux = with_aux_loss(model, loss_sum, n)
+    return loss_sum, n, {**extras, **aux}
+
+
+def dpo_objective(logps: torch.Tensor, ref_logps: torch.Tensor, beta: float):
+    """dpo_loss's arithmetic on the policy's and the reference's (2B,) summed log-probs."""
+    ratios = logps - ref_logps.float()  # (2B,) log pi/pi_ref of each reply
     n_pairs = ratios.shape[0] // 2
     chosen, rejected = beta * ratios[:n_pairs], beta * ratios[n_pairs:]  # (B,) implicit rewards
     margin = chosen - rejected  # (B,)
@@ -51,8 +57,21 @@ def dpo_loss(model: nn.Module, batch: dict[str, torch.Tensor], beta: float = 0.1
     n = torch.tensor(n_pairs, device=logps.device)
     extras = {"reward_margin": margin.detach().mean(), "reward_accuracy": (margin.detach() > 0).float().mean(),
               "chosen_reward": chosen.detach().mean(), "rejected_reward": rejected.detach().mean()}
-    loss_sum, n, aux = with_aux_loss(model, loss_sum, n)
-    return loss_sum, n, {**extras, **aux}
+    return loss_sum, n, extras
+
+
+def pair_logps(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(2B,) each row's summed log-probs of its labelled tokens (data/dpo.py's rows, B chosen then B rejected),
+    a pair's two rows sharing the pass over their prompt (model/prefix.py: rows interleaved c0, r0, c1, r1, ...)."""
+    n = len(input_ids) // 2
+    order = torch.arange(2 * n, device=input_ids.device).view(2, n).T.flatten()
+    ids, labels = input_ids[order], labels[order]
+    tokens = torch.cat([ids, ids[:, -1:]], dim=1)  # (2B, T + 1): each row's tokens, its last one from the labels
+    tokens[:, 1:] = torch.where(labels != IGNORE, labels, tokens[:, 1:])
+    mask = (labels != IGNORE).float()
+    logps = torch.empty(2 * n, dtype=torch.float32, device=input_ids.device)
+    logps[order] = (prefix_token_logps(model, tokens, mask, 1.0) * mask).sum(dim=1)
+    return logps
 
 
 def make_distill_loss(teacher: nn.Module, temperature: float = 1.5, alpha: float = 0.5):

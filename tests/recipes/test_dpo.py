@@ -19,7 +19,7 @@ from nanoforge.data.shards import TokenShards
 from nanoforge.errors import NanoforgeError
 from nanoforge.model.gpt import GPT
 from nanoforge.train.loop import Stage, evaluate, train
-from nanoforge.train.objectives import dpo_loss
+from nanoforge.train.objectives import dpo_loss, dpo_objective, pair_logps
 
 QUIET = dict(log=lambda *a: None)
 VAL_FRACTION = 0.2
@@ -242,17 +242,6 @@ def test_dpo_loss_at_init_is_log2_with_zero_margin_and_gradients(dpo_dir, tiny_t
     assert grads and sum(g.abs().sum().item() for g in grads) > 0
 
 
-class _FixedLogits(torch.nn.Module):
-    """A 'model' whose logits are a fixed table: log-probs are known by hand."""
-
-    def __init__(self, logits: torch.Tensor):
-        super().__init__()
-        self.logits = torch.nn.Parameter(logits)
-
-    def forward(self, input_ids, **_):
-        return self.logits
-
-
 def test_dpo_loss_matches_a_hand_computed_example():
     # 2 pairs -> 4 rows, 3 positions, vocab 2. logits [0, 0] give log p = log 0.5 for either token;
     # logits [log 3, 0] give log p(0) = log 0.75 and log p(1) = log 0.25.
@@ -268,10 +257,9 @@ def test_dpo_loss_matches_a_hand_computed_example():
     beta = 0.5
     margins = [beta * ((pc[i] - ref[i].item()) - (pr[i] - ref[2 + i].item())) for i in range(2)]
     want = sum(-math.log(1 / (1 + math.exp(-m))) for m in margins)
-    model = _FixedLogits(logits.clone())
-    batch = {"input_ids": torch.zeros(4, 3, dtype=torch.long), "labels": labels, "ref_logps": ref}
+    logits.requires_grad_(True)
     assert sequence_logps(logits, labels).tolist() == pytest.approx(pc + pr, abs=1e-6)
-    loss_sum, n, extras = dpo_loss(model, batch, beta=beta)
+    loss_sum, n, extras = dpo_objective(sequence_logps(logits, labels), ref, beta=beta)
     assert int(n) == 2 and loss_sum.item() == pytest.approx(want, abs=1e-5)
     assert extras["reward_margin"].item() == pytest.approx(sum(margins) / 2, abs=1e-5)
     assert extras["reward_accuracy"].item() == pytest.approx(sum(m > 0 for m in margins) / 2)
@@ -279,8 +267,29 @@ def test_dpo_loss_matches_a_hand_computed_example():
         beta * sum(pc[i] - ref[i].item() for i in range(2)) / 2, abs=1e-5)
     # the gradient pushes the chosen replies up and the rejected ones down
     loss_sum.backward()
-    g = model.logits.grad
+    g = logits.grad
     assert g[0, 0, 0] < 0 and g[2, 0, 1] > 0
+
+
+def test_a_pairs_rows_share_their_prompts_pass_with_each_rows_own_log_probs_and_gradients(dpo_dir, tiny_tokenizer):
+    """pair_logps packs a pair's chosen and rejected rows behind one pass over their prompt (model/prefix.py):
+    the same sums and gradients as each row alone, with fewer tokens through the model."""
+    shards = TokenShards(dpo_dir, "val")
+    model = _tiny_model(tiny_tokenizer.vocab_size)
+    batch = DPOBatches(shards, compute_reference_logps(model, shards, 4, 1024), 4, 1024, seed=0).next_batch()
+    ids, labels = batch["input_ids"], batch["labels"]
+    weights = torch.linspace(-1.0, 1.0, len(ids))
+    (sequence_logps(model(ids), labels) * weights).sum().backward()
+    alone = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    seen = []
+    model.model.embed_tokens.register_forward_pre_hook(lambda mod, args: seen.append(args[0].numel()))
+    shared = pair_logps(model, ids, labels)
+    (shared * weights).sum().backward()
+    torch.testing.assert_close(shared, sequence_logps(model(ids), labels), atol=1e-4, rtol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, alone[name], atol=1e-5, rtol=1e-4, msg=name)
+    assert seen[0] < int((ids != 0).sum())  # the prompts went through once per pair
 
 
 # ---------------------------------------------------------------------------------------------- training

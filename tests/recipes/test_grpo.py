@@ -18,7 +18,7 @@ from nanoforge.recipes.grpo import RLOptions, grpo
 from nanoforge.rl.losses import policy_loss
 from nanoforge.rl.rewards import combine, parse_rewards
 from nanoforge.rl.prompts import PromptIterator, read_prompts
-from nanoforge.rl.prefix import prefix_token_logps
+from nanoforge.model.prefix import prefix_token_logps
 from nanoforge.rl.rollout import RolloutConfig, frozen_logps, pack, rollout
 from nanoforge.rl.grpo_batches import RolloutBatches, decode_batch, encode_batch, policy_objective
 from nanoforge.weights import checkpoint as ckpt

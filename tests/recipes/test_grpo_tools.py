@@ -19,7 +19,7 @@ from nanoforge.rl.agent import agent_prompt, agent_rollout, environment_ids, pac
 from nanoforge.recipes.grpo import RLOptions, grpo
 from nanoforge.rl.losses import policy_loss
 from nanoforge.rl.prompts import PromptIterator
-from nanoforge.rl.prefix import prefix_token_logps
+from nanoforge.model.prefix import prefix_token_logps
 from nanoforge.rl.rollout import RolloutConfig
 from nanoforge.rl.grpo_batches import RolloutBatches, policy_objective
 from nanoforge.chat.calculator import evaluate

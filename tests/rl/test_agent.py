@@ -52,7 +52,7 @@ class ScriptedAgentGPT(GPT):
         self.rows: list[dict] = []
 
     def forward(self, input_ids, cache=None, attention_mask=None, layout=None):
-        if layout is not None:  # the log-probs of finished rollouts (rl/prefix.py): the model's own, unscripted
+        if layout is not None:  # the log-probs of finished rollouts (model/prefix.py): the model's own, unscripted
             return super().forward(input_ids, layout=layout)
         start = cache.length if cache is not None else 0
         logits = super().forward(input_ids, cache=cache, attention_mask=attention_mask)  # (B, T, V)

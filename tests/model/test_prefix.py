@@ -1,11 +1,11 @@
-"""rl/prefix.py: the rows of a rollout with each group's prompt computed once give every row's own log-probs and
+"""model/prefix.py: the rows of a rollout with each group's prompt computed once give every row's own log-probs and
 gradients, on a real (tiny, random) model."""
 import torch
 import torch.nn.functional as F
 
 from nanoforge.config import ModelConfig
 from nanoforge.model.gpt import GPT
-from nanoforge.rl.prefix import group_rows, prefix_token_logps
+from nanoforge.model.prefix import group_rows, prefix_token_logps
 
 
 def tiny_model() -> GPT:
