@@ -92,14 +92,15 @@ class Clock(TrainerCallback):
 
     def summary(self, skip: int = 1) -> dict:
         """Step times without the first `skip` steps (warm-up: the first step allocates everything), and the
-        median ms/step of each phase: rollout (GRPO: generation, rewards, log-probs; its generation apart),
-        forward+backward (training_step less the rollout), optimizer, other (data loading, logging)."""
+        median ms/step of each phase: data (the batch's collation; GRPO: and the rollout: generation, rewards,
+        log-probs, its generation apart), forward+backward (training_step less the rollout), optimizer, other
+        (the log, callbacks)."""
         steps = [b - a for a, b in zip(self.ends, self.ends[1:])][skip:]
         rows = []
         for total, p in zip(steps, self.phases[skip:]):
-            rollout = p.get("rollout", 0.0)
-            row = {"rollout": rollout, "generation": p.get("generation", 0.0),
-                   "fwd_bwd": p.get("train_step", 0.0) - rollout, "optim": p["optim"]}
+            rollout = p.get("rollout", 0.0)  # inside training_step, as nanoforge's rollout is in its data phase
+            row = {"rollout": p.get("data", 0.0) + rollout, "fwd_bwd": p.get("train_step", 0.0) - rollout,
+                   "optim": p["optim"], **({"generation": p["generation"]} if "generation" in p else {})}
             rows.append({**row, "other": total - row["rollout"] - row["fwd_bwd"] - row["optim"], "step": total})
         phases = {k: 1e3 * statistics.median(r[k] for r in rows) for k in rows[0]} if rows else {}
         return {"step_s_median": statistics.median(steps) if steps else None, "step_s": steps,
@@ -107,6 +108,7 @@ class Clock(TrainerCallback):
 
     def watch(self, trainer) -> None:
         """Time the phases every trainer has (GRPO adds its rollout)."""
+        self.phase(trainer, "get_batch_samples", "data")
         self.phase(trainer, "training_step", "train_step")
         self.phase(trainer, "_clip_grad_norm", "optim")
 

@@ -347,7 +347,7 @@ def show_mapping(name: str) -> None:
 
 RATIOS = ("supervised_tokens_per_s", "pairs_per_s", "step_s", "ref_pass_s", "peak_rss_mb")  # speed and memory
 PHASES = {"rollout": "data (GRPO: rollout)", "generation": "  of it: generation", "fwd_bwd": "forward+backward",
-          "optim": "optimizer (clip, step, zero_grad)", "other": "other (data loading, log)", "step": "step"}
+          "optim": "optimizer (clip, step, zero_grad)", "other": "other (log, bookkeeping)", "step": "step"}
 
 
 def summarise(runs: list[dict]) -> dict:
