@@ -55,23 +55,62 @@ def read_jsonl(path: str, limit: int | None = None) -> list[dict]:
 
 
 class Clock(TrainerCallback):
-    """Times each optimizer step end to end (data, forward, backward, optimizer, logging)."""
+    """Times each optimizer step end to end (data, forward, backward, optimizer, logging), and its phases: the
+    trainer methods that `phase` wraps add their time to the step's, and the optimizer phase runs from the
+    gradient clipping to the step's end (clip, optimizer.step, scheduler, zero_grad: what nanoforge's optim_ms
+    holds)."""
 
     def __init__(self):
         self.ends: list[float] = [time.perf_counter()]
         self.supervised: list[int] = []
+        self.phases: list[dict[str, float]] = []
+        self.current: dict[str, float] = {}
+        self.clip_start = 0.0
+
+    def phase(self, trainer, method: str, name: str) -> None:
+        """Wrap trainer.`method` (on the instance: the trainer calls it through self) to time it as `name`."""
+        fn = getattr(trainer, method)
+
+        def timed(*a, **k):
+            start = time.perf_counter()
+            if name == "optim":
+                self.clip_start = start
+            try:
+                return fn(*a, **k)
+            finally:
+                self.current[name] = self.current.get(name, 0.0) + time.perf_counter() - start
+        setattr(trainer, method, timed)
 
     def on_train_begin(self, *a, **k):
         self.ends = [time.perf_counter()]
 
     def on_step_end(self, *a, **k):
         self.ends.append(time.perf_counter())
+        self.current["optim"] = self.ends[-1] - self.clip_start
+        self.phases.append(self.current)
+        self.current = {}
 
     def summary(self, skip: int = 1) -> dict:
-        """Step times without the first `skip` steps (warm-up: the first step allocates everything)."""
+        """Step times without the first `skip` steps (warm-up: the first step allocates everything), and the
+        median ms/step of each phase: data (the batch's collation; GRPO: and the rollout: generation, rewards,
+        log-probs, its generation apart), forward+backward (training_step less the rollout), optimizer, other
+        (the log, callbacks)."""
         steps = [b - a for a, b in zip(self.ends, self.ends[1:])][skip:]
+        rows = []
+        for total, p in zip(steps, self.phases[skip:]):
+            rollout = p.get("rollout", 0.0)  # inside training_step, as nanoforge's rollout is in its data phase
+            row = {"rollout": p.get("data", 0.0) + rollout, "fwd_bwd": p.get("train_step", 0.0) - rollout,
+                   "optim": p["optim"], **({"generation": p["generation"]} if "generation" in p else {})}
+            rows.append({**row, "other": total - row["rollout"] - row["fwd_bwd"] - row["optim"], "step": total})
+        phases = {k: 1e3 * statistics.median(r[k] for r in rows) for k in rows[0]} if rows else {}
         return {"step_s_median": statistics.median(steps) if steps else None, "step_s": steps,
-                "train_s": self.ends[-1] - self.ends[0]}
+                "train_s": self.ends[-1] - self.ends[0], "phases_ms": phases}
+
+    def watch(self, trainer) -> None:
+        """Time the phases every trainer has (GRPO adds its rollout)."""
+        self.phase(trainer, "get_batch_samples", "data")
+        self.phase(trainer, "training_step", "train_step")
+        self.phase(trainer, "_clip_grad_norm", "optim")
 
 
 def common_args(job: dict) -> dict:
@@ -103,6 +142,7 @@ def sft(job: dict) -> dict:
                        packing=True, packing_strategy="bfd", assistant_only_loss=True, dataset_num_proc=None)
     trainer = Counting(model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tok,
                        callbacks=[clock])
+    clock.watch(trainer)
     trainer.train()
     out = clock.summary()
     timed = clock.supervised[1:]
@@ -140,6 +180,7 @@ def dpo(job: dict) -> dict:
                        precompute_ref_batch_size=job["batch"] * 2, dataset_num_proc=None)
     trainer = Timed(model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tok,
                     callbacks=[clock])
+    clock.watch(trainer)
     trainer.train()
     out = clock.summary()
     out["ref_s"] = sum(ref.values())
@@ -183,6 +224,9 @@ def grpo(job: dict) -> dict:
                         log_completions=False)
     trainer = GRPOTrainer(model=model, reward_funcs=math_reward, args=config, train_dataset=Dataset.from_list(rows),
                           processing_class=tok, callbacks=[clock])
+    clock.watch(trainer)
+    clock.phase(trainer, "_generate_and_score_completions", "rollout")  # generation, rewards, logps, advantages
+    clock.phase(trainer, "_generate", "generation")
     trainer.train()
     out = clock.summary()
     out["rewards"] = [h.get("reward") for h in trainer.state.log_history if "reward" in h]

@@ -12,7 +12,12 @@ one after the other with one thread (OMP_NUM_THREADS=1; the worker also calls to
 CPU; peak memory is each child's RSS high-water mark (ru_maxrss from wait4).
 
     NANOFORGE_DATA=DATA .venv/bin/python benchmarks/vs_trl.py --trl-python TRLVENV/bin/python \\
-        [--only sft|dpo|grpo|roundtrip] [--steps N] [--init RUN] [--json OUT]
+        [--only sft|dpo|grpo|roundtrip] [--steps N] [--repeat N] [--init RUN] [--json OUT]
+
+--repeat N: the model (and GRPO's SFT model) is made once; each comparison then runs N times, nanoforge then TRL
+each time; printed: every run, each figure's median and min-max, the nanoforge/TRL ratio of the medians of the
+speed and memory figures, and the median ms/step of each phase side by side (nanoforge's from metrics.jsonl,
+TRL's from its trainer's methods, timed in trl_worker.py); --json holds every run and the medians.
 
 0. Model: --init RUN, or `nanoforge pretrain` of a small llama-shaped model on $NANOFORGE_DATA/tiny/pretrain_tiny.jsonl
    (a tokenizer trained on the fly), exported with `nanoforge export`; transformers must load it as
@@ -151,6 +156,25 @@ def our_steps(run: Path, skip: int = 1) -> dict:
     return {"recs": recs, "step_s": times, "step_s_median": statistics.median(times) if times else None}
 
 
+def our_phases(run: Path, replies: int = 0) -> dict[str, float]:
+    """Median ms/step past the first step of each phase, from metrics.jsonl (--log-every 1): data (GRPO: the
+    rollout: generation, scoring, advantages), of it generation (GRPO: `replies` x mean reply length / the
+    rollout's tokens/s), forward+backward, optimizer (clip, step, zero_grad), other (the rest of the gap between
+    two records: the log, bookkeeping), step (that gap)."""
+    recs, rows = metrics(run), []
+    for prev, r in zip(recs, recs[1:]):
+        row = {"rollout": r["data_ms"], "fwd_bwd": r["fwd_bwd_ms"], "optim": r["optim_ms"],
+               "step": 1e3 * (r["time"] - prev["time"])}
+        if replies:
+            row["generation"] = 1e3 * replies * _stat(r, "reply_len") / _stat(r, "rollout_tokens_per_s")
+        rows.append({**row, "other": row["step"] - row["rollout"] - row["fwd_bwd"] - row["optim"]})
+    return {k: statistics.median(row[k] for row in rows) for k in rows[0]} if rows else {}
+
+
+def _stat(rec: dict, name: str) -> float:
+    return rec[name] if name in rec else rec[f"stat_{name}"]
+
+
 # -------------------------------------------------------------------------------------------- the model
 
 
@@ -208,9 +232,11 @@ def compare_sft(args, run: Path, hf: Path, work: Path) -> dict:
                           seq_len=512, **OPT)
     return {"steps": steps, "data": str(data),
             "nanoforge": {"supervised_tokens_per_s": tokens / sum(ours["step_s"]), "step_s": ours["step_s_median"],
-                          "peak_rss_mb": ours_rss, "loss_first_last": _first_last(metrics(work / "ours-sft"))},
+                          "peak_rss_mb": ours_rss, "loss_first_last": _first_last(metrics(work / "ours-sft")),
+                          "phases_ms": our_phases(work / "ours-sft")},
             "trl": {"supervised_tokens_per_s": theirs["supervised_tokens_per_s"], "step_s": theirs["step_s_median"],
-                    "peak_rss_mb": trl_rss, "loss_first_last": [theirs["losses"][0], theirs["losses"][-1]]}}
+                    "peak_rss_mb": trl_rss, "loss_first_last": [theirs["losses"][0], theirs["losses"][-1]],
+                    "phases_ms": theirs["phases_ms"]}}
 
 
 def _first_last(recs: list[dict]) -> list[float]:
@@ -232,37 +258,44 @@ def compare_dpo(args, run: Path, hf: Path, work: Path) -> dict:
                           seq_len=512, beta=0.1, **OPT)
     return {"steps": steps, "pairs": 4 * steps, "data": str(src),
             "nanoforge": {"pairs_per_s": 4 / ours["step_s_median"], "step_s": ours["step_s_median"],
-                          "ref_pass_s": ref_s, "peak_rss_mb": ours_rss, "loss_first_last": _first_last(metrics(work / "ours-dpo"))},
+                          "ref_pass_s": ref_s, "peak_rss_mb": ours_rss,
+                          "loss_first_last": _first_last(metrics(work / "ours-dpo")), "phases_ms": our_phases(work / "ours-dpo")},
             "trl": {"pairs_per_s": theirs["pairs_per_s"], "step_s": theirs["step_s_median"], "ref_pass_s": theirs["ref_s"],
-                    "peak_rss_mb": trl_rss, "loss_first_last": [theirs["losses"][0], theirs["losses"][-1]]}}
+                    "peak_rss_mb": trl_rss, "loss_first_last": [theirs["losses"][0], theirs["losses"][-1]],
+                    "phases_ms": theirs["phases_ms"]}}
 
 
-def compare_grpo(args, work: Path) -> dict:
-    """grpo_arithmetic's SFT model, exported; each tool's GRPO from it; held-out greedy accuracy by one scorer."""
-    steps = args.steps or 20
+def grpo_setup(args, work: Path) -> dict:
+    """grpo_arithmetic's data and SFT model (done once for every repeat), exported; its held-out accuracy."""
     task = work / "arith"
     sft_file, prompts, held = arith.write_data(task, 12, 8)
     sft_run = arith.sft_model(task, sft_file, args.arith_sft_steps)
     hf = task / "sft-hf"
     nanoforge("export", str(sft_run), "--out", str(hf), "--force")
-    before = arith.greedy_accuracy(sft_run, held)
+    return {"sft_run": sft_run, "hf": hf, "prompts": prompts, "held": held,
+            "before": arith.greedy_accuracy(sft_run, held)}
+
+
+def compare_grpo(args, task: dict, work: Path) -> dict:
+    """Each tool's GRPO from grpo_setup's SFT model; held-out greedy accuracy by one scorer."""
+    steps, prompts, held = args.steps or 20, task["prompts"], task["held"]
     _, _, ours_rss = nanoforge(
-        "grpo", "--init", str(sft_run), "--data", str(prompts), "--out", str(work / "ours-grpo"), "--loss", "grpo",
-        "--loss-norm", "sequence", "--advantage", "zscore", "--num-generations", "8", "--prompts-per-step", "8",
-        "--beta", "0", "--epsilon", "0.2", "--temperature", "1", "--max-new-tokens", "6", "--ppo-epochs", "1",
-        "--reward", "math", "--max-steps", str(steps), "--lr", "3e-5", "--schedule", "constant",
+        "grpo", "--init", str(task["sft_run"]), "--data", str(prompts), "--out", str(work / "ours-grpo"),
+        "--loss", "grpo", "--loss-norm", "sequence", "--advantage", "zscore", "--num-generations", "8",
+        "--prompts-per-step", "8", "--beta", "0", "--epsilon", "0.2", "--temperature", "1", "--max-new-tokens", "6",
+        "--ppo-epochs", "1", "--reward", "math", "--max-steps", str(steps), "--lr", "3e-5", "--schedule", "constant",
         "--warmup-steps", "0", *COMMON_FLAGS, "--quiet")
-    recs = metrics(work / "ours-grpo")
-    ours_step = statistics.median(b["time"] - a["time"] for a, b in zip(recs[1:], recs[2:])) if len(recs) > 2 else None
-    theirs, trl_rss = trl(args.trl_python, work, "grpo", hf_dir=str(hf), data=str(prompts), steps=steps,
+    recs, phases = metrics(work / "ours-grpo"), our_phases(work / "ours-grpo", replies=64)
+    theirs, trl_rss = trl(args.trl_python, work, "grpo", hf_dir=str(task["hf"]), data=str(prompts), steps=steps,
                           prompts=8, generations=8, max_new_tokens=6, temperature=1.0, beta=0.0, lr=3e-5,
                           warmup=0, schedule="constant", schedule_kwargs={}, save=str(work / "trl-grpo-model"))
-    return {"steps": steps, "held_out": len(held), "accuracy_before": before,
-            "nanoforge": {"step_s": ours_step, "accuracy_after": arith.greedy_accuracy(work / "ours-grpo", held),
-                          "peak_rss_mb": ours_rss, "reward_first_last": _ends([r.get("reward_mean") for r in recs])},
+    return {"steps": steps, "held_out": len(held), "accuracy_before": task["before"],
+            "nanoforge": {"step_s": phases["step"] / 1e3 if phases else None, "peak_rss_mb": ours_rss,
+                          "accuracy_after": arith.greedy_accuracy(work / "ours-grpo", held),
+                          "reward_first_last": _ends([r.get("reward_mean") for r in recs]), "phases_ms": phases},
             "trl": {"step_s": theirs["step_s_median"], "peak_rss_mb": trl_rss,
                     "accuracy_after": arith.greedy_accuracy(work / "trl-grpo-model", held),
-                    "reward_first_last": _ends(theirs["rewards"])}}
+                    "reward_first_last": _ends(theirs["rewards"]), "phases_ms": theirs["phases_ms"]}}
 
 
 def _ends(values: list) -> list:
@@ -303,10 +336,70 @@ def show(name: str, result: dict) -> None:
     for tool in ("nanoforge", "trl"):
         if tool in result:
             print(f"  {tool:10s} " + "  ".join(f"{k} {_fmt(v)}" for k, v in result[tool].items()))
+
+
+def show_mapping(name: str) -> None:
     for what, pair in MAPPING.get(name, []):
         print(f"  mapping {what}: {pair}")
     if name in UNMATCHED:
         print(f"  not matched: {UNMATCHED[name]}")
+
+
+RATIOS = ("supervised_tokens_per_s", "pairs_per_s", "step_s", "ref_pass_s", "peak_rss_mb")  # speed and memory
+PHASES = {"rollout": "data (GRPO: rollout)", "generation": "  of it: generation", "fwd_bwd": "forward+backward",
+          "optim": "optimizer (clip, step, zero_grad)", "other": "other (log, bookkeeping)", "step": "step"}
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Per tool: each number's median, min and max over the runs, and the median ms/step of each phase over the
+    runs' medians; the nanoforge/TRL ratio of the medians of the speed and memory figures."""
+    out = {}
+    for tool in ("nanoforge", "trl"):
+        keys = [k for k, v in runs[0][tool].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        values = {k: [r[tool][k] for r in runs] for k in keys}
+        out[tool] = {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in values.items()}
+        phases = [r[tool]["phases_ms"] for r in runs if r[tool].get("phases_ms")]
+        out[tool]["phases_ms"] = {k: statistics.median(p[k] for p in phases) for k in phases[0]} if phases else {}
+    out["ratio"] = {k: out["nanoforge"][k]["median"] / out["trl"][k]["median"] for k in RATIOS
+                    if k in out["nanoforge"] and k in out["trl"]}
+    return out
+
+
+def show_summary(name: str, summary: dict, n: int) -> None:
+    print(f"\n== {name}: medians of {n} run(s) [min-max] ==")
+    print(f"  {'figure':24s} {'nanoforge':>26s} {'TRL':>26s} {'nanoforge/TRL':>14s}")
+    ours, theirs = summary["nanoforge"], summary["trl"]
+    for key in [k for k in ours if k != "phases_ms"]:
+        ratio = f"{summary['ratio'][key]:.3g}" if key in summary["ratio"] else ""
+        print(f"  {key:24s} {_spread(ours.get(key)):>26s} {_spread(theirs.get(key)):>26s} {ratio:>14s}")
+    print(f"  {'phase (ms/step, median)':36s} {'nanoforge':>12s} {'TRL':>12s}")
+    for key, label in PHASES.items():
+        if key in ours["phases_ms"] or key in theirs["phases_ms"]:
+            print(f"  {label:36s} {_ms(ours['phases_ms'].get(key)):>12s} {_ms(theirs['phases_ms'].get(key)):>12s}")
+    show_mapping(name)
+
+
+def _spread(s: dict | None) -> str:
+    return f"{_fmt(s['median'])} [{_fmt(s['min'])}-{_fmt(s['max'])}]" if s else "-"
+
+
+def _ms(v: float | None) -> str:
+    return f"{v:,.1f}" if v is not None else "-"
+
+
+def repeat(name: str, job, n: int, work: Path) -> dict:
+    """job(its own work dir) n times, one after the other (each run: nanoforge, then TRL); every run and the
+    summary."""
+    runs = []
+    for i in range(n):
+        sub = work / f"{name}-{i + 1}"
+        sub.mkdir()
+        start = time.perf_counter()
+        runs.append({**job(sub), "wall_s": time.perf_counter() - start})
+        show(f"{name}, run {i + 1} of {n}", runs[-1])
+    summary = summarise(runs)
+    show_summary(name, summary, n)
+    return {"runs": runs, **summary}
 
 
 def _fmt(v) -> str:
@@ -324,6 +417,7 @@ def main() -> None:
     ap.add_argument("--data", help="folder holding tiny/ and minimind/ (default: $NANOFORGE_DATA)")
     ap.add_argument("--init", help="a nanoforge run to compare on (default: pretrain a small one)")
     ap.add_argument("--only", choices=["sft", "dpo", "grpo", "roundtrip"])
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each comparison (medians and spread printed)")
     ap.add_argument("--steps", type=int, help="steps of each comparison (default: sft 30, dpo 10, grpo 20)")
     ap.add_argument("--sft-data", help="SFT JSONL (default: minimind/sft_zh_alpaca_gpt4_demo.jsonl; roundtrip: "
                                        "tiny/sft_tiny.jsonl)")
@@ -350,14 +444,17 @@ def main() -> None:
     if args.only != "grpo":
         run, hf = base_model(args, work)
         results["export"] = parity(args, run, hf, work)
-    jobs = {"sft": lambda: compare_sft(args, run, hf, work), "dpo": lambda: compare_dpo(args, run, hf, work),
-            "grpo": lambda: compare_grpo(args, work), "roundtrip": lambda: roundtrip(args, run, hf, work)}
+    jobs = {"sft": lambda sub: compare_sft(args, run, hf, sub), "dpo": lambda sub: compare_dpo(args, run, hf, sub)}
+    if args.only in (None, "grpo"):
+        task = grpo_setup(args, work)
+        jobs["grpo"] = lambda sub: compare_grpo(args, task, sub)
     for name, job in jobs.items():
         if args.only in (None, name):
-            start = time.perf_counter()
-            results[name] = job()
-            results[name]["wall_s"] = time.perf_counter() - start
-            show(name, results[name])
+            results[name] = repeat(name, job, args.repeat, work)
+    if args.only in (None, "roundtrip"):
+        start = time.perf_counter()
+        results["roundtrip"] = {**roundtrip(args, run, hf, work), "wall_s": time.perf_counter() - start}
+        show("roundtrip", results["roundtrip"])
     results["mapping"] = {k: dict(v) for k, v in MAPPING.items()}
     results["not_matched"] = UNMATCHED
     if args.json:
