@@ -15,8 +15,7 @@ text was split, a .txt file counted as one record there).
 Preparing is parallel: the parent reads each file in ~2 MB chunks of whole lines and hands them to worker
 processes, which parse, validate and tokenize; results come back and are written in input order, so the
 output is byte-identical for any number of workers. At most 2 chunks per worker are in flight, which bounds
-memory whatever the input size (`Pool.imap` would read the whole input ahead).
-"""
+memory whatever the input size (`Pool.imap` would read the whole input ahead)."""
 from __future__ import annotations
 
 import hashlib

@@ -17,8 +17,7 @@ manifests list, and be each part of one I/N splitting of their input once, all N
 input is known by its files' names and sizes); --out is apart from them. Merged order is part by part: the split
 of every record and the tokens are those of one prepare; the order of documents is the one prepare's only for
 byte-range parts of one file (for every-N-th files it is part 1's files, then part 2's).
-Keep the parts where they are, next to the merged directory.
-"""
+Keep the parts where they are, next to the merged directory."""
 from __future__ import annotations
 
 import hashlib
