@@ -2,8 +2,7 @@
 wrapping, and the few collectives the loop needs. With one process (no torchrun, or WORLD_SIZE=1) every function
 here is a no-op or the identity, so the loop reads the same either way.
 Each rank reads its own slice of every step's global batch (the batch sources take rank and world_size), so
-the global batch is batch_size x world_size x grad_accum. Only rank 0 writes files.
-"""
+the global batch is batch_size x world_size x grad_accum. Only rank 0 writes files."""
 from __future__ import annotations
 
 import atexit
