@@ -8,8 +8,7 @@
 `load_model` turns any of them into (GPT in eval mode, its tokenizer, the path loaded); `init_config`,
 `init_tokenizer_dir` and `init_weights` read the same paths piecewise for a stage's --init. A LoRA run records
 its base (`adapter_metadata`: the path and sha256 of the base model.safetensors and a fingerprint of the base
-tensors), and `check_base` refuses any other base.
-"""
+tensors), and `check_base` refuses any other base."""
 from __future__ import annotations
 
 import dataclasses
