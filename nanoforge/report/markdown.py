@@ -8,8 +8,7 @@ on a machine without them. Every training command writes RUN/report.md when it f
 (`write_run_report`); `nanoforge report RUN [RUN...] --out FILE.md` writes one on demand and compares runs.
 
 matplotlib is optional (the `report` extra). Without it the report is written all the same, with a line
-saying how to get the plots: a missing plotting library must never cost anyone their numbers.
-"""
+saying how to get the plots: a missing plotting library must never cost anyone their numbers."""
 from __future__ import annotations
 
 import json
