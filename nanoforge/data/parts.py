@@ -132,8 +132,9 @@ def _line_start_at(path: Path, offset: int) -> int:
 
 
 def range_line_chunks(source, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
-    """(first line number, bytes) chunks of whole lines of `source.byte_range`; hashes and sizes that range."""
-    start, end = source.byte_range
+    """(first line number, bytes) chunks of whole lines of `source.byte_range` (without one, the whole file);
+    hashes and sizes what it reads."""
+    start, end = source.byte_range or (0, source.path.stat().st_size)
     line_no = source.first_line
     with open(source.path, "rb") as f:
         f.seek(start)
