@@ -15,6 +15,7 @@ import json
 import math
 import statistics
 import sys
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,11 +86,9 @@ def read_run(run_dir: str | Path, name: str | None = None) -> RunMetrics:
         elif "loss" in record:
             run.train.append(record)
     run.samples = _read_jsonl(run_dir / "samples.jsonl")
-    try:
+    with suppress(NanoforgeError, OSError):  # a torn or foreign checkpoint: the report goes on without it
         last = ckpt.latest_checkpoint(run_dir)
         run.state = ckpt.load_state(last) if last is not None else {}
-    except (NanoforgeError, OSError):  # a torn or foreign checkpoint: the report goes on without it
-        run.state = {}
     return run
 
 
