@@ -132,11 +132,10 @@ def check_base(meta: dict[str, Any], base_checkpoint: str | Path) -> None:
             raise NanoforgeError(f"the adapter's metadata has no {key}; cannot tell which base it was trained on")
     path = _base_file(base_checkpoint)
     sha = file_sha256(path)
-    if sha == meta["base_sha256"] or weights_fingerprint(ckpt.read_weights(path)) == meta["base_fingerprint"]:
-        return
-    raise NanoforgeError(f"adapter was trained on base {meta.get('base_checkpoint', '?')} "
-                         f"(sha256 {meta['base_sha256'][:12]}), not {path} (sha256 {sha[:12]}); "
-                         f"give the base it was trained on")
+    if sha != meta["base_sha256"] and weights_fingerprint(ckpt.read_weights(path)) != meta["base_fingerprint"]:
+        raise NanoforgeError(f"adapter was trained on base {meta.get('base_checkpoint', '?')} "
+                             f"(sha256 {meta['base_sha256'][:12]}), not {path} (sha256 {sha[:12]}); "
+                             f"give the base it was trained on")
 
 
 # ----------------------------------------------------------------------------------------- A stage's --init
