@@ -194,8 +194,7 @@ def pick_shots(q: Question, dev: Sequence[Question], shots: int) -> list[Questio
     if shots <= 0 or not dev:
         return []
     same = [d for d in dev if d.subject == q.subject and d.question != q.question]
-    pool = same or [d for d in dev if d.question != q.question]
-    return pool[:shots]
+    return (same or [d for d in dev if d.question != q.question])[:shots]
 
 
 def _option_logprobs(model, sequences: list[tuple[list[int], list[int]]], batch_size: int, device,
