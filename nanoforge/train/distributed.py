@@ -185,14 +185,11 @@ def is_fsdp(model: nn.Module) -> bool:
 def gradient_sync(model: nn.Module, enabled: bool):
     """A context in which backward does (enabled) or does not (accumulation micro-batches) reduce
     gradients across ranks."""
-    if enabled or not world().distributed:
-        if is_fsdp(model):
-            model.set_requires_gradient_sync(True)
-        return contextlib.nullcontext()
-    if isinstance(model, DistributedDataParallel):
+    sync = enabled or not world().distributed
+    if not sync and isinstance(model, DistributedDataParallel):
         return model.no_sync()
     if is_fsdp(model):
-        model.set_requires_gradient_sync(False)
+        model.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
 
 
