@@ -194,8 +194,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 def run_bench(preset: str | None = None, config_file: str | None = None, overrides: dict[str, Any] | None = None,
               steps: int = 10, warmup: int = 2, data: str | None = None, compare_naive: bool = False,
               log=print) -> dict[str, Any]:
-    """Measure ours (and the naive loop) each in a fresh process; returns {"config": ..., "ours": ...,
-    "naive": ...}."""
+    """Measure ours (and the naive loop) each in a fresh process; returns {"config": ..., "ours": ..., "naive": ...}."""
     overrides = {**(overrides or {}), **bench_settings(steps, warmup)}
     mcfg, tcfg = build_config(preset, config_file, overrides)  # errors here, before any process starts
     results: dict[str, Any] = {"config": config_dicts(mcfg, tcfg), "steps": steps, "warmup": warmup,

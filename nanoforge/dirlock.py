@@ -12,8 +12,7 @@ start time), for the second process's error; it is emptied on release, so a comm
 the directory as it found it. Torch-free, so `prepare` can use it without importing torch.
 
 On network file systems flock is only as good as the server's lock support (Linux NFSv4 emulates it with
-POSIX locks across clients); on a local disk it is exact.
-"""
+POSIX locks across clients); on a local disk it is exact."""
 from __future__ import annotations
 
 import fcntl
@@ -59,8 +58,7 @@ def acquire(lock_path: str | os.PathLike, what: str, unlink_on_release: bool = F
 
     `what` says what the lock protects, for the message ("run directory runs/x"). With unlink_on_release the
     file is removed on release; a process that opened the old file just before that sees it was replaced and
-    locks the new one instead (the inode check below), so two processes can never both hold "the" lock.
-    """
+    locks the new one instead (the inode check below), so two processes can never both hold "the" lock."""
     lock_path = Path(lock_path)
     while True:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -10,8 +10,7 @@ becomes text: `apply_chat_template` renders the string SFT trained on, and `rend
 Control tokens come only from the template: text inside a message's content that spells a special token
 (`<|im_end|>`, `<|im_start|>`, `<|endoftext|>`, ...) is encoded as plain text, so a user cannot forge a
 system or assistant turn and a training record that quotes ChatML keeps its loss mask. Here, and only here,
-the ids differ from HF's apply_chat_template + encode (which would make those real control tokens).
-"""
+the ids differ from HF's apply_chat_template + encode (which would make those real control tokens)."""
 from __future__ import annotations
 
 import functools
@@ -265,8 +264,7 @@ class Tokenizer:
         The text between two structural tokens is encoded in one piece with special tokens disabled: exactly
         what one normal encode does between special tokens (the same pre-tokenization and merges), except
         that special-token text inside a message stays text. Non-special added tokens (<think>, <tool_call>)
-        are still matched, as they are everywhere else.
-        """
+        are still matched, as they are everywhere else."""
         plain = self._plain_text_tokenizer()
         ids, offsets, cursor = [], [], 0
         for start, end, token in list(structural) + [(len(text), len(text), None)]:
@@ -341,8 +339,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 6400, out_dir: str | os.Pa
     The special tokens take ids 0..15; the 256 byte symbols are all in the initial alphabet, so any text
     round-trips even if some bytes never occur in the training files. The six thinking and tool tags
     (<think>, <tool_call>, ...) take the last six ids, as added tokens that are not special, and the tokenizer
-    gets the template that renders thinking and tool calls (chat_template.THINKING_TOOLS_TEMPLATE).
-    """
+    gets the template that renders thinking and tool calls (chat_template.THINKING_TOOLS_TEMPLATE)."""
     from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 
     minimum = len(SPECIAL_TOKENS) + 256 + len(TOOL_TAGS)

@@ -11,8 +11,7 @@ model can read), never as an exception.
 
 Results: an int stays an int; `/` gives an int when the division is exact (GSM8K's `<<48/2=24>>` -> "24") and a
 float otherwise; a float that is a whole number prints as one ("5", not "5.0"), others with 12 significant
-digits.
-"""
+digits."""
 from __future__ import annotations
 
 import ast

@@ -12,8 +12,7 @@ Accepted, as OpenAI's API and MiniMind-3's data write them:
 These checks are the ones `prepare` applies to SFT records (data/jsonl.py calls them). A JSON-string `tool_calls`
 or `tools` is parsed here (templates, MiniMind-3's included, iterate over a list); everything else reaches the
 template as given, so the render equals HF apply_chat_template's on the same input.
-Errors are ChatTemplateErrors naming the message index and the field.
-"""
+Errors are ChatTemplateErrors naming the message index and the field."""
 from __future__ import annotations
 
 import json

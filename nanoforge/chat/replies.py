@@ -21,11 +21,11 @@ and the rules below undo exactly that, so a parsed reply rendered back through t
   - a malformed block (not JSON, no name, arguments not an object, or unclosed at the end of the reply) is
     reported as an error and is NOT content: text inside tool-call tags is never shown as prose.
 Call ids are `{id_prefix}{index}`, index counting the well-formed calls of this reply from 0; the default prefix
-"call_" gives `call_0`, `call_1`, ... (a server wanting ids unique across replies passes its own prefix).
-"""
+"call_" gives `call_0`, `call_1`, ... (a server wanting ids unique across replies passes its own prefix)."""
 from __future__ import annotations
 
 import json
+from contextlib import suppress
 from dataclasses import dataclass, field
 
 from nanoforge import safejson
@@ -213,9 +213,7 @@ def _arguments_text(body: str, name: str, arguments: dict) -> str:
     head = '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
     if body.startswith(head) and body.endswith("}"):
         raw = body[len(head):-1]
-        try:
+        with suppress(json.JSONDecodeError):
             if safejson.loads(raw) == arguments:
                 return raw
-        except json.JSONDecodeError:
-            pass
     return json.dumps(arguments, ensure_ascii=False)

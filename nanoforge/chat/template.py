@@ -3,8 +3,7 @@ format), compiling any template the way transformers does, finding the assistant
 conversation, and their loss mask (1 on each assistant turn after its `<|im_start|>assistant\\n` header, through
 its closing <|im_end|>).
 
-The Tokenizer (tokenizer.py) renders and encodes; this module holds the pieces that need no tokenizer.
-"""
+The Tokenizer (tokenizer.py) renders and encodes; this module holds the pieces that need no tokenizer."""
 from __future__ import annotations
 
 import json
@@ -205,8 +204,7 @@ def assistant_mask(ids, offsets, spans, im_end_id, text) -> list[int]:
     Byte-level BPE with the GPT-2 split regex keeps edges clean for ChatML: the special tokens are split out
     first and the header's '\\n' only merges with the turn when the turn itself starts with two or more
     whitespace characters or is only whitespace (plain ChatML with such a content: then we raise rather than
-    silently train on half a token). With the thinking template every turn starts with the <think> token.
-    """
+    silently train on half a token). With the thinking template every turn starts with the <think> token."""
     mask = [0] * len(ids)
     span_index = 0
     for i, (start, end) in enumerate(offsets):

@@ -3,8 +3,7 @@ built-in tools are enabled (their schemas for the system turn), and what a parse
 conversation (the assistant message, then one `tool` message per call, run against the enabled tools).
 
 The conversation it builds is the one the template renders back (chat_template.THINKING_TOOLS_TEMPLATE):
-an assistant message with `reasoning_content`, `content` and `tool_calls`, then the tool results in order.
-"""
+an assistant message with `reasoning_content`, `content` and `tool_calls`, then the tool results in order."""
 from __future__ import annotations
 
 from nanoforge.errors import NanoforgeError

@@ -3,8 +3,7 @@
 Pretraining packs the token stream into fixed windows (no padding, documents separated by eos, as GPT-2 and
 nanoGPT do). The order of the windows is a seeded permutation per epoch, so where a run is in the data is two
 integers (epoch, cursor) that go into the checkpoint; resuming from them replays exactly the batches an
-uninterrupted run would have seen.
-"""
+uninterrupted run would have seen."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -93,8 +92,7 @@ class PretrainBatches(EpochOrder):
     """Packed windows of seq_len+1 tokens, in a seeded random order per epoch, sharded across ranks (EpochOrder).
 
     Window k covers tokens [k*seq_len, k*seq_len + seq_len + 1), k = 0..W-1 with W = (num_tokens-1)//seq_len,
-    so consecutive windows share one token and every token but the first is a label exactly once per epoch.
-    """
+    so consecutive windows share one token and every token but the first is a label exactly once per epoch."""
 
     def __init__(self, shards: TokenShards, batch_size: int, seq_len: int, seed: int, rank: int = 0,
                  world_size: int = 1):
@@ -116,7 +114,7 @@ class PretrainBatches(EpochOrder):
         return self.num_windows
 
     def _make_order(self, epoch: int) -> np.ndarray:
-        return torch.randperm(self.num_windows, generator=torch.Generator().manual_seed(self.seed + epoch)).numpy()
+        return self._shuffled(np.arange(self.num_windows), epoch)
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         """The next batch for this rank: input_ids and labels, (batch_size, seq_len) int64 each."""
@@ -128,8 +126,7 @@ class EvalBatches:
     iterated.
 
     `bytes_per_token` (UTF-8 bytes of the split's source text per token) turns a mean loss in nats per token
-    into bits per byte, a number comparable across tokenizers: bpb = loss / ln(2) / bytes_per_token.
-    """
+    into bits per byte, a number comparable across tokenizers: bpb = loss / ln(2) / bytes_per_token."""
 
     def __init__(self, shards: TokenShards, batch_size: int, seq_len: int, max_batches: int):
         _check_positive(batch_size=batch_size, seq_len=seq_len, max_batches=max_batches)
@@ -233,8 +230,7 @@ class SFTBatches(EpochOrder):
     conversation computes, only how little padding is wasted (MiniMind pads every row to the maximum).
 
     Order: a seeded permutation of the conversations per epoch, packed by `pack_rows` (EpochOrder's items are
-    the rows, recomputed identically on resume). shuffle=False packs in file order (for validation).
-    """
+    the rows, recomputed identically on resume). shuffle=False packs in file order (for validation)."""
 
     def __init__(self, shards: TokenShards, batch_size: int, seq_len: int, seed: int = 0, rank: int = 0,
                  world_size: int = 1, shuffle: bool = True, pad_id: int = 0):

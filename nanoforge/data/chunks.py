@@ -15,8 +15,7 @@ text was split, a .txt file counted as one record there).
 Preparing is parallel: the parent reads each file in ~2 MB chunks of whole lines and hands them to worker
 processes, which parse, validate and tokenize; results come back and are written in input order, so the
 output is byte-identical for any number of workers. At most 2 chunks per worker are in flight, which bounds
-memory whatever the input size (`Pool.imap` would read the whole input ahead).
-"""
+memory whatever the input size (`Pool.imap` would read the whole input ahead)."""
 from __future__ import annotations
 
 import hashlib
@@ -33,8 +32,7 @@ import numpy as np
 
 from nanoforge.data.columnar import as_row_error, check_row, hash_source, is_columnar, row_chunks
 from nanoforge.data.parts import range_line_chunks
-from nanoforge.data.jsonl import (MAX_RECORD_BYTES, UTF8_BOM, DataError, SkipCounter, parse_lines,
-                                  record_too_long)
+from nanoforge.data.jsonl import MAX_RECORD_BYTES, UTF8_BOM, DataError, SkipCounter, parse_lines
 from nanoforge.data.sft_records import drops_empty_think, render_sft_record
 from nanoforge.data.sources import is_plain_text
 from nanoforge.tokenizer import ChatTemplateError
@@ -105,8 +103,7 @@ def chunk_tasks(kind: str, sources: list[SourceStats], chunk_bytes: int, skip_in
             for first_line, data, last, val in _text_chunks(source, chunk_bytes, val_fraction, split_pattern):
                 yield ChunkTask(kind, index, str(source.path), first_line, data, skip_invalid, True, last, val)
             continue
-        for first_line, data in (range_line_chunks(source, chunk_bytes) if source.byte_range
-                                 else _line_chunks(source, chunk_bytes)):
+        for first_line, data in range_line_chunks(source, chunk_bytes):
             yield ChunkTask(kind, index, str(source.path), first_line, data, skip_invalid,
                             drop_empty_think=drop_empty_think)
 
@@ -207,28 +204,6 @@ def _text_chunks(source: SourceStats, chunk_bytes: int, val_fraction: float = 0.
     if val_fraction > 0 and target is None and not source.kept_whole and source.size:
         source.kept_whole = (f"{source.size:,} bytes are too few to hold out {val_fraction:g} of them "
                              "for validation")
-
-
-def _line_chunks(source: SourceStats, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
-    """(first line number, bytes) chunks of whole lines; hashes and sizes the file on the way."""
-    line_no, pending = 1, []  # pending: blocks of a line longer than one block, joined once it ends
-    with open(source.path, "rb") as f:
-        while block := f.read(chunk_bytes):
-            source.hasher.update(block)
-            source.size += len(block)
-            cut = block.rfind(b"\n") + 1
-            if cut == 0:  # no line ends in this block: keep reading, but not without bound
-                pending.append(block)
-                size = sum(map(len, pending))
-                if size > MAX_RECORD_BYTES:
-                    raise record_too_long(size, source.path, line_no)
-                continue
-            data = b"".join(pending) + block[:cut]
-            pending = [block[cut:]] if cut < len(block) else []
-            yield line_no, data
-            line_no += data.count(b"\n")
-    if pending:
-        yield line_no, b"".join(pending)
 
 
 # ---- encoding chunks (runs in the workers)
@@ -400,8 +375,7 @@ def _encode_rendered(records, render, field: str, dtype, task: ChunkTask, skips:
 def run_chunks(tasks: Iterator[ChunkTask], tokenizer, workers: int) -> Iterator[ChunkResult]:
     """Results of `tasks` in input order, computed by `workers` processes with bounded read-ahead."""
     if workers <= 1:
-        for task in tasks:
-            yield encode_chunk(task, tokenizer)
+        yield from (encode_chunk(task, tokenizer) for task in tasks)
         return
     # spawn: a fresh interpreter per worker, so no Rust thread pool or lock is inherited through fork
     # (the deadlock tokenizers warns about); its start-up cost (~0.5 s) is paid once per run.

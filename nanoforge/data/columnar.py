@@ -10,8 +10,7 @@ row equals the JSONL record it was made from; a column holding JSON text is pars
 1, and errors say `file.parquet:row 17: "conversations"[1].role: ...`.
 
 Memory stays flat: rows are read a batch at a time (Parquet row group by row group, Arrow's stored record
-batches), never the whole file.
-"""
+batches), never the whole file."""
 from __future__ import annotations
 
 import hashlib

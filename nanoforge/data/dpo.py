@@ -179,8 +179,7 @@ def reference_logps(model: nn.Module, shards: TokenShards, cache_dir: str | Path
 class DPOBatches(EpochOrder):
     """Batches of `batch_size` preference pairs, in a seeded order per epoch, sharded across ranks (EpochOrder:
     resuming replays exactly the batches an uninterrupted run would have seen). Pairs whose chosen or rejected
-    conversation exceeds seq_len inputs are skipped (`self.skipped`); see `pair_fits`.
-    """
+    conversation exceeds seq_len inputs are skipped (`self.skipped`); see `pair_fits`."""
 
     def __init__(self, shards: TokenShards, ref_logps: np.ndarray, batch_size: int, seq_len: int, seed: int = 0,
                  rank: int = 0, world_size: int = 1, pad_id: int = 0, shuffle: bool = True):

@@ -17,8 +17,7 @@ manifests list, and be each part of one I/N splitting of their input once, all N
 input is known by its files' names and sizes); --out is apart from them. Merged order is part by part: the split
 of every record and the tokens are those of one prepare; the order of documents is the one prepare's only for
 byte-range parts of one file (for every-N-th files it is part 1's files, then part 2's).
-Keep the parts where they are, next to the merged directory.
-"""
+Keep the parts where they are, next to the merged directory."""
 from __future__ import annotations
 
 import hashlib
@@ -133,8 +132,9 @@ def _line_start_at(path: Path, offset: int) -> int:
 
 
 def range_line_chunks(source, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
-    """(first line number, bytes) chunks of whole lines of `source.byte_range`; hashes and sizes that range."""
-    start, end = source.byte_range
+    """(first line number, bytes) chunks of whole lines of `source.byte_range` (without one, the whole file);
+    hashes and sizes what it reads."""
+    start, end = source.byte_range or (0, source.path.stat().st_size)
     line_no = source.first_line
     with open(source.path, "rb") as f:
         f.seek(start)

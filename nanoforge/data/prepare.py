@@ -2,8 +2,7 @@
 manifest; data/chunks.py reads and tokenizes the input in parallel.
 
 Everything is written into a temporary directory next to out_dir and renamed into place at the end: an error
-or Ctrl-C leaves out_dir as it was and no temporary directory behind.
-"""
+or Ctrl-C leaves out_dir as it was and no temporary directory behind."""
 from __future__ import annotations
 
 import math
@@ -50,8 +49,7 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
     drop_empty_think (sft): the share of records, chosen by a seeded hash of file index and line
     (data/sft_records.py), whose assistant turns are rendered without their empty think blocks.
     Parquet files and HF datasets directories are read row by row (data/columnar.py); text_column names
-    pretraining's string column. part "I/N": prepare only part I of N of the input (data/parts.py).
-    """
+    pretraining's string column. part "I/N": prepare only part I of N of the input (data/parts.py)."""
     started = time.perf_counter()
     if kind not in KINDS:
         raise NanoforgeError(f"unknown data kind {kind!r}; expected one of {', '.join(KINDS)}")

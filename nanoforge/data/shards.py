@@ -15,8 +15,7 @@ and its <|im_end|> (the prefix is shared, so only the two answers differ). The t
 pair, so a pair is never cut in two.
 
 Why flat binary shards read by memmap (as nanoGPT's train.bin): the OS pages data in and out, so training
-memory stays flat however large the corpus, and any window is one slice away.
-"""
+memory stays flat however large the corpus, and any window is one slice away."""
 from __future__ import annotations
 
 from pathlib import Path

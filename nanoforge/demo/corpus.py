@@ -9,8 +9,7 @@
                                     {"role": "assistant", "content": "textwrap.fill(text, width=70, **kwargs)"}]}
 
 and the questions asked at the end: some from the SFT set (IN_SET), some about things no SFT conversation
-mentions (HELD_OUT, their docstrings are in pretraining only).
-"""
+mentions (HELD_OUT, their docstrings are in pretraining only)."""
 from __future__ import annotations
 
 import ast
@@ -195,8 +194,7 @@ def build_demo_corpus(out_dir: str | os.PathLike, sft_size: int = 1000,
     that knows the thing names, see held_out_hit). The SFT set is the asked IN_SET pairs plus a fixed choice
     of others, sft_size in all, none about a HELD_OUT name. The asked names' documents and conversations come
     first in their files: `prepare` sends records 49, 99, ... to validation, and these must be trained on.
-    The output is identical on every run on the same machine (sorted walk, no randomness).
-    """
+    The output is identical on every run on the same machine (sorted walk, no randomness)."""
     entries = collect_docs(modules)
     if not entries:
         raise NanoforgeError(f"found no documentation in {sysconfig.get_paths()['stdlib']}; the demo needs the "

@@ -10,8 +10,7 @@ whether the reply names the module or an argument, next to the same score of the
 wrong questions (what chance gives).
 
 Then: train a tokenizer, prepare both sets, pretrain, fine-tune, ask the questions, score, write the report.
-The training steps are sized from a measured step time so the whole run fits `minutes` on the machine at hand.
-"""
+The training steps are sized from a measured step time so the whole run fits `minutes` on the machine at hand."""
 from __future__ import annotations
 
 import math

@@ -3,8 +3,7 @@
 Multiple choice is scored the way small base models are usually scored (lm-evaluation-harness's
 "acc"/"acc_norm"; GPT-3 paper, arXiv 2005.14165, sec. 2.4): each option's text is appended to a plain-text
 prompt and its log-likelihood under the model is computed; the option with the highest one is the model's
-answer. See docs/evaluation.md for the formats and why length-normalised scoring is the headline number.
-"""
+answer. See docs/evaluation.md for the formats and why length-normalised scoring is the headline number."""
 from __future__ import annotations
 
 import csv
@@ -195,8 +194,7 @@ def pick_shots(q: Question, dev: Sequence[Question], shots: int) -> list[Questio
     if shots <= 0 or not dev:
         return []
     same = [d for d in dev if d.subject == q.subject and d.question != q.question]
-    pool = same or [d for d in dev if d.question != q.question]
-    return pool[:shots]
+    return (same or [d for d in dev if d.question != q.question])[:shots]
 
 
 def _option_logprobs(model, sequences: list[tuple[list[int], list[int]]], batch_size: int, device,
@@ -265,8 +263,7 @@ def evaluate_choices(run, bench_path, fmt: str = "auto", shots: int = 0, dev_pat
     costs probability) and bytes, unlike tokens, do not depend on the tokenizer (lm-evaluation-harness's
     acc_norm). shots > 0 prepends that many solved examples of the same subject from the dev split (C-Eval/
     CMMLU dev/, or `dev_path`). limit keeps the first N questions (a quick look). `run` may be a loaded
-    (model, tokenizer) pair.
-    """
+    (model, tokenizer) pair."""
     check_precision(precision)
     questions, dev = load_benchmark(bench_path, fmt, dev_path)
     if shots and not dev:

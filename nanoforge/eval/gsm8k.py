@@ -10,8 +10,7 @@ is one (the format GSM8K's own solutions teach), else the last number in the con
 value, not text: "18" == "18.0", "1,000" == "1000", "-3" == "-3.00"; thousands separators must be well
 placed ("1,000" is a number, "1,0" is 1 and 0).
 
-Tokens/s is every generated token over the loop's wall time (prompt rendering, prefill and tool runs included).
-"""
+Tokens/s is every generated token over the loop's wall time (prompt rendering, prefill and tool runs included)."""
 from __future__ import annotations
 
 import itertools

@@ -10,8 +10,7 @@ Five questions, one function each:
 
 Bits per byte (bpb) is the total negative log-likelihood in bits divided by the UTF-8 bytes of the text it
 was measured on. Unlike loss per token it does not depend on the tokenizer, so two models with different
-vocabularies can be compared on the same file (the measure of Gao et al. 2020, "The Pile", arXiv 2101.00027).
-"""
+vocabularies can be compared on the same file (the measure of Gao et al. 2020, "The Pile", arXiv 2101.00027)."""
 from __future__ import annotations
 
 import contextlib
@@ -51,13 +50,11 @@ def own_validation_data(run) -> Path | None:
     path = Path(run)
     if path.parent.name == "checkpoints":  # a checkpoint directory: its run is two levels up
         path = path.parent.parent
-    try:
+    with contextlib.suppress(NanoforgeError, OSError, KeyError, TypeError):
         data = load_toml(path / "config.toml").get("run", {}).get("data")
         manifest = read_manifest(data) if data else None
         if manifest and manifest["kind"] in ("pretrain", "sft") and manifest["splits"]["val"]["tokens"] > 0:
             return Path(data)
-    except (NanoforgeError, OSError, KeyError, TypeError):
-        pass
     return None
 
 
@@ -96,8 +93,7 @@ class _Totals:
 def _rows_pretrain(shards, eos_id: int, seq_len: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Non-overlapping windows over [eos] + the split's token stream: window k predicts stream tokens
     [k*T, k*T + T), so every token of the split (each document's first token included, as the continuation
-    of an end-of-text, which is how the model saw it in training) is scored exactly once. The last window
-    is shorter."""
+    of an end-of-text, which is how the model saw it in training) is scored exactly once. The last window is shorter."""
     n = shards.num_tokens
     for lo in range(0, n, seq_len):
         hi = min(lo + seq_len, n)  # labels: split tokens [lo, hi); inputs: the hi-lo tokens before each
@@ -182,8 +178,7 @@ def evaluate_data(run, data_paths, batch_size: int = 8, seq_len: int | None = No
     its own; bpb divides by the bytes of those replies, counted from the tokens, which is exact for
     byte-level BPE (and left out for other tokenizers). A prepared directory is scored over `split`
     ("all", "train" or "val"). `run` may also be a loaded (model, tokenizer) pair. Prints a table through
-    `log` and returns the numbers.
-    """
+    `log` and returns the numbers."""
     check_precision(precision)
     if split not in ("all", "train", "val"):
         raise NanoforgeError(f"split {split!r} must be all, train or val")
@@ -229,8 +224,7 @@ def evaluate_data(run, data_paths, batch_size: int = 8, seq_len: int | None = No
 
 
 def _prepare_raw(paths, tokenizer, out: Path, log) -> Path:
-    """Raw JSONL or text, tokenized with the run's own tokenizer into `out` (val_fraction 0: every record
-    counts)."""
+    """Raw JSONL or text, tokenized with the run's own tokenizer into `out` (val_fraction 0: every record counts)."""
     kind = data_kind([str(p) for p in paths])
     if kind not in ("pretrain", "sft"):
         raise NanoforgeError(f"{paths[0]}: {kind} data; evaluate pretraining or SFT data "
@@ -246,12 +240,9 @@ def _score_splits(model, eos_id, data_dir: Path, kind: str, splits: list[str], s
     totals, truncated = _Totals(), False
     for s in splits:
         shards = TokenShards(data_dir, s)
-        if kind == "pretrain":
-            if eos_id is None:
-                raise NanoforgeError("the tokenizer has no end-of-text token to start the stream with")
-            rows = _rows_pretrain(shards, eos_id, seq_len)
-        else:
-            rows = _rows_sft(shards, seq_len)
+        if kind == "pretrain" and eos_id is None:
+            raise NanoforgeError("the tokenizer has no end-of-text token to start the stream with")
+        rows = _rows_pretrain(shards, eos_id, seq_len) if kind == "pretrain" else _rows_sft(shards, seq_len)
         with eval_mode(model):
             truncated = _score_rows(model, rows, batch_size, device, precision, byte_table, max_tokens, bar, totals)
         if truncated:

@@ -8,14 +8,14 @@ on a machine without them. Every training command writes RUN/report.md when it f
 (`write_run_report`); `nanoforge report RUN [RUN...] --out FILE.md` writes one on demand and compares runs.
 
 matplotlib is optional (the `report` extra). Without it the report is written all the same, with a line
-saying how to get the plots: a missing plotting library must never cost anyone their numbers.
-"""
+saying how to get the plots: a missing plotting library must never cost anyone their numbers."""
 from __future__ import annotations
 
 import json
 import math
 import statistics
 import sys
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,11 +86,9 @@ def read_run(run_dir: str | Path, name: str | None = None) -> RunMetrics:
         elif "loss" in record:
             run.train.append(record)
     run.samples = _read_jsonl(run_dir / "samples.jsonl")
-    try:
+    with suppress(NanoforgeError, OSError):  # a torn or foreign checkpoint: the report goes on without it
         last = ckpt.latest_checkpoint(run_dir)
         run.state = ckpt.load_state(last) if last is not None else {}
-    except (NanoforgeError, OSError):  # a torn or foreign checkpoint: the report goes on without it
-        run.state = {}
     return run
 
 

@@ -7,8 +7,7 @@ torchrun elastic restart), resolved into plain `--resume` or a fresh start befor
     RUN's config.toml names another stage    -> refused, naming it (never overwrite a different run)
 
 Every rank under torchrun decides on its own from the same files (the run directory on shared storage), so
-they agree; nothing is written here.
-"""
+they agree; nothing is written here."""
 from __future__ import annotations
 
 from pathlib import Path

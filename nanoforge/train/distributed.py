@@ -2,8 +2,7 @@
 wrapping, and the few collectives the loop needs. With one process (no torchrun, or WORLD_SIZE=1) every function
 here is a no-op or the identity, so the loop reads the same either way.
 Each rank reads its own slice of every step's global batch (the batch sources take rank and world_size), so
-the global batch is batch_size x world_size x grad_accum. Only rank 0 writes files.
-"""
+the global batch is batch_size x world_size x grad_accum. Only rank 0 writes files."""
 from __future__ import annotations
 
 import atexit
@@ -186,14 +185,11 @@ def is_fsdp(model: nn.Module) -> bool:
 def gradient_sync(model: nn.Module, enabled: bool):
     """A context in which backward does (enabled) or does not (accumulation micro-batches) reduce
     gradients across ranks."""
-    if enabled or not world().distributed:
-        if is_fsdp(model):
-            model.set_requires_gradient_sync(True)
-        return contextlib.nullcontext()
-    if isinstance(model, DistributedDataParallel):
+    sync = enabled or not world().distributed
+    if not sync and isinstance(model, DistributedDataParallel):
         return model.no_sync()
     if is_fsdp(model):
-        model.set_requires_gradient_sync(False)
+        model.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
 
 

@@ -9,8 +9,7 @@ be the cause. The guard owns the fp16 scaler for that reason.
 Where the optimizer can skip an update on a device flag (fused AdamW's `found_inf`; one process, no fp16
 scaler), the decision stays on the device and the counts are read only at steps that log, evaluate, sample or
 save (`settle`), so the host never waits for the GPU on the other steps. Elsewhere each step reads the flags,
-as it must to decide; under torchrun the ranks agree on them, so every rank takes the same branch.
-"""
+as it must to decide; under torchrun the ranks agree on them, so every rank takes the same branch."""
 from __future__ import annotations
 
 import signal

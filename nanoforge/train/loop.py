@@ -6,14 +6,14 @@ One optimizer step:
     forward under autocast, loss = (sum of token losses) / (supervised tokens in the WHOLE step), backward
     -> unscale (fp16) -> clip -> guard against non-finite values -> lr from the schedule -> step.
 Normalising by the whole step's tokens (on all ranks) makes the update that of one big batch, even when
-micro-batches hold different numbers of supervised tokens (SFT) or run on N processes (train/distributed.py).
-"""
+micro-batches hold different numbers of supervised tokens (SFT) or run on N processes (train/distributed.py)."""
 from __future__ import annotations
 
 import math
 import os
 import signal
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -100,10 +100,8 @@ class _SignalFlag:
 
     def __enter__(self):
         for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
+            with suppress(ValueError):  # not the main thread (e.g. a test runner thread): leave signals alone
                 self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread (e.g. a test runner thread): leave signals alone
-                pass
         return self
 
     def _handle(self, signum, frame):

@@ -2,8 +2,7 @@
 
 metrics.jsonl holds one JSON object per logged step and is the source of truth for plots and tests. On
 resume it is cut back to the checkpoint's step, so an interrupted-and-resumed run leaves the same log as an
-uninterrupted one.
-"""
+uninterrupted one."""
 from __future__ import annotations
 
 import json
@@ -12,6 +11,7 @@ import os
 import resource
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -111,11 +111,9 @@ def _write_peak(key: str, flops: float) -> float:
     path = cpu_peak_cache_dir() / CPU_PEAK_FILE
     peaks = _read_peaks(path)
     peaks[key] = max(peaks.get(key, 0.0), flops)
-    try:
+    with suppress(OSError):  # a read-only home, a full disk: the run goes on with the figure it has
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, json.dumps(peaks, indent=1, sort_keys=True) + "\n")
-    except OSError:  # a read-only home, a full disk: the run goes on with the figure it has
-        pass
     return peaks[key]
 
 

@@ -1,11 +1,11 @@
 """`--micro-batch auto`: the largest micro-batch that fits, found by running the model, then grad_accum set so the
 global batch (batch_size x grad_accum) is unchanged. The loop normalises the loss by the whole step's tokens,
-so the update is the same however the global batch is split (tests/train/test_micro_batch.py checks the weights).
-"""
+so the update is the same however the global batch is split (tests/train/test_micro_batch.py checks the weights)."""
 from __future__ import annotations
 
 import ctypes
 import os
+from contextlib import suppress
 
 import torch
 import torch.distributed as dist
@@ -116,10 +116,8 @@ def _proc_status_kib(field: str) -> int | None:
 def _reset_peak_rss() -> bool:
     """Make VmHWM (peak resident memory) start again from the current RSS (Linux >= 4.0), after handing freed
     heap memory back to the system (glibc), so that the probe's allocations show up as growth."""
-    try:
+    with suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -131,7 +129,6 @@ def _reset_peak_rss() -> bool:
 def cpu_memory_budget(tcfg: TrainConfig) -> tuple[int, str]:
     if tcfg.memory_budget_gb:
         return int(tcfg.memory_budget_gb * GiB), f"--memory-budget-gb {tcfg.memory_budget_gb:g}"
-    available = None
     try:
         with open("/proc/meminfo") as f:
             available = next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemAvailable:"))

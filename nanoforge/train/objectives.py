@@ -1,7 +1,6 @@
 """Losses as small functions the loop calls: (model, batch) -> (sum of token losses, supervised tokens, extras).
 
-Returning the SUM lets the loop normalise by the supervised tokens of the whole accumulated batch.
-"""
+Returning the SUM lets the loop normalise by the supervised tokens of the whole accumulated batch."""
 from __future__ import annotations
 
 import torch
@@ -39,8 +38,7 @@ def dpo_loss(model: nn.Module, batch: dict[str, torch.Tensor], beta: float = 0.1
         margin = beta * ((pc - rc) - (pr - rr)),  loss = -log sigmoid(margin)  per pair.
     Returns (sum of pair losses, number of pairs, extras); the dpo stage normalises by pairs
     (Stage.count_fn = nanoforge.data.dpo.count_pairs). At the start policy == reference, so every pair's
-    loss is log 2 = 0.6931: a loss stuck there means the policy is not moving (lr far too small).
-    """
+    loss is log 2 = 0.6931: a loss stuck there means the policy is not moving (lr far too small)."""
     logps = pair_logps(model, batch["input_ids"], batch["labels"])  # (2B,) float32
     loss_sum, n, extras = dpo_objective(logps, batch["ref_logps"], beta)
     loss_sum, n, aux = with_aux_loss(model, loss_sum, n)

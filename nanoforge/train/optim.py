@@ -4,8 +4,7 @@ schedules.
 Schedules are pure functions of the step (and, with a time budget, of the training seconds spent, which the
 run state keeps), so resuming at step s gives exactly the lr an uninterrupted run would have used (with a time
 budget: the same schedule, not the same steps). A group may carry an "lr_scale": set_lr gives
-it the schedule's lr times that (Muon's matrices run at muon_lr while the rest run at lr).
-"""
+it the schedule's lr times that (Muon's matrices run at muon_lr while the rest run at lr)."""
 from __future__ import annotations
 
 import math
@@ -50,8 +49,7 @@ def lr_at(step: int, cfg: TrainConfig, seconds: float = 0.0) -> float:
               steps (warmup-stable-decay, arXiv 2404.06395; lets a run be extended from the stable phase).
     onecycle: linear warmup, then linear decay to the minimum.
     constant: warmup, then lr.
-    With a time_budget, progress is max(seconds / time_budget, step / max_steps): it ends with the budget.
-    """
+    With a time_budget, progress is max(seconds / time_budget, step / max_steps): it ends with the budget."""
     peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
     if step < cfg.warmup_steps:
         return peak * (step + 1) / cfg.warmup_steps
@@ -105,8 +103,7 @@ def orthogonalize(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
 def muon_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """(hidden weight matrices, everything else). Muon is for the 2-D weights inside the network; the
     embedding and the output head are not hidden matrices (one row per token, updated sparsely / scored
-    against all tokens) and stay with AdamW, as do norm gains and biases (Jordan 2024; Liu et al.,
-    arXiv 2502.16982)."""
+    against all tokens) and stay with AdamW, as do norm gains and biases (Jordan 2024; Liu et al., arXiv 2502.16982)."""
     head = getattr(model, "lm_head", None)
     outside = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     if isinstance(head, nn.Linear):
@@ -131,8 +128,7 @@ class MuonAdamW(torch.optim.Optimizer):
     The orthogonalised update has every singular value ~1, so all directions of the matrix move at the same
     rate instead of the few that dominate the raw gradient. sqrt(max(1, rows/cols)) keeps the update's RMS
     comparable for tall matrices. Groups carry "kind" ("muon" or "adamw") and "lr_scale" (muon_lr / lr for
-    the matrices), so the schedule scales both.
-    """
+    the matrices), so the schedule scales both."""
 
     def __init__(self, model: nn.Module, cfg: TrainConfig, fused: bool = True):
         matrices, rest = muon_params(model)

@@ -8,8 +8,7 @@ keeps, and what a fine-tuning run takes from its --init.
     RUN/checkpoints/     weights/checkpoint.py's format
     RUN/.lock            held by the one process training into RUN (nanoforge/dirlock.py)
 
-The recipes (recipes/) call these first, then build their batches, model and objective.
-"""
+The recipes (recipes/) call these first, then build their batches, model and objective."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,8 +1,7 @@
 """The stage contract: a stage is a batch source plus a loss. The one loop (train/loop.py) trains any of them.
 
 A loss returns (sum of per-token losses, number of supervised tokens, extra scalars to log); the loop divides
-the sums of a whole accumulated step by the count of the whole step, so unequal micro-batches weigh right.
-"""
+the sums of a whole accumulated step by the count of the whole step, so unequal micro-batches weigh right."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

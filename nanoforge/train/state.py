@@ -2,8 +2,7 @@
 save, resume, restore, and the rollback the non-finite guard asks for.
 
 Checkpoints hold full weights and optimizer state (FSDP2 gathers them on rank 0), so any world size resumes any
-other's; the layout on disk is weights/checkpoint.py's.
-"""
+other's; the layout on disk is weights/checkpoint.py's."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields

@@ -9,14 +9,14 @@
 The directory is written under a temporary name, every file is fsynced, then it is renamed into place and
 the parent directory fsynced. A reader therefore sees either a complete checkpoint or none: a process
 killed mid-write leaves only a `.tmp-*` directory, which is ignored and cleaned up by the next save.
-Building a model from a checkpoint is weights/load.py's.
-"""
+Building a model from a checkpoint is weights/load.py's."""
 from __future__ import annotations
 
 import json
 import os
 import re
 import shutil
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -108,10 +108,8 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
         shutil.rmtree(tmp, ignore_errors=True)
         last = latest_checkpoint(run_dir)
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        try:  # torch.save reports a full disk as an iostream error; the free space says what happened
+        with suppress(OSError):  # torch.save reports a full disk as an iostream error; free space says what happened
             reason += f" ({shutil.disk_usage(root).free / 1e6:.1f} MB free on that filesystem)"
-        except OSError:
-            pass
         raise NanoforgeError(f"could not write checkpoint {final}: {reason}. "
                              f"The last good checkpoint is {last or 'none'}.") from e
     for old in list_checkpoints(run_dir)[:-keep_last]:

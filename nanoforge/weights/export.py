@@ -12,8 +12,7 @@ llama.cpp's tensor names, the shape as metadata, and the byte-level BPE vocabula
 Both read their model through weights/load.py; reading HF directories (the other way) is weights/hf.py's.
 
 Every output is written under a temporary name and renamed into place, so a failed export leaves nothing
-half-written behind.
-"""
+half-written behind."""
 from __future__ import annotations
 
 import contextlib

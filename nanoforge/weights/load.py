@@ -8,8 +8,7 @@
 `load_model` turns any of them into (GPT in eval mode, its tokenizer, the path loaded); `init_config`,
 `init_tokenizer_dir` and `init_weights` read the same paths piecewise for a stage's --init. A LoRA run records
 its base (`adapter_metadata`: the path and sha256 of the base model.safetensors and a fingerprint of the base
-tensors), and `check_base` refuses any other base.
-"""
+tensors), and `check_base` refuses any other base."""
 from __future__ import annotations
 
 import dataclasses
@@ -133,11 +132,10 @@ def check_base(meta: dict[str, Any], base_checkpoint: str | Path) -> None:
             raise NanoforgeError(f"the adapter's metadata has no {key}; cannot tell which base it was trained on")
     path = _base_file(base_checkpoint)
     sha = file_sha256(path)
-    if sha == meta["base_sha256"] or weights_fingerprint(ckpt.read_weights(path)) == meta["base_fingerprint"]:
-        return
-    raise NanoforgeError(f"adapter was trained on base {meta.get('base_checkpoint', '?')} "
-                         f"(sha256 {meta['base_sha256'][:12]}), not {path} (sha256 {sha[:12]}); "
-                         f"give the base it was trained on")
+    if sha != meta["base_sha256"] and weights_fingerprint(ckpt.read_weights(path)) != meta["base_fingerprint"]:
+        raise NanoforgeError(f"adapter was trained on base {meta.get('base_checkpoint', '?')} "
+                             f"(sha256 {meta['base_sha256'][:12]}), not {path} (sha256 {sha[:12]}); "
+                             f"give the base it was trained on")
 
 
 # ----------------------------------------------------------------------------------------- A stage's --init
