@@ -2,8 +2,7 @@
 
 A run is described by a ModelConfig (the shape of the network) and a TrainConfig (how it is trained).
 Their field names are disjoint, so the command line can take any field of either as `--field value`
-without a prefix. Every run directory saves the merged config it actually used as `config.toml`.
-"""
+without a prefix. Every run directory saves the merged config it actually used as `config.toml`."""
 from __future__ import annotations
 
 import dataclasses

@@ -10,8 +10,7 @@ Every number is an estimate with its assumptions printed beside it:
   in 16-bit, their fp32 upcast for the loss, and its gradient;
 - time uses the model's FLOPs per token (6N + 12 L h s) divided by the device's dense bf16 peak times an
   assumed model-FLOPs utilisation (--mfu, 0.40 by default for GPUs, a level small dense models reach with
-  bf16 and fused attention) or by a measured tokens/s (--tokens-per-s, e.g. from `nanoforge bench`).
-"""
+  bf16 and fused attention) or by a measured tokens/s (--tokens-per-s, e.g. from `nanoforge bench`)."""
 from __future__ import annotations
 
 import os

@@ -8,8 +8,7 @@ With a template in MiniMind-3's format (tokenizers from `nanoforge tokenizer tra
 reply is parsed as it streams (chat/replies.py, the parser the server uses): reasoning is printed apart
 from the answer (`--think` opens it), and tool calls are shown as calls. With `--tools calculator` the tools
 are declared in the system turn, each call is run and its result fed back, until the model answers without a
-call (at most --max-tool-turns rounds per message).
-"""
+call (at most --max-tool-turns rounds per message)."""
 from __future__ import annotations
 
 import contextlib
@@ -45,8 +44,7 @@ def chat_loop(model, tokenizer, cfg: SamplingConfig, system: str | None, input_s
     Otherwise: all of `input_stream` is one user message; its reply is printed and the loop returns.
     `on_prompt` is called with the token ids of each rendered prompt before its reply is generated (tests
     use it to see what the model was given). `tools`: names of built-in tools to offer and run; `think`: open
-    the think block of every reply.
-    """
+    the think block of every reply."""
     session = _Session(model, tokenizer, cfg, system, output_stream, interactive, precision, on_prompt, list(tools),
                        think, max_tool_turns)
     if not interactive:

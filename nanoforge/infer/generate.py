@@ -9,8 +9,7 @@ the raw logits, then temperature, top-k, top-p, and a draw from what is left.
 
 Prompts of different lengths are left-padded into one batch so that every row's next token sits in the last
 column; the model's `attention_mask` hides the padding and keeps each row's RoPE positions those of the
-prompt alone, so a prompt gives the same tokens in a batch as on its own.
-"""
+prompt alone, so a prompt gives the same tokens in a batch as on its own."""
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +43,7 @@ class SamplingConfig:
     max_new_tokens      the most tokens to generate per prompt (fewer if the model's context runs out)
     stop_strings        stop as soon as the reply's text contains one of these; the text is cut before it
     seed                draw from a private torch.Generator seeded with this, so that a seeded call gives
-                        the same reply whatever else used the global RNG (None: the global RNG)
-    """
+                        the same reply whatever else used the global RNG (None: the global RNG)"""
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -107,8 +105,7 @@ def generate(model, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, stop_
     A row stops at the first token in `stop_ids` (not returned) or after cfg.max_new_tokens tokens. With
     cfg.stop_strings (which need `tokenizer`) a row also stops at the token whose text completes a stop
     string; that token is returned, since a stop string can end inside a token; `complete` gives the cut text.
-    `use_cache=False` recomputes the whole sequence every step: slow, for checking the cache against.
-    """
+    `use_cache=False` recomputes the whole sequence every step: slow, for checking the cache against."""
     return [ids for ids, _, _ in _generate_rows(model, prompts, cfg, stop_ids, use_cache, tokenizer, precision)]
 
 
@@ -126,8 +123,7 @@ def stream(model, tokenizer, prompt_ids: Sequence[int], cfg: SamplingConfig,
 
     Joined, the pieces equal `complete(...)[0].text` for the same arguments. A piece is held back while the
     text ends in an incomplete UTF-8 character (a byte-level token can carry part of one, e.g. a third of a
-    Chinese character, which decodes to U+FFFD) or in something that could be the start of a stop string.
-    """
+    Chinese character, which decodes to U+FFFD) or in something that could be the start of a stop string."""
     pieces = stream_completion(model, tokenizer, prompt_ids, cfg, stop_ids, precision)
     yield from (piece for piece in pieces if isinstance(piece, str))
 
@@ -142,8 +138,7 @@ def stream_completion(model, tokenizer, prompt_ids: Sequence[int], cfg: Sampling
     request deadline); it may also raise to abandon the reply (a client that went away).
 
     The text is re-decoded from all new tokens each step (as HF's TextStreamer does) rather than token by
-    token, because only whole byte sequences decode correctly; replies are short enough for that to be cheap.
-    """
+    token, because only whole byte sequences decode correctly; replies are short enough for that to be cheap."""
     stop_set = set(stop_ids or ())
     emitted, ids, reason = "", [], "length"
     for (token,) in _token_steps(model, [prompt_ids], cfg, True, precision):
@@ -275,8 +270,7 @@ def _token_steps(model, prompts, cfg: SamplingConfig, use_cache: bool, precision
 
     The work of each step runs inside its own inference_mode/autocast/eval block, never across a `yield`:
     those are thread-wide switches, and a caller doing other work between pieces of a stream (a server, a
-    training loop taking samples) must not find them still on.
-    """
+    training loop taking samples) must not find them still on."""
     cfg.validate()
     if precision not in PRECISIONS:
         raise NanoforgeError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")

@@ -13,8 +13,7 @@ How a conversation ends (`Rollout.end`):
     "max_turns"  it was still calling tools after max_turns replies (the last tool results have no reply)
     "context"    its next prompt plus max_new_tokens does not fit the model's context; nothing was generated
 A row only runs when prompt + max_new_tokens fits, so that no long prompt shortens another row's reply: a
-conversation then gives the same replies in a batch as on its own (greedy; up to float rounding).
-"""
+conversation then gives the same replies in a batch as on its own (greedy; up to float rounding)."""
 from __future__ import annotations
 
 import time

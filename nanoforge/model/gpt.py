@@ -16,8 +16,7 @@ The module tree and parameter names are exactly those of HF `LlamaForCausalLM` (
     lm_head.weight                                      (the same tensor as embed_tokens when tied)
 
 The numerics follow HF too (RMSNorm in float32, RoPE's rotate_half layout and YaRN's NTK-by-parts
-frequencies), so an exported model gives the same logits in `transformers`.
-"""
+frequencies), so an exported model gives the same logits in `transformers`."""
 from __future__ import annotations
 
 import math
@@ -41,8 +40,7 @@ class RMSNorm(nn.Module):
 
     Computed in float32 whatever the input dtype, as HF Llama does: in bf16 the mean of squares of a
     512-wide vector loses most of its mantissa. The gain is applied after casting back, again as HF does,
-    so the two agree bit for bit in fp32 and to rounding in bf16.
-    """
+    so the two agree bit for bit in fp32 and to rounding in bf16."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -68,8 +66,7 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     scales cos and sin. Plain RoPE when cfg.rope_scaling_factor == 1, else YaRN.
 
     Mirrors HF transformers' `_compute_default_rope_parameters` and `_compute_yarn_parameters` (with
-    beta_fast=32, beta_slow=1, truncate=True) operation for operation, so that float32 results are equal.
-    """
+    beta_fast=32, beta_slow=1, truncate=True) operation for operation, so that float32 results are equal."""
     hd, base, factor = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_factor
     pos_freqs = base ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd)  # (hd/2,)
     if factor <= 1.0:
@@ -104,8 +101,7 @@ class RotaryEmbedding(nn.Module):
     The tables are non-persistent buffers: derived from the config, so never part of a checkpoint. They are
     rebuilt after every `.to()`/`.cuda()`/`.half()`/`.to_empty()` (see `_apply`) so that they stay float32
     and correct on the new device: `model.to(torch.bfloat16)` would otherwise round them to under three
-    significant digits, unlike HF's float32 tables, and a table built on the meta device has no values at all.
-    """
+    significant digits, unlike HF's float32 tables, and a table built on the meta device has no values at all."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -235,8 +231,7 @@ class GPT(nn.Module):
     """A decoder-only language model; `forward(input_ids) -> logits`.
 
     Generation passes a `KVCache` (from `new_cache`) so that each step only computes the new tokens, and an
-    `attention_mask` when prompts of different lengths are left-padded into one batch.
-    """
+    `attention_mask` when prompts of different lengths are left-padded into one batch."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -289,8 +284,7 @@ class GPT(nn.Module):
         tokens of its own segment and its position restarts at 0 with each segment, so every packed
         conversation is computed exactly as if it were alone in the row.
         `layout` (positions (B, T), allowed (B, T, T) True = may attend): any other arrangement, spelled out (RL's
-        rows sharing their prompt, model/prefix.py).
-        """
+        rows sharing their prompt, model/prefix.py)."""
         B, T = input_ids.shape
         start = 0
         if cache is not None:
@@ -411,8 +405,7 @@ class GPT(nn.Module):
         parameters plus the output projection (vocab_size * d_model), whether or not it is tied to the
         embedding, since the lm_head matmul runs either way while the embedding lookup costs nothing. 6N is
         2 (multiply-add) * 3 (forward, and backward for inputs and weights); the second term is attention's
-        QK^T and AV products at full (not causal-halved) length, the convention MFU figures use.
-        """
+        QK^T and AV products at full (not causal-halved) length, the convention MFU figures use."""
         cfg = self.cfg
         n = self.num_params(exclude_embeddings=True)
         if self.cfg.tie_embeddings:

@@ -12,8 +12,7 @@ class KVCache:
 
     `length` is how many positions are filled (the same for every row; left padding makes rows of different
     lengths line up). A forward with a cache writes its new keys and values at [length, length + T) in every
-    layer and then advances `length` by T. Create one with `GPT.new_cache`.
-    """
+    layer and then advances `length` by T. Create one with `GPT.new_cache`."""
 
     def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, max_len: int, head_dim: int,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32):

@@ -14,8 +14,7 @@ Names follow PEFT's layout without its adapter-name level, so a checkpoint reads
 `LoraLinear` registers the wrapped Linear's own weight Parameter as its `weight` (no nested `.base`), so
 `model.state_dict()` keeps every base key unchanged and `merge_lora` can hand back a plain GPT. `LoraModel`
 wraps a GPT so that the one loop saves and restores only the adapters, plus the base's path, sha256 and
-`weights_fingerprint` (weights/load.py records and checks them).
-"""
+`weights_fingerprint` (weights/load.py records and checks them)."""
 from __future__ import annotations
 
 import hashlib

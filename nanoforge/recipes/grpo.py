@@ -2,8 +2,7 @@
 other recipes (recipes/pretrain.py, sft.py, ...): setup -> prompts, rewards -> policy, reference -> Stage -> train().
 
 The run directory is an ordinary one (config.toml with the RL options under [run], checkpoints, metrics.jsonl,
-samples, report); --data is a prompts JSONL file (rl/prompts.py), read as it is, never prepared into shards.
-"""
+samples, report); --data is a prompts JSONL file (rl/prompts.py), read as it is, never prepared into shards."""
 from __future__ import annotations
 
 from dataclasses import fields

@@ -3,8 +3,7 @@
 
 The trained model is a PolicyWithValue (rl/critic.py): the --init policy and a critic copied from its weights,
 one optimizer over both. Its checkpoints hold the policy's keys unchanged and the critic's under `critic.`;
-the loader drops the latter, so chat, eval and export read a PPO run as its policy.
-"""
+the loader drops the latter, so chat, eval and export read a PPO run as its policy."""
 from __future__ import annotations
 
 from dataclasses import fields

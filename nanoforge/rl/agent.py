@@ -35,8 +35,7 @@ A trajectory only runs when ids + max_new_tokens fits, so no long row shortens a
 gives the same trajectories as each alone (greedy; up to float rounding).
 
 The stop tokens are infer/toolloop.stop_ids; the one sampled is kept and trained, since the model wrote it.
-Each round prefills every live trajectory from its first token: no cache is kept between rounds (simple).
-"""
+Each round prefills every live trajectory from its first token: no cache is kept between rounds (simple)."""
 from __future__ import annotations
 
 import time

@@ -12,8 +12,7 @@ policy's own keys, unchanged (exactly a GPT checkpoint's), plus the critic's und
     critic.trunk.model.embed_tokens.weight, critic.trunk.model.layers.{i}....       the critic's trunk
     critic.head.weight (1, d_model), critic.head.bias (1,)                          the value head
 
-so `policy_weights` (dropping the `critic.` keys) turns a PPO checkpoint into a GPT's; generation uses `.policy`.
-"""
+so `policy_weights` (dropping the `critic.` keys) turns a PPO checkpoint into a GPT's; generation uses `.policy`."""
 from __future__ import annotations
 
 import math

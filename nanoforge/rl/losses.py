@@ -7,8 +7,7 @@ stopped) and 0 elsewhere (prompt, tool results, padding). Positions with mask 0 
 values they hold (they are replaced by 0 before any arithmetic, so an inf there cannot turn into a NaN).
 
 Like every loss of the one loop (train/stage.py) the losses return (sum, count, extras), the objective being
-sum / count, so the loop can add micro-batches' sums and divide by the whole step's count.
-"""
+sum / count, so the loop can add micro-batches' sums and divide by the whole step's count."""
 from __future__ import annotations
 
 import torch
@@ -25,8 +24,7 @@ def group_advantages(rewards: torch.Tensor, mode: str = "zscore", eps: float = 1
         zscore: A = (r - mean(r)) / (std(r) + eps)       (GRPO, arXiv 2402.03300; MiniMind, eps 1e-4)
 
     std is the unbiased one (divides by N - 1), torch.std's default, as MiniMind uses. A group whose rewards are
-    all equal (including N = 1) gets exactly 0: it says nothing about which reply was better.
-    """
+    all equal (including N = 1) gets exactly 0: it says nothing about which reply was better."""
     if mode not in ADVANTAGES:
         raise ValueError(f"advantage mode {mode!r} is not one of {', '.join(ADVANTAGES)}")
     if rewards.dim() != 2:
@@ -60,8 +58,7 @@ def normalise(per_token: torch.Tensor, mask: torch.Tensor, norm: str) -> tuple[t
         sequence: 1/S sum_b (sum_t m x / sum_t m)         -> (sum of per-sequence means, S)    (GRPO, MiniMind)
 
     S counts the sequences with at least one masked token (an empty one neither adds nor dilutes). Token
-    normalisation weighs long replies more; sequence normalisation weighs every reply alike.
-    """
+    normalisation weighs long replies more; sequence normalisation weighs every reply alike."""
     m = mask.bool()
     count = loss_count(m, norm)
     x = torch.where(m, per_token, torch.zeros_like(per_token))
@@ -88,8 +85,7 @@ def _surrogate(loss: str, ratio, logp, adv, epsilon: float, epsilon_high: float 
                    the importance weight is clipped, never the token's gradient. No low-side clip: the paper
                    sets its lower bound so loose that it never acts, and MiniMind clips only the top.
         reinforce: -A logp                                               plain policy gradient, no ratio
-    At ratio 1 all three have the gradient -A with respect to logp.
-    """
+    At ratio 1 all three have the gradient -A with respect to logp."""
     if loss == "grpo":
         high = epsilon if epsilon_high is None else epsilon_high
         clipped_ratio = ratio.clamp(1 - epsilon, 1 + high)
@@ -117,8 +113,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     advantages: (B,) one per sequence (GRPO's group advantages) or (B, T) per token (PPO's GAE: PPO's policy
     loss is loss="grpo", the clipped surrogate, with those).
     old_logp, ref_logp and the advantages are constants (detached). Returns (sum, count, extras) with extras
-    clip_fraction (share of masked tokens where clipping acted), ratio (mean) and, with ref_logp, kl (mean k3).
-    """
+    clip_fraction (share of masked tokens where clipping acted), ratio (mean) and, with ref_logp, kl (mean k3)."""
     if not epsilon > 0 or (epsilon_high is not None and not epsilon_high > 0):
         raise ValueError(f"epsilon and epsilon_high must be > 0, got {epsilon}, {epsilon_high}")
     m = mask.bool()  # (B, T)
@@ -148,8 +143,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     where "next" is the row's next masked position, and after its last masked token V_next = A_next = 0 (the
     episode ends). Positions with mask 0 (prompt, tool results, padding) are not steps: skipped, their rewards
     ignored, so put the reward on a masked token (usually the reply's last). rewards, values, mask: (B, T).
-    Returns (advantages, returns), (B, T) float32 each, 0 where mask is 0.
-    """
+    Returns (advantages, returns), (B, T) float32 each, 0 where mask is 0."""
     r, v, m = rewards.float(), values.float(), mask.bool()
     adv = torch.zeros_like(v)  # (B, T)
     next_value = next_adv = torch.zeros_like(v[:, 0])  # (B,) each; never written in place
@@ -170,8 +164,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 
     so a value already moved more than `clip` from V_old is not pushed further. values (B, T) carries the
     gradient; old_values and returns are constants. Returns (sum, count, extras) normalised per `norm`;
-    extras value_clip_fraction: share of masked tokens where the clipped error was the larger (no gradient).
-    """
+    extras value_clip_fraction: share of masked tokens where the clipped error was the larger (no gradient)."""
     m = mask.bool()
     zero = torch.zeros_like(values, dtype=torch.float32)
     v = torch.where(m, values.float(), zero)

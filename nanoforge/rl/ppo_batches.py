@@ -11,8 +11,7 @@ the one that sampled it (rl/losses.py approx_kl, over this rollout's reply token
 measured with one no-grad forward of the policy; above target_kl the remaining epochs are skipped and the next
 step samples a new rollout (Spinning Up's and MiniMind's rule: the check comes before the update it would
 stop); the loss's KL is measured before the update, so always 0 after the first epoch. The decision depends
-only on the weights and the saved rollout, so a resumed run takes the same one.
-"""
+only on the weights and the saved rollout, so a resumed run takes the same one."""
 from __future__ import annotations
 
 from typing import Any

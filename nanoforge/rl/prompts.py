@@ -7,8 +7,7 @@ Shapes (one file may mix them; every other key of a record is kept in `PromptRec
              rlaif.jsonl), which is dropped. Tools declared on the system message become `tools`.
     gsm8k    {"question": "...", "answer": "... #### 72"} -> one user message; the answer gold is what follows
              the last "####" ("72", commas removed); an answer without "####" is the gold as written.
-    agentic  either shape with "gt": the expected answer, a string or a list of strings (MiniMind's agent RL).
-"""
+    agentic  either shape with "gt": the expected answer, a string or a list of strings (MiniMind's agent RL)."""
 from __future__ import annotations
 
 import os
@@ -146,8 +145,7 @@ class PromptIterator:
     Each step takes the next prompts_per_step * world_size prompts of the epoch's permutation
     (torch.randperm seeded with seed + epoch), continuing into the next epoch's when this one runs out; rank r
     takes its slice [r * prompts_per_step, (r + 1) * prompts_per_step). The position is counted over all ranks,
-    so a resumed run (even with another process count) sees exactly the prompts an uninterrupted one would.
-    """
+    so a resumed run (even with another process count) sees exactly the prompts an uninterrupted one would."""
 
     def __init__(self, records: list[PromptRecord], prompts_per_step: int, seed: int, rank: int = 0,
                  world_size: int = 1):

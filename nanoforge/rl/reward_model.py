@@ -3,8 +3,7 @@ directory must hold the model (config.json, weights, tokenizer with a chat templ
 local_files_only=True; the model's own Python code runs only with trust_remote_code=True, an explicit flag.
 
 transformers is optional (it is not a dependency of training); it is imported when a reward model is loaded,
-as the optional wandb and matplotlib are, and its absence is a NanoforgeError saying what to install.
-"""
+as the optional wandb and matplotlib are, and its absence is a NanoforgeError saying what to install."""
 from __future__ import annotations
 
 import os

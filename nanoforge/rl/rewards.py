@@ -6,8 +6,7 @@ A reward is `fn(completion: str, record: dict) -> float`:
     record      PromptRecord.reward_record() (rl/prompts.py): the record's own keys, "messages", "answer", "gt",
                 "_where" (path:line), plus what the rollout knows of this reply, which the stage adds:
                 "thinking_open" (the prompt ended inside an open <think> block), "reply_tokens",
-                "max_new_tokens", "truncated" (the reply hit max_new_tokens without its stop token).
-"""
+                "max_new_tokens", "truncated" (the reply hit max_new_tokens without its stop token)."""
 from __future__ import annotations
 
 import importlib
@@ -75,8 +74,7 @@ def format_reward(completion: str, record: dict) -> float:
       - think tags: with record["thinking_open"] exactly one </think> and no <think>; otherwise none of either,
         or one <think> at the head (after newlines) and one </think> after it;
       - as many <tool_call> as </tool_call>, and every block a valid call (parse_reply reports no error);
-      - something after the thinking: non-empty content or at least one tool call.
-    """
+      - something after the thinking: non-empty content or at least one tool call."""
     opens, closes = completion.count(THINK_OPEN), completion.count(THINK_CLOSE)
     if record.get("thinking_open"):
         think_ok = (opens, closes) == (0, 1)
@@ -244,8 +242,7 @@ def agent_reward_parts(turns: AgentTurns, record: dict) -> dict[str, float]:
         calls  = min(AGENT_CALL_REWARD * calls that ran, AGENT_CALL_CAP)
         bad    = -AGENT_BAD_CALL_PENALTY * malformed blocks
         answer = AGENT_ANSWER_REWARD * share of record["gt"] found in the last reply's content
-        unfinished = -AGENT_UNFINISHED_PENALTY when not turns.finished
-    """
+        unfinished = -AGENT_UNFINISHED_PENALTY when not turns.finished"""
     gt = record.get("gt")
     if not gt:
         raise NanoforgeError('the agent reward needs "gt" (the expected answers) in every prompt record; '

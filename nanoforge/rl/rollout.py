@@ -15,8 +15,7 @@ reply, right-padded with the tokenizer's pad id):
 
 The old log-probs (the sampling policy's) are the first update's own (rl/grpo_batches.py), no pass of their own.
 Sampling draws from exactly the distribution whose log-probs are trained, softmax(logits / T): with top-k, top-p
-or a repetition penalty the ratio would no longer start at 1.
-"""
+or a repetition penalty the ratio would no longer start at 1."""
 from __future__ import annotations
 
 import time

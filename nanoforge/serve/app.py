@@ -20,8 +20,7 @@ that generation early and frees the worker for the next request. (Batching reque
 throughput; `generate` supports batches, but interleaving streams of different lengths is left for later.)
 
 Sampling defaults are those of `nanoforge chat` (temperature 0.7, top_p 0.9, plus the non-OpenAI fields
-`top_k` 50 and `repetition_penalty` 1.1, which requests may also set): a small model loops without them.
-"""
+`top_k` 50 and `repetition_penalty` 1.1, which requests may also set): a small model loops without them."""
 # No `from __future__ import annotations` here: FastAPI reads the endpoints' annotations (`request: Request`)
 # at runtime. fastapi and uvicorn are the optional `serve` extra: only `nanoforge serve` imports this module.
 import asyncio
@@ -184,8 +183,7 @@ def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
     defaults        sampling used for fields a request leaves out (default: `nanoforge chat`'s)
     request_timeout seconds from a request's arrival (queue wait included) after which its generation stops
                     at the next token with finish_reason "length", streaming or not (a 200 with the text so
-                    far, never a 504: a stream's 200 is sent before generation starts); None or 0: no limit
-    """
+                    far, never a 504: a stream's 200 is sent before generation starts); None or 0: no limit"""
     if defaults is None:
         defaults = SamplingConfig(**vars(SamplingOptions()))
     limits = Limits(model.model.rotary_emb.n_positions, max_tokens_cap, defaults)

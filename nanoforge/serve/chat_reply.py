@@ -17,8 +17,7 @@ What is not passed on, and is reported as warnings for the server's log instead:
     inside tool-call tags is the model's attempt at a call, not prose);
   - calls written when the request offered no tools (none sent, or tool_choice "none"): dropped, so a
     client that offered none never has to handle one.
-A reply rendered by a template without tool support (plain ChatML) is plain text: all of it is content.
-"""
+A reply rendered by a template without tool support (plain ChatML) is plain text: all of it is content."""
 from __future__ import annotations
 
 import secrets

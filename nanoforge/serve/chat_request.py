@@ -12,8 +12,7 @@ What is accepted, as OpenAI's API sends it:
     `tool_calls` (whose `arguments` are a JSON object, as a string or an object); `tool` messages (their
     `tool_call_id` is optional: the template matches results to calls by order).
 Tools, tool calls or tool messages sent to a model whose chat template has no tool support (a plain ChatML
-tokenizer) are refused with a 400 that says so, rather than rendered into something it never learnt.
-"""
+tokenizer) are refused with a 400 that says so, rather than rendered into something it never learnt."""
 from __future__ import annotations
 
 import json

@@ -5,8 +5,7 @@ template switches are read by serve/chat_request.py, its replies written by serv
 Every error is JSON in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with a 4xx status
 for anything the request got wrong (bad JSON, wrong types, unknown role, a prompt longer than the context,
 a body over `max_body_bytes`, `max_tokens` over the cap, a missing or wrong API key). A request is checked
-completely before it is queued, so a bad one never reaches the model.
-"""
+completely before it is queued, so a bad one never reaches the model."""
 from __future__ import annotations
 
 import hmac
