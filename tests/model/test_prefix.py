@@ -40,6 +40,10 @@ def rollout_rows() -> tuple[torch.Tensor, torch.Tensor]:
 def test_groups_are_runs_of_rows_with_the_same_prompt():
     ids, mask = rollout_rows()
     assert [(rows, prefix) for rows, prefix, _ in group_rows(ids, mask)] == [([0, 1, 2], 6), ([3, 4], 6), ([5], 9)]
+    # long replies to a short prompt: one packed row's dense attention would cost more than the prompt saves
+    ids, mask = torch.ones(2, 401, dtype=torch.long), torch.zeros(2, 400)
+    mask[:, 1:] = 1.0
+    assert [(rows, prefix) for rows, prefix, _ in group_rows(ids, mask)] == [([0], 2), ([1], 2)]
 
 
 def test_log_probs_and_gradients_equal_each_row_computed_alone():

@@ -272,8 +272,8 @@ def test_dpo_loss_matches_a_hand_computed_example():
 
 
 def test_a_pairs_rows_share_their_prompts_pass_with_each_rows_own_log_probs_and_gradients(dpo_dir, tiny_tokenizer):
-    """pair_logps packs a pair's chosen and rejected rows behind one pass over their prompt (model/prefix.py):
-    the same sums and gradients as each row alone, with fewer tokens through the model."""
+    """pair_logps packs a pair's chosen and rejected rows behind one pass over their prompt where that pays
+    (model/prefix.py): the same sums and gradients as each row alone."""
     shards = TokenShards(dpo_dir, "val")
     model = _tiny_model(tiny_tokenizer.vocab_size)
     batch = DPOBatches(shards, compute_reference_logps(model, shards, 4, 1024), 4, 1024, seed=0).next_batch()
@@ -289,7 +289,14 @@ def test_a_pairs_rows_share_their_prompts_pass_with_each_rows_own_log_probs_and_
     torch.testing.assert_close(shared, sequence_logps(model(ids), labels), atol=1e-4, rtol=1e-5)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, alone[name], atol=1e-5, rtol=1e-4, msg=name)
-    assert seen[0] < int((ids != 0).sum())  # the prompts went through once per pair
+    # a pair whose prompt is long against its replies goes through as one row: the prompt once
+    prompt, replies = torch.arange(2, 42), torch.tensor([[50, 51, 52], [60, 61, 62]])
+    pair = torch.stack([torch.cat([prompt, r]) for r in replies])  # (2, 43) tokens
+    labels = torch.where(torch.arange(42) >= 39, pair[:, 1:], torch.full((2, 42), IGNORE))
+    seen.clear()
+    torch.testing.assert_close(pair_logps(model, pair[:, :-1], labels), sequence_logps(model(pair[:, :-1]), labels),
+                               atol=1e-4, rtol=1e-5)
+    assert seen[0] == 40 + 2 * 3 < 2 * 42
 
 
 # ---------------------------------------------------------------------------------------------- training
