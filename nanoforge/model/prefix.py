@@ -1,7 +1,7 @@
-"""Log-probs of rollout rows with each group's prompt computed once, not once per reply: consecutive rows with the
-same tokens before their first trained one become one row, the prompt then each reply, every reply at its own
-positions and attending to the prompt and its own earlier tokens only (GPT.forward's `layout`). The numbers and
-gradients are each row's own, up to float rounding; the pass is over P prompts + the replies, not P x G prompts."""
+"""Log-probs of rows that repeat a prompt (RL's replies to it, DPO's pair) with the prompt computed once:
+consecutive rows with the same tokens before their first trained one become one row, the prompt then each reply,
+every reply at its own positions and attending to the prompt and its own earlier tokens only (GPT.forward's
+`layout`). The numbers and gradients are each row's own, up to float rounding."""
 from __future__ import annotations
 
 import torch
