@@ -64,12 +64,15 @@ def prefix_layout(input_ids: torch.Tensor, groups: list) -> tuple[torch.Tensor, 
 
 
 def prefix_token_logps(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, temperature: float) -> torch.Tensor:
-    """(B, L) ids -> (B, L-1) log-prob of each next token at `temperature`, float32, from each row's first to
-    its last trained target (0 outside: the RL losses mask it), the rows' shared prompts computed once."""
+    """(B, L) ids -> (B, L-1) log-prob of each next token at `temperature`, float32, at least from each row's first
+    to its last trained target (0 or the real value outside: the losses mask it), shared prompts computed once."""
     out = torch.zeros(loss_mask.shape, dtype=torch.float32, device=input_ids.device)
     groups = group_rows(input_ids, loss_mask)
     if not groups:  # nothing trained: a forward all the same, so the loss has a graph (and DDP its gradients)
         return out + 0 * model(input_ids[:, :1]).float().sum()
+    if all(len(rows) == 1 for rows, _, _ in groups):  # nothing to share: the plain causal pass (SDPA's fused path)
+        logits = model(input_ids)[:, :-1].float() / temperature
+        return -F.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")
     ids, pos, allowed, picks = prefix_layout(input_ids.cpu(), groups)
     device = input_ids.device
     logits = model(ids.to(device), layout=(pos.to(device), allowed.to(device)))  # (R, T, V)
