@@ -280,6 +280,23 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
+def stream_once(http, url: str, body: dict) -> str:
+    """One streamed chat request under load: "busy_503" for a clean 503 server_busy, "completed" for a reply that
+    ends with [DONE] after a stop or length finish; anything else fails an assertion."""
+    with http.stream("POST", url, json=body) as response:
+        if response.status_code == 503:
+            response.read()
+            error = response.json()["error"]
+            assert set(error) == ERROR_FIELDS and error["code"] == "server_busy", error
+            return "busy_503"
+        assert response.status_code == 200, response.status_code
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-2:]
+    last = json.loads(events[-2])
+    assert "error" not in last and last["choices"][0]["finish_reason"] in ("stop", "length")
+    return "completed"
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the server's memory from /proc")
 def test_fifty_concurrent_streaming_clients(tmp_path_factory, tiny_tokenizer, tmp_path):
@@ -315,28 +332,17 @@ def test_fifty_concurrent_streaming_clients(tmp_path_factory, tiny_tokenizer, tm
                 while time.monotonic() < stop_at:
                     started = time.monotonic()
                     try:
-                        with http.stream("POST", server.url + "/v1/chat/completions",
-                                         json={**body, "seed": i}) as response:
-                            if response.status_code == 503:
-                                response.read()
-                                error = response.json()["error"]
-                                assert set(error) == ERROR_FIELDS and error["code"] == "server_busy", error
-                                with lock:
-                                    outcomes["busy_503"] += 1
-                                time.sleep(0.2)  # back off, as a client should
-                                continue
-                            assert response.status_code == 200, response.status_code
-                            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
-                        assert events[-1] == "[DONE]", events[-2:]
-                        last = json.loads(events[-2])
-                        assert "error" not in last and last["choices"][0]["finish_reason"] in ("stop", "length")
-                        with lock:
-                            outcomes["completed"] += 1
-                            latencies.append(time.monotonic() - started)
+                        outcome = stream_once(http, server.url + "/v1/chat/completions", {**body, "seed": i})
                     except BaseException as e:  # noqa: BLE001
                         with lock:
                             failures.append(f"client {i}: {type(e).__name__}: {e}")
                         return
+                    with lock:
+                        outcomes[outcome] += 1
+                        if outcome == "completed":
+                            latencies.append(time.monotonic() - started)
+                    if outcome == "busy_503":
+                        time.sleep(0.2)  # back off, as a client should
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
