@@ -19,7 +19,8 @@ from nanoforge.demo.pipeline import run_demo
 from nanoforge.errors import NanoforgeError
 from nanoforge.eval.options import EvalOptions
 from nanoforge.eval.run import run_eval
-from nanoforge.weights.export import export_gguf, export_hf
+from nanoforge.weights.export import export_gguf, export_hf, export_minimind
+from nanoforge.weights.minimind import is_pth, pair_tokenizer
 from nanoforge.infer.chat import run_chat, run_generate
 from nanoforge.infer.defaults import ChatOptions, DeviceOptions, SamplingOptions
 from nanoforge.plan import format_plan, make_plan
@@ -46,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         if getattr(args, "resume", None) == AUTO:  # every training command's --resume auto, grpo's too
             args.resume = resolve_resume(AUTO, args.out, args.command)
+        for name in ("init", "run", "teacher"):  # a MiniMind .pth takes its tokenizer from --tokenizer
+            if is_pth(getattr(args, name, None)):
+                pair_tokenizer(getattr(args, name), getattr(args, "tokenizer", None))
         COMMANDS[args.command](args)
         code = 0
     except NanoforgeError as e:
@@ -163,8 +167,12 @@ def cmd_eval(args) -> None:
 
 
 def cmd_export(args) -> None:
-    out = (export_hf(args.run, args.out, force=args.force) if args.format == "hf"
-           else export_gguf(args.run, args.out, dtype=args.dtype, force=args.force))
+    if args.format == "hf":
+        out = export_hf(args.run, args.out, force=args.force)
+    elif args.format == "gguf":
+        out = export_gguf(args.run, args.out, dtype=args.dtype or "f32", force=args.force)
+    else:
+        out = export_minimind(args.run, args.out, dtype=args.dtype or "f16", force=args.force)
     print(f"wrote {out}")
 
 

@@ -74,6 +74,15 @@ def shared_data() -> Path:
     return found
 
 
+@pytest.fixture(scope="session")
+def minimind_code() -> Path:
+    """MiniMind's own code (../shared/anchors/minimind), to run side by side; skips like `shared_data`."""
+    anchors = _REAL_SHARED_DATA.parent / "anchors" / "minimind"
+    if shared_data_dir() is None or not (anchors / "model" / "model_minimind.py").is_file():
+        _missing_shared_data("this test (MiniMind's code in ../shared/anchors/minimind)")
+    return anchors
+
+
 # A few lines of our own, so tokenizer-dependent tests still run on a machine without ../shared.
 _FALLBACK_TEXTS = [
     "Once upon a time there was a little robot who liked to count the stars at night.",
