@@ -227,3 +227,19 @@ def test_hf_export_ends_a_reply_at_eos_token_id(tmp_path, mm_tokenizer):
     out = hf.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=hf_tok.eos_token_id,
                       pad_token_id=hf_tok.pad_token_id)
     assert out.shape[1] == ids.shape[1] + 1 and out[0, -1].item() == tok.im_end_id
+
+
+def test_lora_on_a_pth_keeps_its_base(tmp_path, mm, mm_tokenizer, shared_data):
+    """A LoRA run records the .pth as its base (path, sha256, fingerprint) and loads on it later."""
+    pth = tmp_path / "full_sft_64.pth"
+    torch.save(minimind_model(mm, seed=5).state_dict(), pth)
+    cli("lora", "--init", pth, "--tokenizer", mm_tokenizer, "--data", shared_data / "tiny" / "sft_tiny.jsonl",
+        "--out", tmp_path / "lora", "--max-steps", 1, "--batch-size", 2, "--seq-len", 64, "--eval-every", 0,
+        "--tensorboard", "false", "--precision", "fp32", "--quiet")
+    config = (tmp_path / "lora" / "config.toml").read_text()
+    assert str(pth.resolve()) in config and "base_sha256" in config
+    gen = cli("generate", tmp_path / "lora", "--prompt", "hi", "--max-new-tokens", 2, "--temperature", 0)
+    assert gen.stdout.startswith("hi")
+    torch.save(minimind_model(mm, seed=6).state_dict(), pth)  # another base under the same name is refused
+    r = cli("generate", tmp_path / "lora", "--prompt", "hi", "--max-new-tokens", 2, check=False)
+    assert r.returncode == 1 and "adapter was trained on base" in r.stderr
