@@ -243,3 +243,33 @@ def test_lora_on_a_pth_keeps_its_base(tmp_path, mm, mm_tokenizer, shared_data):
     torch.save(minimind_model(mm, seed=6).state_dict(), pth)  # another base under the same name is refused
     r = cli("generate", tmp_path / "lora", "--prompt", "hi", "--max-new-tokens", 2, check=False)
     assert r.returncode == 1 and "adapter was trained on base" in r.stderr
+
+
+def test_minimind_eval_llm_stops_our_export_at_the_reply_end(tmp_path, minimind_code, mm_tokenizer):
+    """MiniMind's own eval_llm.py, run on our HF export: it generates with eos_token_id=tokenizer.eos_token_id,
+    so its reply ends at <|im_end|> only if our tokenizer_config names it. The weights spell a reply "A": the
+    generation prompt's last token -> "A" -> <|im_end|>, and <|im_end|> -> "B" -> <|im_end|> for a run that does
+    not stop there (blocks add nothing; the untied head reads each token's own direction)."""
+    from nanoforge.tokenizer import load_tokenizer
+    from nanoforge.weights.export import write_hf_dir
+    tok = load_tokenizer(mm_tokenizer)
+    model = GPT(build_config("tiny", overrides={"vocab_size": 6400, "tie_embeddings": False})[0])
+    last = tok.encode("\n\n")[-1]  # MiniMind-3's generation prompt ends "<think>\n\n</think>\n\n"
+    a, b, end = tok.encode("A")[0], tok.encode("B")[0], tok.im_end_id
+    with torch.no_grad():
+        for block in model.model.layers:
+            block.self_attn.o_proj.weight.zero_()
+            block.mlp.down_proj.weight.zero_()
+        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+        emb.copy_(0.01 * torch.randn_like(emb))
+        head.zero_()
+        for i, (token, following) in enumerate([(last, a), (a, end), (end, b), (b, end)]):
+            emb[token, i] = 1.0
+            head[following, i] = 10.0
+    write_hf_dir(model, tok, tmp_path / "export")
+    proc = subprocess.run([sys.executable, str(minimind_code / "eval_llm.py"), "--load_from", str(tmp_path / "export"),
+                           "--device", "cpu", "--max_new_tokens", "6", "--show_speed", "0"], input="1\nhi\n\n",
+                          capture_output=True, text=True, cwd=minimind_code, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reply = proc.stdout.split("🧠: ", 1)[1].split("\n", 1)[0]
+    assert reply == "A", proc.stdout
