@@ -94,6 +94,8 @@ def model_config_from_hf(config: dict[str, Any], where: str | os.PathLike = "con
 
     n_experts, experts_per_token, ffn = 0, 2, need("intermediate_size")
     if model_type == "qwen3_moe":
+        if "num_experts" not in config and "num_local_experts" in config:  # transformers 5 writes this name
+            config = {**config, "num_experts": config["num_local_experts"]}
         n_experts, experts_per_token = need("num_experts"), need("num_experts_per_tok")
         ffn = need("moe_intermediate_size")
         if config.get("decoder_sparse_step", 1) != 1:
@@ -161,4 +163,17 @@ def read_hf_weights(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
             weights.update(load_file(str(f)))
         except (OSError, SafetensorError, ValueError) as e:
             raise NanoforgeError(f"{f}: cannot read weights: {e}") from None
-    return {k: v.to(torch.float32) for k, v in weights.items()}
+    return split_experts({k: v.to(torch.float32) for k, v in weights.items()})
+
+
+def split_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5's fused experts (`mlp.experts.gate_up_proj` (E, 2F, C), `mlp.experts.down_proj` (E, C, F)),
+    as MiniMind's convert_model.py writes them, -> one gate/up/down_proj.weight per expert, as our MoE names them."""
+    for key in [k for k in weights if k.endswith(".mlp.experts.gate_up_proj")]:
+        prefix = key[:-len("gate_up_proj")]
+        gate_up, down = weights.pop(key), weights.pop(prefix + "down_proj")
+        for e in range(gate_up.shape[0]):
+            gate, up = gate_up[e].chunk(2, dim=0)  # (F, C) each
+            weights.update({f"{prefix}{e}.gate_proj.weight": gate, f"{prefix}{e}.up_proj.weight": up,
+                            f"{prefix}{e}.down_proj.weight": down[e]})
+    return weights

@@ -273,3 +273,35 @@ def test_minimind_eval_llm_stops_our_export_at_the_reply_end(tmp_path, minimind_
     assert proc.returncode == 0, proc.stderr[-2000:]
     reply = proc.stdout.split("🧠: ", 1)[1].split("\n", 1)[0]
     assert reply == "A", proc.stdout
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_minimind_moe_as_qwen3_moe_loads(tmp_path, mm, mm_tokenizer, fused):
+    """MiniMind-3-MoE converted to Qwen3-MoE (its convert_model.py): transformers 5 names the expert count
+    num_local_experts, and a state dict may hold the experts fused (gate_up_proj (E, 2F, C), down_proj (E, C, F))."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+    theirs = minimind_model(mm, seed=7, use_moe=True)
+    c = theirs.config
+    qwen = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, max_position_embeddings=32768,
+        rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, tie_word_embeddings=True, num_experts=4,
+        num_experts_per_tok=1, moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=True))
+    qwen.save_pretrained(tmp_path / "q")
+    weights = {k: v for k, v in theirs.state_dict().items() if k != "lm_head.weight"}
+    if fused:
+        for layer in range(c.num_hidden_layers):
+            p = f"model.layers.{layer}.mlp.experts"
+            gates = torch.stack([weights.pop(f"{p}.{e}.gate_proj.weight") for e in range(4)])
+            ups = torch.stack([weights.pop(f"{p}.{e}.up_proj.weight") for e in range(4)])
+            weights[f"{p}.gate_up_proj"] = torch.cat([gates, ups], dim=1)
+            weights[f"{p}.down_proj"] = torch.stack([weights.pop(f"{p}.{e}.down_proj.weight") for e in range(4)])
+    assert set(load_file(tmp_path / "q" / "model.safetensors")) == set(weights) or fused
+    save_file({k: v.contiguous() for k, v in weights.items()}, tmp_path / "q" / "model.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "q" / name).write_bytes((mm_tokenizer / name).read_bytes())
+    ours, _, _ = load_model(tmp_path / "q")
+    with torch.no_grad():
+        assert (theirs(IDS).logits - ours(IDS)).abs().max().item() <= 1e-4
