@@ -94,9 +94,8 @@ def model_config_from_hf(config: dict[str, Any], where: str | os.PathLike = "con
 
     n_experts, experts_per_token, ffn = 0, 2, need("intermediate_size")
     if model_type == "qwen3_moe":
-        if "num_experts" not in config and "num_local_experts" in config:  # transformers 5 writes this name
-            config = {**config, "num_experts": config["num_local_experts"]}
-        n_experts, experts_per_token = need("num_experts"), need("num_experts_per_tok")
+        n_experts = config.get("num_experts", config.get("num_local_experts"))  # transformers 5's name: the latter
+        n_experts, experts_per_token = n_experts or need("num_experts"), need("num_experts_per_tok")
         ffn = need("moe_intermediate_size")
         if config.get("decoder_sparse_step", 1) != 1:
             fail("decoder_sparse_step", "every layer must be an MoE layer")
