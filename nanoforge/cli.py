@@ -7,7 +7,7 @@ import math
 import sys
 
 from nanoforge import __version__
-from nanoforge.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, LoraConfig, ModelConfig, TrainConfig, field_help
+from nanoforge.core.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, LoraConfig, ModelConfig, TrainConfig, field_help
 from nanoforge.data.options import PrepareOptions
 from nanoforge.eval.options import EvalOptions
 from nanoforge.infer.defaults import ChatOptions, DeviceOptions, SamplingOptions

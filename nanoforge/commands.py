@@ -10,20 +10,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nanoforge.bench import format_bench, run_bench, write_json
-from nanoforge.config import MODEL_FIELDS, TRAIN_FIELDS, LoraConfig, build_config, parse_value
+from nanoforge.recipes.bench import format_bench, run_bench, write_json
+from nanoforge.core.config import MODEL_FIELDS, TRAIN_FIELDS, LoraConfig, build_config, parse_value
 from nanoforge.data.options import PrepareOptions
 from nanoforge.data.parts import merge_prepared
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.demo.pipeline import run_demo
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.eval.options import EvalOptions
 from nanoforge.eval.run import run_eval
 from nanoforge.weights.export import export_gguf, export_hf, export_minimind
 from nanoforge.weights.minimind import is_pth, pair_tokenizer
 from nanoforge.infer.chat import run_chat, run_generate
 from nanoforge.infer.defaults import ChatOptions, DeviceOptions, SamplingOptions
-from nanoforge.plan import format_plan, make_plan
+from nanoforge.train.plan import format_plan, make_plan
 from nanoforge.recipes.grpo import grpo
 from nanoforge.recipes.options import DistillOptions, DPOOptions, PPOOptions, RLOptions
 from nanoforge.serve.options import ServeOptions
@@ -47,9 +47,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if getattr(args, "resume", None) == AUTO:  # every training command's --resume auto, grpo's too
             args.resume = resolve_resume(AUTO, args.out, args.command)
-        for name in ("init", "run", "teacher"):  # a MiniMind .pth takes its tokenizer from --tokenizer
-            if is_pth(getattr(args, name, None)):
-                pair_tokenizer(getattr(args, name), getattr(args, "tokenizer", None))
+        pair_pth_tokenizer(args)
         COMMANDS[args.command](args)
         code = 0
     except NanoforgeError as e:
@@ -59,6 +57,16 @@ def run(args: argparse.Namespace) -> int:
         print("interrupted", file=sys.stderr)
         code = 130
     return leave(code)  # under torchrun: leave the process group and exit here (train/distributed.py)
+
+
+def pair_pth_tokenizer(args: argparse.Namespace) -> None:
+    """A MiniMind .pth model takes its tokenizer from --tokenizer; anywhere else (but raw JSONL's) it is refused."""
+    models = [getattr(args, name) for name in ("init", "run", "teacher") if is_pth(getattr(args, name, None))]
+    for pth in models:
+        pair_tokenizer(pth, getattr(args, "tokenizer", None))
+    if getattr(args, "tokenizer", None) and not models and args.command not in ("pretrain", "prepare", "tokenizer"):
+        raise NanoforgeError("--tokenizer is for a model given as a MiniMind .pth; a run or HF directory brings "
+                             "its own")
 
 
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -151,8 +151,8 @@ def tiny_tokenizer_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_tokenizer_dir):
-    """The tiny tokenizer (nanoforge.tokenizer.Tokenizer); its files are in the `tiny_tokenizer_dir` fixture."""
-    from nanoforge.tokenizer import load_tokenizer
+    """The tiny tokenizer (nanoforge.chat.tokenizer.Tokenizer); its files are in the `tiny_tokenizer_dir` fixture."""
+    from nanoforge.chat.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_tokenizer_dir)
 

@@ -10,7 +10,7 @@ import pytest
 
 from nanoforge.cli import build_parser
 from nanoforge.commands import config_overrides
-from nanoforge.config import MODEL_FIELDS, TRAIN_FIELDS, ConfigError, build_config
+from nanoforge.core.config import MODEL_FIELDS, TRAIN_FIELDS, ConfigError, build_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,7 +32,7 @@ def test_help_lists_commands_and_defaults():
     pre = flat(nf("pretrain", "--help").stdout)
     assert "--max-steps N optimizer steps to train (see also epochs) (default: 1000)" in pre and "--resume" in pre
     # every config field explains itself, from its comment in config.py
-    from nanoforge.config import MODEL_FIELDS, TRAIN_FIELDS, ModelConfig, TrainConfig, field_help
+    from nanoforge.core.config import MODEL_FIELDS, TRAIN_FIELDS, ModelConfig, TrainConfig, field_help
     for cls, fields in ((ModelConfig, MODEL_FIELDS), (TrainConfig, TRAIN_FIELDS)):
         assert sorted(field_help(cls)) == sorted(fields), "a config field without a comment"
     assert "--epochs X > 0: train this many passes over the data" in pre

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from nanoforge.cli import build_parser
-from nanoforge.config import LoraConfig
+from nanoforge.core.config import LoraConfig
 from nanoforge.data.options import PrepareOptions
 from nanoforge.eval.options import EvalOptions
 from nanoforge.infer.defaults import ChatOptions, DeviceOptions, SamplingOptions

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nanoforge.config import build_config, load_toml
+from nanoforge.core.config import build_config, load_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))

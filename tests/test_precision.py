@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoforge.config import build_config
-from nanoforge.device import cpu_info, native_bf16, precision_note, resolve_precision
-from nanoforge.plan import make_plan
+from nanoforge.core.config import build_config
+from nanoforge.core.device import cpu_info, native_bf16, precision_note, resolve_precision
+from nanoforge.train.plan import make_plan
 
 from test_loop import corpus_files, pretrain_dir  # noqa: F401  (fixtures)
 

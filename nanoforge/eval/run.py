@@ -26,13 +26,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nanoforge.config import load_toml
+from nanoforge.core.config import load_toml
 from nanoforge.data.batches import IGNORE
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import TokenShards, check_tokenizer, read_manifest
 from nanoforge.data.sources import data_kind, prepared_dir
-from nanoforge.device import autocast_context, eval_mode
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.device import autocast_context, eval_mode
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.eval.choice import evaluate_choices
 from nanoforge.eval.common import Progress, check_precision, format_table, load_run
 from nanoforge.eval.options import EvalOptions

@@ -18,8 +18,8 @@ from typing import Callable, Sequence, TextIO
 
 import torch
 
-from nanoforge.device import resolve_device
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.device import resolve_device
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.defaults import PRECISION_CHOICES, ChatOptions, DeviceOptions as _D, SamplingOptions as _S
 from nanoforge.infer.generate import SamplingConfig, stream
 from nanoforge.infer.toolloop import stop_ids

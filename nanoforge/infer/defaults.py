@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanoforge.config import option
+from nanoforge.core.config import option
 
 PRECISION_CHOICES = ("auto", "fp32", "bf16", "fp16")
 

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from nanoforge.chat.template import without_generation_markers
-from nanoforge.config import ModelConfig
-from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import replace_dir, write_json
+from nanoforge.core.config import ModelConfig
+from nanoforge.core.errors import NanoforgeError
+from nanoforge.core.fsutil import replace_dir, write_json
 from nanoforge.weights.hf import HF_ARCHITECTURES
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.weights.load import load_model

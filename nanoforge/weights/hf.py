@@ -15,10 +15,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from nanoforge import safejson
-from nanoforge.config import ConfigError, ModelConfig
-from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import read_json
+from nanoforge.core import safejson
+from nanoforge.core.config import ConfigError, ModelConfig
+from nanoforge.core.errors import NanoforgeError
+from nanoforge.core.fsutil import read_json
 from nanoforge.weights.minimind import MINIMIND_AUX_COEF, minimind_ffn, read_pth
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}

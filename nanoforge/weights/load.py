@@ -20,12 +20,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from nanoforge.config import MODEL_FIELDS, ModelConfig
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.config import MODEL_FIELDS, ModelConfig
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.weights.hf import is_hf_dir, model_config_from_hf, read_hf_config, read_hf_weights
 from nanoforge.model.gpt import GPT
 from nanoforge.model.lora import LoraConfig, LoraModel, weights_fingerprint
-from nanoforge.tokenizer import load_tokenizer
+from nanoforge.chat.tokenizer import load_tokenizer
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.weights.minimind import config_from_state_dict, is_pth, pth_tokenizer_dir, read_pth
 

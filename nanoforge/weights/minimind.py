@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from nanoforge.config import ConfigError, ModelConfig
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.config import ConfigError, ModelConfig
+from nanoforge.core.errors import NanoforgeError
 
 # MiniMindConfig's defaults (model/model_minimind.py at commit d65ef2c) that a state dict does not show
 MINIMIND_ROPE_THETA, MINIMIND_NORM_EPS, MINIMIND_POSITIONS, MINIMIND_AUX_COEF = 1e6, 1e-6, 32768, 5e-4
@@ -61,9 +61,12 @@ def read_pth(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise NanoforgeError(f"{path}: no such file")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, ValueError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise NanoforgeError(f"{path}: not a state dict that torch.load reads as plain tensors ({first})") from None
+    except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, ValueError, OSError):
+        with open(path, "rb") as f:
+            head = f.read(2)
+        why = ("it holds objects other than tensors, which only an unsafe load (one that can run code) would read"
+               if head == b"PK" or head[:1] == b"\x80" else "not a file torch.save writes (truncated or corrupted?)")
+        raise NanoforgeError(f"{path}: not a state dict that torch.load reads as plain tensors: {why}") from None
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict) and "optimizer" in obj:
         obj = obj["model"]  # MiniMind's resume file keeps the weights under "model"
     if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):

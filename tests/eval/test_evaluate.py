@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.eval.choice import build_prompt, evaluate_choices, load_benchmark, wilson_interval
 from nanoforge.eval.options import EvalOptions
 from nanoforge.eval.run import evaluate_data, run_eval, token_byte_lengths
@@ -135,7 +135,7 @@ def bench(tmp_path_factory, tiny_tokenizer):
 @pytest.fixture(scope="module")
 def untrained(tiny_tokenizer):
     """A random-init tiny model: enough for checks that compare two computations of the same numbers."""
-    from nanoforge.config import ModelConfig
+    from nanoforge.core.config import ModelConfig
     from nanoforge.model.gpt import GPT
 
     torch.manual_seed(0)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoforge.config import build_config
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.config import build_config
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.generate import Completion
 from nanoforge.model.gpt import GPT
 from nanoforge.recipes.grpo import RLOptions, grpo

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoforge.config import build_config
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.config import build_config
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.model.gpt import GPT
 from nanoforge.rl.agent import agent_prompt, agent_rollout, environment_ids, pack_trajectories, Trajectory
 from nanoforge.recipes.grpo import RLOptions, grpo

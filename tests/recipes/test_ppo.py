@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoforge.config import build_config
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.config import build_config
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.weights.load import CRITIC_PREFIX, init_weights, load_model
 from nanoforge.model.gpt import GPT
 from nanoforge.rl import critic

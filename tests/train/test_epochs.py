@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nanoforge.config import ConfigError, build_config
+from nanoforge.core.config import ConfigError, build_config
 from nanoforge.data.batches import PretrainBatches, SFTBatches
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import TokenShards

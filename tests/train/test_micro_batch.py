@@ -6,10 +6,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nanoforge.config import build_config
-from nanoforge.config import ConfigError
+from nanoforge.core.config import build_config
+from nanoforge.core.config import ConfigError
 from nanoforge.data.prepare import prepare_dataset
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.train.microbatch import divisors_doubling, fit_micro_batch
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.recipes.pretrain import pretrain

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoforge.config import build_config
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.config import build_config
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.model.gpt import GPT
 from nanoforge.weights.load import load_model
 from nanoforge.weights.minimind import pair_tokenizer, read_pth
@@ -207,7 +207,7 @@ def test_hf_export_ends_a_reply_at_eos_token_id(tmp_path, mm_tokenizer):
     transformers = pytest.importorskip("transformers")
     cfg = build_config("tiny", overrides={"vocab_size": 6400})[0]
     model = GPT(cfg)
-    from nanoforge.tokenizer import load_tokenizer
+    from nanoforge.chat.tokenizer import load_tokenizer
     tok = load_tokenizer(mm_tokenizer)
     with torch.no_grad():
         for block in model.model.layers:  # blocks add nothing: the stream is the token's embedding
@@ -250,7 +250,7 @@ def test_minimind_eval_llm_stops_our_export_at_the_reply_end(tmp_path, minimind_
     so its reply ends at <|im_end|> only if our tokenizer_config names it. The weights spell a reply "A": the
     generation prompt's last token -> "A" -> <|im_end|>, and <|im_end|> -> "B" -> <|im_end|> for a run that does
     not stop there (blocks add nothing; the untied head reads each token's own direction)."""
-    from nanoforge.tokenizer import load_tokenizer
+    from nanoforge.chat.tokenizer import load_tokenizer
     from nanoforge.weights.export import write_hf_dir
     tok = load_tokenizer(mm_tokenizer)
     model = GPT(build_config("tiny", overrides={"vocab_size": 6400, "tie_embeddings": False})[0])
@@ -305,3 +305,10 @@ def test_minimind_moe_as_qwen3_moe_loads(tmp_path, mm, mm_tokenizer, fused):
     ours, _, _ = load_model(tmp_path / "q")
     with torch.no_grad():
         assert (theirs(IDS).logits - ours(IDS)).abs().max().item() <= 1e-4
+
+
+def test_tokenizer_flag_without_a_pth_is_refused(tmp_path, tmp_path_factory, tiny_tokenizer, tiny_tokenizer_dir):
+    from test_generate import make_tiny_run
+    r = cli("generate", make_tiny_run(tmp_path_factory, tiny_tokenizer), "--tokenizer", tiny_tokenizer_dir,
+            "--prompt", "a", check=False)
+    assert r.returncode == 1 and "--tokenizer is for a model given as a MiniMind .pth" in r.stderr

@@ -9,7 +9,7 @@ import platform
 
 import torch
 
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 
 
 def resolve_device(name: str) -> torch.device:
