@@ -34,7 +34,7 @@ class EvalOptions:
     prompts: str | None = option(None, metavar="FILE")  # prompts for --samples, one per line
     chat: bool = option(False)  # render sample prompts with the chat template
     batch_size: int = option(8, "[1, inf)")  # sequences per forward
-    seq_len: int | None = option(None, "[1, inf)")  # window length (default: the model's max_seq_len)
+    seq_len: int | None = option(None, "[1, inf)")  # window length (default: the model's max_seq_len, at most 2048)
     max_tokens: int | None = option(None, "[1, inf)")  # stop after scoring this many tokens
     precision: str = option("fp32", choices=["fp32", "bf16", "fp16"])  # inference precision
     device: str = option("auto")  # auto, cpu, cuda, cuda:N, mps

@@ -90,6 +90,9 @@ class _Totals:
     bytes: int = 0  # from the token byte table (0 when there is none)
 
 
+DEFAULT_MAX_WINDOW = 2048
+
+
 def _rows_pretrain(shards, eos_id: int, seq_len: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Non-overlapping windows over [eos] + the split's token stream: window k predicts stream tokens
     [k*T, k*T + T), so every token of the split (each document's first token included, as the continuation
@@ -172,7 +175,7 @@ def evaluate_data(run, data_paths, batch_size: int = 8, seq_len: int | None = No
 
     Raw JSONL is tokenized with the run's own tokenizer into a temporary prepared directory (val_fraction
     0: every record counts). Pretraining data: every token is scored once, in non-overlapping windows of
-    seq_len (default: the model's max_seq_len) over the packed stream, as training validation does; bpb
+    seq_len (default: the model's max_seq_len, at most 2048) over the packed stream, as training validation does; bpb
     divides by the exact UTF-8 bytes of the texts (end-of-text tokens are scored, like any token, but have no
     bytes). SFT data: only assistant tokens (replies and their <|im_end|>) are scored, each conversation on
     its own; bpb divides by the bytes of those replies, counted from the tokens, which is exact for
@@ -186,7 +189,8 @@ def evaluate_data(run, data_paths, batch_size: int = 8, seq_len: int | None = No
     prepared = prepared_dir(paths)  # before the model loads: a wrong --data fails at once
     model, tokenizer, dev, ckpt = load_run(run, device)
     window = model.cfg.max_seq_len  # the most positions the model attends over
-    seq_len = seq_len or window
+    # MiniMind-3 and Qwen3 imports have 32768 positions: never windows of that by default
+    seq_len = seq_len or min(window, DEFAULT_MAX_WINDOW)
     if not 1 <= seq_len <= window:
         raise NanoforgeError(f"--seq-len {seq_len} must be between 1 and the model's max_seq_len {window}")
 
