@@ -4,12 +4,15 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The torch dev and CI run: its CPU wheel (no CUDA build downloaded). pyproject.toml declares the supported range;
+# benchmarks/torch_range.sh tests its ends. `make setup TORCH=2.14.1` sets up another.
+TORCH ?= 2.13.0
 
 .PHONY: setup lint test test-fast demo bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[test,report,export,serve,parquet]'
+	$(BIN)/pip install -q torch==$(TORCH) -e '.[test,report,export,serve,parquet]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import inspect
 import os
 import sys
 from dataclasses import dataclass
@@ -158,9 +159,11 @@ def wrap(model: nn.Module, device: torch.device, fsdp: bool = False) -> nn.Modul
     # Mixture-of-experts layers may leave an expert without tokens in a step: DDP must look for unused ones.
     moe = getattr(getattr(model, "cfg", None), "n_experts", 0)
     ids = [device.index] if device.type == "cuda" else None
-    # Buffers are only the RoPE tables, identical on every rank: no broadcast before every forward
-    # (torch 2.13's name; the older broadcast_buffers=False is deprecated there)
-    return DDP(model, device_ids=ids, find_unused_parameters=bool(moe), forward_sync_buffers=False)
+    # Buffers are only the RoPE tables, identical on every rank: no broadcast before every forward. torch 2.13
+    # names it forward_sync_buffers (broadcast_buffers=False is deprecated there); older releases know only that.
+    renamed = "forward_sync_buffers" in inspect.signature(DDP).parameters
+    no_sync = "forward_sync_buffers" if renamed else "broadcast_buffers"
+    return DDP(model, device_ids=ids, find_unused_parameters=bool(moe), **{no_sync: False})
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
