@@ -18,8 +18,9 @@ The held-out records are the ones `nanoforge prepare --val-fraction F` puts in i
 when floor((i+1) F) > floor(i F)); the script writes the records that are left to the file MiniMind trains on, and
 checks that nanoforge's validation split holds exactly the held-out records (their count, and for pretraining
 their tokens). nanoforge validates on all of them during training (its metrics.jsonl val_loss records give the
-curve); after both runs `nanoforge eval --data PREPARED --split val --seq-len SEQ` scores the final weights of
-each (MiniMind's final .pth through nanoforge's .pth loading), fp32, the same windows for both.
+curve); after both runs `nanoforge eval --data PREPARED --split val --seq-len SEQ --max-tokens VAL_COUNT` scores
+the final weights of each (MiniMind's final .pth through nanoforge's .pth loading), fp32, the same windows for
+both, over the tokens nanoforge's validation covers (val_count: its windows drop the split's partial tail).
 
 MiniMind's trainers have no time budget. Chosen here: a calibration run of the unmodified trainer (stopped after
 a few logged steps) gives its start-up time and seconds per step on this machine now; the step count N that fits
@@ -381,6 +382,7 @@ class Stage:
         wall = proc.end - proc.start + prep_s
         records = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
         curve = [(r["time"] - proc.start + prep_s, r["val_loss"]) for r in records if "val_loss" in r]
+        val_count = next((int(r["val_count"]) for r in records if "val_count" in r), None)
         train = [r for r in records if "tokens_per_s" in r]
         steps = max((r["step"] for r in records), default=0)
         tokens = steps * self.batch * self.seq
@@ -388,16 +390,21 @@ class Stage:
         padding = re.search(r"\(padding ([0-9.]+)%\)", (self.work / "nanoforge.log").read_text(errors="replace"))
         real = tokens * (1 - float(padding.group(1)) / 100) if padding else tokens  # pretraining: packed, no pad
         step_ms = sorted(r.get("data_ms", 0) + r.get("fwd_bwd_ms", 0) + r.get("optim_ms", 0) for r in train)
-        return {"wall": wall, "prepare_s": prep_s, "steps": steps, "peak": max(proc.peak, prep.peak),
+        return {"wall": wall, "prepare_s": prep_s, "val_count": val_count, "steps": steps, "peak": max(proc.peak, prep.peak),
                 "positions_per_s": tokens / wall, "real_per_s": real / wall, "curve": curve, "run": run,
                 "prepared": prepared, "train_s": train_s, "precision": precision_of(run),
                 "per_step": step_ms[len(step_ms) // 2] / 1e3 if step_ms else None,
                 "startup": (train[0]["time"] - proc.start - step_ms[0] / 1e3) if train else None}
 
-    def score(self, weights: Path, pth: bool) -> float:
+    def score(self, weights: Path, pth: bool, max_tokens: int | None) -> float:
+        """nanoforge eval's loss over the first max_tokens scored tokens of the held-out split: as many as
+        nanoforge's in-training validation covers (its windows leave out the split's last partial window), so
+        that MiniMind's figure and nanoforge's curve are over the same tokens."""
         out = self.work / f"eval-{'minimind' if pth else 'nanoforge'}.json"
         cmd = [*NANOFORGE, "eval", str(weights), "--data", str(self.work / "nanoforge-data"), "--split", "val",
                "--seq-len", str(self.seq), "--json", str(out), "--no-write", "--quiet"]
+        if max_tokens:
+            cmd += ["--max-tokens", str(max_tokens)]
         if pth:
             cmd += ["--tokenizer", str(self.tokenizer)]
         run_checked(cmd, out.with_suffix(".log"), self.env)
@@ -412,8 +419,8 @@ class Stage:
               + (" (stopped at 1.1 x budget)" if mm["stopped"] else ""), flush=True)
         nf = self.run_nanoforge(mm)
         print(f"  nanoforge: {nf['steps']} steps in {nf['wall']:.0f} s, peak {nf['peak'] / 1e9:.2f} GB", flush=True)
-        mm["loss"] = self.score(mm["weights"], pth=True)
-        nf["loss"] = self.score(nf["run"], pth=False)
+        mm["loss"] = self.score(mm["weights"], pth=True, max_tokens=nf["val_count"])
+        nf["loss"] = self.score(nf["run"], pth=False, max_tokens=nf["val_count"])
         nf["curve"].append((nf["wall"], nf["loss"]))  # the final weights, scored at the end of the run
         nf["reach"] = crossing_time(nf["curve"], mm["loss"])
         nf["at_minimind_wall"] = loss_at(nf["curve"], mm["wall"])
