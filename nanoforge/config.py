@@ -15,6 +15,9 @@ from typing import Any, Iterable
 from nanoforge.errors import NanoforgeError
 
 
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # --precision; auto: device.py resolve_precision's rule
+
+
 class ConfigError(NanoforgeError):
     """A config value or file a person has to fix; the message says which field and why."""
 
@@ -136,7 +139,7 @@ class TrainConfig:
         _finite(self)
         _positive(self, "max_steps", "batch_size", "grad_accum", "seq_len", "eval_batches", "log_every",
                   "keep_last", "nonfinite_patience")
-        _one_of(self, "precision", ("auto", "fp32", "bf16", "fp16"))
+        _one_of(self, "precision", PRECISIONS)
         _one_of(self, "schedule", ("cosine", "wsd", "onecycle", "constant"))
         _one_of(self, "optimizer", ("adamw", "muon"))
         if self.muon_lr <= 0 or not 0.0 <= self.muon_momentum < 1.0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanoforge.config import option
+from nanoforge.config import PRECISIONS, option
 
 
 @dataclass
@@ -36,7 +36,7 @@ class EvalOptions:
     batch_size: int = option(8, "[1, inf)")  # sequences per forward
     seq_len: int | None = option(None, "[1, inf)")  # window length (default: the model's max_seq_len)
     max_tokens: int | None = option(None, "[1, inf)")  # stop after scoring this many tokens
-    precision: str = option("fp32", choices=["fp32", "bf16", "fp16"])  # inference precision
+    precision: str = option("auto", choices=PRECISIONS)  # inference precision
     device: str = option("auto")  # auto, cpu, cuda, cuda:N, mps
     no_write: bool = option(False)  # do not write RUN/samples.jsonl
     json: str | None = option(None, metavar="FILE")  # also write the results as JSON

@@ -16,11 +16,10 @@ import dataclasses
 import sys
 from typing import Callable, Sequence, TextIO
 
-import torch
 
-from nanoforge.device import resolve_device
+from nanoforge.device import precision_note, resolve_device, resolve_precision
 from nanoforge.errors import NanoforgeError
-from nanoforge.infer.defaults import PRECISION_CHOICES, ChatOptions, DeviceOptions as _D, SamplingOptions as _S
+from nanoforge.infer.defaults import ChatOptions, DeviceOptions as _D, SamplingOptions as _S
 from nanoforge.infer.generate import SamplingConfig, stream
 from nanoforge.infer.toolloop import stop_ids
 from nanoforge.chat.replies import THINK_OPEN, Reply, StreamParser, reply_from_events
@@ -273,7 +272,7 @@ def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, tempe
     input_stream, out = input_stream or sys.stdin, out or sys.stdout
     if prompt is None:
         prompt = input_stream.read()
-    model, tokenizer, _, precision = load_for_inference(run_dir, device, precision)
+    model, tokenizer, _, precision = load_for_inference(run_dir, device, precision, announce=True)
     ids = tokenizer.encode(prompt) if prompt else []
     if not ids:
         if tokenizer.eos_id is None:
@@ -301,21 +300,12 @@ def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, tempe
 
 def load_for_inference(run_dir, device: str, precision: str, announce: bool = False):
     """(model, tokenizer, checkpoint, precision) with device and precision resolved; `announce` tells stderr
-    what was loaded where."""
+    what was loaded where, and the precision and why (the line every command prints)."""
     target = resolve_device(device)
     precision = resolve_precision(precision, target)
     model, tokenizer, checkpoint = load_model(run_dir, device=target)
     if announce:
-        print(f"loaded {checkpoint} ({model.num_params() / 1e6:.1f}M parameters) on {target}, {precision}",
-              file=sys.stderr)
+        print(f"loaded {checkpoint} ({model.num_params() / 1e6:.1f}M parameters) on {target}, {precision}\n"
+              + precision_note(precision, target), file=sys.stderr)
     return model, tokenizer, checkpoint, precision
 
-
-def resolve_precision(precision: str, device) -> str:
-    """Turn "auto" into bf16 on a CUDA GPU that supports it, else fp32; check and keep any other choice."""
-    if precision not in PRECISION_CHOICES:
-        raise NanoforgeError(f"--precision {precision!r} is not one of {', '.join(PRECISION_CHOICES)}")
-    if precision != "auto":
-        return precision
-    native_bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8  # not emulated
-    return "bf16" if native_bf16 else "fp32"

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanoforge.config import option
-
-PRECISION_CHOICES = ("auto", "fp32", "bf16", "fp16")
+from nanoforge.config import PRECISIONS, option
 
 
 @dataclass
@@ -23,8 +21,8 @@ class SamplingOptions:
 @dataclass
 class DeviceOptions:
     device: str = option("auto")  # auto, cpu, cuda, cuda:N, mps
-    # auto: bf16 on a GPU that supports it, else fp32 (bf16 on a CPU is slower, not faster)
-    precision: str = option("auto", choices=PRECISION_CHOICES)  # inference precision
+    # auto: bf16 where the device computes it natively, else fp32 (nanoforge/device.py, as training picks)
+    precision: str = option("auto", choices=PRECISIONS)  # inference precision
 
 
 

@@ -10,8 +10,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from nanoforge.config import MODEL_FIELDS, build_config
-from nanoforge.device import resolve_device, resolve_precision
+from nanoforge.config import MODEL_FIELDS
+from nanoforge.device import build_run_config, resolve_device
 from nanoforge.errors import NanoforgeError
 from nanoforge.chat.tools import parse_tool_names
 from nanoforge.weights.load import init_config, init_tokenizer_dir
@@ -96,8 +96,7 @@ def rl_setup(stage: str, init: str | None, data: str | None, out: Path, config_f
         base = {"model": init_cfg.get("model", {}),
                 "train": {**GRPO_DEFAULTS, "seq_len": init_cfg.get("model", {}).get("max_seq_len", 512)}}
         run_dir = out
-        mcfg, tcfg = build_config(None, config_file, overrides, base=base)
-        tcfg.precision = resolve_precision(tcfg.precision, tcfg.device)
+        mcfg, tcfg = build_run_config(None, config_file, overrides, base=base)
         tokenizer_dir = init_tokenizer_dir(init_path)
         run_info = {"stage": stage, "init": str(init_path.resolve()), "tokenizer": "tokenizer",
                     **{k: v for k, v in options.items() if v is not None}}

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from nanoforge import dirlock
 from nanoforge.config import (MODEL_FIELDS, PRESETS, ConfigError, ModelConfig, TrainConfig, build_config,
                               config_to_toml, load_toml)
-from nanoforge.device import resolve_device, resolve_precision
+from nanoforge.device import build_run_config, resolve_device
 from nanoforge.data.columnar import is_columnar
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import check_tokenizer
@@ -92,8 +92,7 @@ def open_run(out: str | Path, resume: bool, preset: str | None, config_file: str
     if resume:
         check_resume_shape(run_dir, saved.get("model", {}), preset, config_file, overrides)
         preset = None  # it asked for the saved shape; its [train] defaults must not undo the run's own settings
-    mcfg, tcfg = build_config(preset, config_file, overrides, base=saved)
-    tcfg.precision = resolve_precision(tcfg.precision, tcfg.device)  # config.toml keeps what it meant here
+    mcfg, tcfg = build_run_config(preset, config_file, overrides, base=saved)
     explicit = set(overrides) | set((saved or {}).get("model", {}))
     if config_file:
         explicit |= set(load_toml(config_file).get("model", {}))
@@ -286,8 +285,7 @@ def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str |
             raise NanoforgeError(f"{config_file}: [model] sets " + ", ".join(
                 f"{k} = {in_file[k]!r} (--init {init} has {base['model'][k]!r})" for k in changed)
                 + "; the model shape comes from --init: use a config with only [train] (e.g. configs/mini-sft.toml)")
-        mcfg, tcfg = build_config(None, config_file, overrides, base=base)
-        tcfg.precision = resolve_precision(tcfg.precision, tcfg.device)
+        mcfg, tcfg = build_run_config(None, config_file, overrides, base=base)
         tokenizer_dir = init_tokenizer_dir(init_path)
         run_info = {"stage": stage, "init": str(init_path.resolve()), "tokenizer": "tokenizer", **(run_options or {})}
     tok = load_tokenizer(tokenizer_dir)
