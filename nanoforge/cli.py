@@ -211,8 +211,8 @@ def add_training_parsers(sub, fmt) -> None:
     add_option_flags(dpo, DPOOptions, given_only=True)
     add_run_flags(dpo)
 
-    add_grpo_parser(sub, fmt)
-    add_ppo_parser(sub, fmt)
+    add_rl_parser(sub, fmt, "grpo")
+    add_rl_parser(sub, fmt, "ppo")
 
     dist = sub.add_parser("distill", help="distill a teacher run into a student (a run or a preset)",
                           formatter_class=fmt)
@@ -299,30 +299,26 @@ def main(argv: list[str] | None = None) -> int:
     return commands.run(args)
 
 
-def add_grpo_parser(sub, fmt) -> None:
-    """`nanoforge grpo`: GRPO, CISPO or REINFORCE on groups of sampled replies (recipes/grpo.py)."""
-    rl = sub.add_parser("grpo", help="reinforcement learning with verifiable rewards: GRPO, CISPO or REINFORCE on "
-                        "groups of sampled replies", formatter_class=fmt)
-    rl.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the SFT run, checkpoint or HF model directory to "
-                    "train; also the frozen reference of the KL term")
+RL_STAGES = {  # name: (options, help, what --init is), recipes/grpo.py and recipes/ppo.py
+    "grpo": (RLOptions, "reinforcement learning with verifiable rewards: GRPO, CISPO or REINFORCE on groups of "
+             "sampled replies", "train; also the frozen reference of the KL term"),
+    "ppo": (PPOOptions, "reinforcement learning with PPO: a critic from the policy's weights, GAE, clipped policy "
+            "and value losses, KL penalty, early stop on approximate KL", "train (its weights also start the "
+            "critic); also the frozen reference of the KL penalty"),
+}
+
+
+def add_rl_parser(sub, fmt, name: str) -> None:
+    """`nanoforge grpo` and `nanoforge ppo`: RL on sampled replies to a prompts file, each with its options."""
+    options, what, init = RL_STAGES[name]
+    rl = sub.add_parser(name, help=what, formatter_class=fmt)
+    rl.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help=f"the SFT run, checkpoint or HF model directory to "
+                    f"{init}")
     rl.add_argument("--data", metavar="FILE.jsonl", help="prompts: chats ending in a user turn (or an empty "
                     'assistant placeholder), GSM8K\'s {"question", "answer"}; "answer"/"gt" for the rewards')
     rl.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    add_option_flags(rl, RLOptions, given_only=True)
+    add_option_flags(rl, options, given_only=True)
     add_run_flags(rl)
-
-
-def add_ppo_parser(sub, fmt) -> None:
-    """`nanoforge ppo`: PPO on sampled replies (recipes/ppo.py)."""
-    p = sub.add_parser("ppo", help="reinforcement learning with PPO: a critic from the policy's weights, GAE, clipped "
-                       "policy and value losses, KL penalty, early stop on approximate KL", formatter_class=fmt)
-    p.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the SFT run, checkpoint or HF model directory to "
-                   "train (its weights also start the critic); also the frozen reference of the KL penalty")
-    p.add_argument("--data", metavar="FILE.jsonl", help="prompts: chats ending in a user turn (or an empty "
-                   'assistant placeholder), GSM8K\'s {"question", "answer"}; "answer"/"gt" for the rewards')
-    p.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    add_option_flags(p, PPOOptions, given_only=True)
-    add_run_flags(p)
 
 
 if __name__ == "__main__":
