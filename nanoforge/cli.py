@@ -7,7 +7,7 @@ import math
 import sys
 
 from nanoforge import __version__
-from nanoforge.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, LoraConfig, ModelConfig, TrainConfig, field_help
+from nanoforge.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, LoraConfig, ModelConfig, TrainConfig
 from nanoforge.data.options import PrepareOptions
 from nanoforge.eval.options import EvalOptions
 from nanoforge.infer.defaults import ChatOptions, DeviceOptions, SamplingOptions
@@ -57,25 +57,24 @@ def add_config_flags(p: argparse.ArgumentParser, presets: bool = True, exclude: 
     p.add_argument("--config", metavar="FILE.toml", help="TOML file with [model] and [train] sections")
     for title, cls, names in (("model", ModelConfig, MODEL_FIELDS), ("training", TrainConfig, TRAIN_FIELDS)):
         group = p.add_argument_group(f"{title} config fields (override preset and --config)")
-        defaults, helps = cls(), field_help(cls)
+        defaults = cls()
         for name, f in names.items():
             if name in exclude:
                 continue
             default = getattr(defaults, name)
-            what = helps.get(name, "").replace("%", "%%")  # argparse formats help with %
+            what = f.metadata["help"].replace("%", "%%")  # argparse formats help with %
             group.add_argument(f"--{name.replace('_', '-')}", dest=f"cfg_{name}", metavar=_metavar(f),
                                help=f"{what} (default: {default!r})" if what else f"(default: {default!r})")
 
 
 def add_option_flags(p: argparse.ArgumentParser, cls, given_only: bool = False) -> None:
     """One --field-name flag per field of a command's options dataclass (config.option): a number in the field's
-    interval, a store_true for a bool, nargs/choices/metavar as the field says, and the field's comment as help.
+    interval, a store_true for a bool, nargs/choices/metavar and help as the field says (config.option).
     given_only: an omitted flag stays out of the namespace (argparse.SUPPRESS; the dataclass default fills it), so
     that a --resume keeps the run's saved value, and the help states the default itself."""
-    helps = field_help(cls)
     for f in dataclasses.fields(cls):
         flag, kind = dict(f.metadata), f.type.split(" ")[0]  # the annotation's text: "int", "float | None", ...
-        interval, what = flag.pop("interval") or "(-inf, inf)", helps.get(f.name, "").replace("%", "%%")
+        interval, what = flag.pop("interval") or "(-inf, inf)", flag.pop("help").replace("%", "%%")
         if given_only and f.default not in (None, False) and "(default" not in what:
             what += f" (default: {f.default})"
         if kind == "bool":

@@ -77,3 +77,18 @@ def test_each_flag_states_its_fields_default_and_an_omitted_flag_gets_it():
                 assert shown and shown[-1] == str(f.default), f"{where}: help says {shown}, the field {f.default!r}"
             assert parsed.get(f.name, f.default) == f.default, f"{where}: parsed {parsed.get(f.name)!r}"
             assert (f.name in parsed) == (actions[f.name].default != argparse.SUPPRESS), where
+
+
+def test_every_field_says_what_it_is():
+    """Help is data on the field (config.option(..., help=...)), never read from the source: a config or options
+    field without it fails here, and its flag's --help shows exactly that text."""
+    from nanoforge.config import ModelConfig, TrainConfig
+
+    parsers = dict(_commands(build_parser()))
+    pretrain = {a.dest: a for a in parsers["pretrain"]._actions}
+    for cls in {ModelConfig, TrainConfig, *(c for classes, _ in OPTIONS.values() for c in classes)}:
+        for f in dataclasses.fields(cls):
+            text = f.metadata.get("help")
+            assert isinstance(text, str) and len(text.split()) >= 2, f"{cls.__name__}.{f.name} has no help"
+    for f in dataclasses.fields(TrainConfig):
+        assert pretrain[f"cfg_{f.name}"].help.startswith(f.metadata["help"].replace("%", "%%")), f.name
