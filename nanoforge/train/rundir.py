@@ -36,6 +36,20 @@ from nanoforge.weights import checkpoint as ckpt
 from nanoforge.train.distributed import is_main, main_first
 
 
+@dataclasses.dataclass
+class PreparedRun:
+    """A run ready for its batches, model and objective: the directory it writes, its config, what config.toml's
+    [run] records, the --init it starts from (None: its own weights), its tokenizer, and its data (a prepared
+    directory; an RL run's prompt records)."""
+    run_dir: Path
+    mcfg: ModelConfig
+    tcfg: TrainConfig
+    info: dict[str, Any]
+    init: Path | None
+    tokenizer: Any
+    data: Any
+
+
 RUN_LOCK = ".lock"  # in a run directory: held by the one process training into it (nanoforge/dirlock.py)
 
 
@@ -257,13 +271,11 @@ def resumed_run(stage: str, init: str | None, out: str | Path, config_file: str 
 
 def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str | Path, config_file: str | None,
                    overrides: dict[str, Any], resume: bool, quiet: bool, train_defaults: dict[str, Any],
-                   run_options: dict[str, Any] | None = None, probe_loss=None):
+                   run_options: dict[str, Any] | None = None, probe_loss=None) -> PreparedRun:
     """What every stage that starts from a trained model shares: the run directory, the config (the model
     shape from --init, training defaults of the stage under --config and flags), the tokenizer of the init
-    run, and the data prepared with that tokenizer.
-
-    Returns (run_dir, mcfg, tcfg, run_info, init_path, tokenizer, data_dir). On --resume, --init, the data and
-    the stage's options (run_options) come from the run's config.toml."""
+    run, and the data prepared with that tokenizer. On --resume, --init, the data and the stage's options
+    (run_options) come from the run's config.toml."""
     run_dir = Path(out)
     if resume:
         run_dir, mcfg, tcfg, run_info, init_path = resumed_run(stage, init, out, config_file, overrides)
@@ -299,4 +311,4 @@ def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str |
     run_info["data"] = str(data_dir.resolve())
     copy_tokenizer(tokenizer_dir, run_dir)
     write_run_config(run_dir, mcfg, tcfg, run_info)
-    return run_dir, mcfg, tcfg, run_info, init_path, tok, data_dir
+    return PreparedRun(run_dir, mcfg, tcfg, run_info, init_path, tok, data_dir)
