@@ -6,6 +6,24 @@ from dataclasses import dataclass
 
 from nanoforge.config import option
 
+
+# The reward and template options grpo and ppo share: one definition each.
+RL_SHARED = {
+    "reward": dict(metavar="NAME[,NAME]", help="math, format, length, repetition, module:function or "
+                   "path/file.py:function, summed (default: math)"),
+    "reward_weights": dict(metavar="W[,W]", help="one weight per reward (and the reward model last)"),
+    "reward_model": dict(metavar="LOCAL_DIR", help="a local HF sequence-classification model whose score is added as "
+                         "a reward (never downloaded)"),
+    "trust_remote_code": dict(default=False, help="let --reward-model run its own Python code"),
+    "think": dict(default=False, help="open the think block of every reply (a template in MiniMind-3's format)"),
+}
+
+
+def rl_option(name: str):
+    """The field `name` of RL_SHARED, for RLOptions and PPOOptions alike."""
+    return option(**RL_SHARED[name])
+
+
 @dataclass
 class RLOptions:
     """`nanoforge grpo`, with MiniMind's GRPO: 2 prompts x 6 replies, temperature 0.8, beta 0.1, clip 0.2."""
@@ -24,13 +42,11 @@ class RLOptions:
     max_new_tokens: int = option(256, "[1, inf)", help="reply length cap; a reply cut there has no stop token")
     ppo_epochs: int = option(1, "[1, inf)", metavar="K", help="optimizer steps on each rollout, so the ratio and "
                              "clipping act")
-    reward: str | None = option(None, metavar="NAME[,NAME]", help="math, format, length, repetition, module:function "
-                                "or path/file.py:function, summed (default: math)")
-    reward_weights: str | None = option(None, metavar="W[,W]", help="one weight per reward (and the reward model last)")
-    reward_model: str | None = option(None, metavar="LOCAL_DIR", help="a local HF sequence-classification model whose "
-                                      "score is added as a reward (never downloaded)")
-    trust_remote_code: bool = option(False, help="let --reward-model run its own Python code")
-    think: bool = option(False, help="open the think block of every reply (a template in MiniMind-3's format)")
+    reward: str | None = rl_option("reward")
+    reward_weights: str | None = rl_option("reward_weights")
+    reward_model: str | None = rl_option("reward_model")
+    trust_remote_code: bool = rl_option("trust_remote_code")
+    think: bool = rl_option("think")
     tools: str | None = option(None, metavar="NAME[,NAME]", help="multi-turn tool use: run the replies' tool calls "
                                "(built-in: calculator) and train on whole trajectories with the agent reward (records "
                                "need \"gt\"; no --reward)")
@@ -55,13 +71,11 @@ class PPOOptions:
     lam: float = option(0.95, "[0, 1]", help="GAE lambda")
     target_kl: float | None = option(None, "(0, inf)", help="skip a rollout's remaining epochs once the approximate "
                                      "KL to the sampling policy exceeds this (default: never)")
-    reward: str | None = option(None, metavar="NAME[,NAME]", help="math, format, length, repetition, module:function "
-                                "or path/file.py:function, summed (default: math)")
-    reward_weights: str | None = option(None, metavar="W[,W]", help="one weight per reward (and the reward model last)")
-    reward_model: str | None = option(None, metavar="LOCAL_DIR", help="a local HF sequence-classification model whose "
-                                      "score is added as a reward (never downloaded)")
-    trust_remote_code: bool = option(False, help="let --reward-model run its own Python code")
-    think: bool = option(False, help="open the think block of every reply (a template in MiniMind-3's format)")
+    reward: str | None = rl_option("reward")
+    reward_weights: str | None = rl_option("reward_weights")
+    reward_model: str | None = rl_option("reward_model")
+    trust_remote_code: bool = rl_option("trust_remote_code")
+    think: bool = rl_option("think")
 
 
 @dataclass
