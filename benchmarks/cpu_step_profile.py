@@ -14,8 +14,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from nanoforge.config import build_config
-from nanoforge.device import autocast_context, keep_freed_memory
+from nanoforge.core.config import build_config
+from nanoforge.core.device import autocast_context, keep_freed_memory
 from nanoforge.model.gpt import GPT
 from nanoforge.train.objectives import causal_lm_loss
 from nanoforge.train.optim import build_optimizer

@@ -46,7 +46,7 @@ def main() -> None:
 
     import torch
 
-    from nanoforge.config import build_config
+    from nanoforge.core.config import build_config
     from nanoforge.model.gpt import GPT
 
     if args.threads:

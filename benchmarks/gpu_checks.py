@@ -38,7 +38,7 @@ def kernels_taking_gqa(device, dtype, masked: bool) -> list[str]:
 
 
 def our_packed_attention_is_fused(device) -> bool:
-    from nanoforge.config import ModelConfig
+    from nanoforge.core.config import ModelConfig
     from nanoforge.model.gpt import GPT
     model = GPT(ModelConfig()).to(device)  # the mini shape: 8 heads, 2 KV heads
     T = 512

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nanoforge.config import build_config  # noqa: E402
+from nanoforge.core.config import build_config  # noqa: E402
 from nanoforge.data.prepare import prepare_dataset  # noqa: E402
 from nanoforge.infer.generate import SamplingConfig, complete  # noqa: E402
 from nanoforge.weights.load import load_model  # noqa: E402

@@ -117,7 +117,7 @@ def run_prepare(name: str, files: list[Path], tokenizer_dir: Path, out: Path, wo
 
 def measure(spec: dict) -> dict:
     """Runs in the child process: load the tokenizer, prepare, report speed and the process tree's peak RSS."""
-    from nanoforge.tokenizer import load_tokenizer
+    from nanoforge.chat.tokenizer import load_tokenizer
 
     files = [Path(f) for f in spec["files"]]
     tokenizer = load_tokenizer(spec["tokenizer"])

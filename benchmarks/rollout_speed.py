@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from nanoforge.config import build_config  # noqa: E402
+from nanoforge.core.config import build_config  # noqa: E402
 from nanoforge.infer.generate import SamplingConfig, generate  # noqa: E402
 from nanoforge.model.gpt import GPT  # noqa: E402
 

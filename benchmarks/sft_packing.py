@@ -60,7 +60,7 @@ class PaddedRows:
 
 
 def measure(source, seq_len: int, steps: int, warmup: int, precision: str) -> dict:
-    from nanoforge.config import build_config
+    from nanoforge.core.config import build_config
     from nanoforge.model.gpt import GPT
     from nanoforge.train.loop import Stage, train
     from nanoforge.train.objectives import causal_lm_loss

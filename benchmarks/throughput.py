@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nanoforge.bench import RandomTokens, naive_loop  # noqa: E402  (one naive loop, shared with `nanoforge bench`)
+from nanoforge.recipes.bench import RandomTokens, naive_loop  # noqa: E402  (one naive loop, shared with `nanoforge bench`)
 
 
 class RandomPairs(RandomTokens):
@@ -41,9 +41,9 @@ def run_ours(preset: str, precision: str, batch: int, seq: int, steps: int, warm
     projections), dpo (`batch` pairs per step), distill (a teacher of the same preset)."""
     import functools
     import torch
-    from nanoforge.config import build_config
+    from nanoforge.core.config import build_config
     from nanoforge.model.gpt import GPT
-    from nanoforge.device import resolve_device
+    from nanoforge.core.device import resolve_device
     from nanoforge.train.loop import Stage, train
     from nanoforge.train.metrics import peak_flops
     from nanoforge.train.objectives import causal_lm_loss, dpo_loss, make_distill_loss
@@ -74,9 +74,9 @@ def run_ours(preset: str, precision: str, batch: int, seq: int, steps: int, warm
 
 
 def run_naive(preset: str, batch: int, seq: int, steps: int, warmup: int) -> dict:
-    """What a first training script looks like (nanoforge.bench.naive_loop): fp32, mean loss, default AdamW."""
+    """What a first training script looks like (nanoforge.recipes.bench.naive_loop): fp32, mean loss, default AdamW."""
     import torch
-    from nanoforge.config import build_config
+    from nanoforge.core.config import build_config
     from nanoforge.model.gpt import GPT
 
     mcfg, _ = build_config(preset)

@@ -7,7 +7,7 @@ import math
 import sys
 
 from nanoforge import __version__
-from nanoforge.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, LoraConfig, ModelConfig, TrainConfig
+from nanoforge.core.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, LoraConfig, ModelConfig, TrainConfig
 from nanoforge.data.options import PrepareOptions
 from nanoforge.eval.options import EvalOptions
 from nanoforge.infer.defaults import ChatOptions, DeviceOptions, SamplingOptions
@@ -85,9 +85,16 @@ def add_option_flags(p: argparse.ArgumentParser, cls, given_only: bool = False) 
                        help=what, **flag)
 
 
+def add_tokenizer_flag(p: argparse.ArgumentParser) -> None:
+    """--tokenizer for a model given as MiniMind's .pth, which holds none (weights/minimind.py)."""
+    p.add_argument("--tokenizer", metavar="DIR", help="the tokenizer of a MiniMind .pth model (its model/ folder; "
+                   "default: a tokenizer.json beside the .pth or in ../model); runs and HF directories bring their own")
+
+
 def add_run_flags(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
-    """The last flags of a fine-tuning command: --resume, --quiet, then the config's (no presets: the shape
-    comes from --init)."""
+    """The last flags of a fine-tuning command: --tokenizer (for a .pth --init), --resume, --quiet, then the
+    config's (no presets: the shape comes from --init)."""
+    add_tokenizer_flag(p)
     add_resume_flag(p)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(p, presets=False, exclude=exclude)
@@ -174,16 +181,18 @@ def add_training_parsers(sub, fmt) -> None:
                      help="a prepared directory, or JSONL files (prepared into RUN/data)")
     pre.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
     add_resume_flag(pre)
-    pre.add_argument("--tokenizer", metavar="DIR", help="tokenizer for raw JSONL (default: train one on the data)")
+    pre.add_argument("--tokenizer", metavar="DIR", help="tokenizer for raw JSONL (default: train one on the data); "
+                     "with a MiniMind .pth --init, its tokenizer")
     pre.add_argument("--init", metavar="RUN_OR_CHECKPOINT",
-                     help="continue pretraining from this run, checkpoint or HF model directory (its shape and "
-                          "tokenizer; a fresh optimizer and schedule) instead of random weights")
+                     help="continue pretraining from this run, checkpoint, HF model directory or MiniMind .pth (its "
+                          "shape and tokenizer; a fresh optimizer and schedule) instead of random weights")
     pre.add_argument("--quiet", action="store_true", help="no progress lines")
     add_config_flags(pre)
 
     sft = sub.add_parser("sft", help="supervised fine-tuning on conversations (loss on assistant replies)",
                          formatter_class=fmt)
-    sft.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the pretrained run, checkpoint or HF dir to use")
+    sft.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the pretrained run, checkpoint, HF dir or "
+                     "MiniMind .pth to use")
     sft.add_argument("--data", nargs="*", default=[], metavar="PATH",
                      help="a directory from `prepare --kind sft`, or conversation JSONL files")
     sft.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
@@ -252,34 +261,45 @@ def add_tool_parsers(sub, fmt) -> None:
 
     ev = sub.add_parser("eval", help="loss / bits per byte on data, multiple-choice benchmarks, GSM8K, tool calls, "
                         "samples", formatter_class=fmt)
-    ev.add_argument("run", metavar="RUN", help="run directory, checkpoint or HF model directory")
+    ev.add_argument("run", metavar="RUN", help="run directory, checkpoint, HF model directory or MiniMind .pth")
+    add_tokenizer_flag(ev)
     add_option_flags(ev, EvalOptions)
 
-    exp = sub.add_parser("export", help="write a run as an HF transformers directory or a GGUF file",
-                         formatter_class=fmt)
-    exp.add_argument("run", metavar="RUN_OR_CHECKPOINT", help="run directory (latest checkpoint) or checkpoint")
-    exp.add_argument("--format", choices=("hf", "gguf"), default="hf", help="output format")
-    exp.add_argument("--out", required=True, help="directory (hf); .gguf file or existing directory (gguf)")
-    exp.add_argument("--dtype", choices=("f32", "f16"), default="f32", help="GGUF tensor type")
+    exp = sub.add_parser("export", help="write a run as an HF transformers directory, a GGUF file or MiniMind's "
+                         ".pth", formatter_class=fmt)
+    exp.add_argument("run", metavar="RUN_OR_CHECKPOINT", help="run directory (latest checkpoint), checkpoint, HF "
+                     "directory or MiniMind .pth")
+    add_tokenizer_flag(exp)
+    exp.add_argument("--format", choices=("hf", "gguf", "minimind"), default="hf", help="output format")
+    exp.add_argument("--out", required=True, help="directory (hf); .gguf file or existing directory (gguf); .pth "
+                     "file or directory for MiniMind's {weight}_{hidden}.pth (minimind)")
+    exp.add_argument("--dtype", choices=("f32", "f16"), help="tensor type (default: f32 for gguf, f16 for minimind, "
+                     "as MiniMind's trainers save)")
     exp.add_argument("--force", action="store_true", help="replace an existing output")
 
 
 def add_inference_parsers(sub, fmt) -> None:
     """chat, generate and serve: a trained model at work."""
     chat = sub.add_parser("chat", help="talk to a trained model in the terminal (streaming)", formatter_class=fmt)
-    chat.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint) or a checkpoint directory")
+    chat.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint), checkpoint, HF directory "
+                      "or MiniMind .pth")
+    add_tokenizer_flag(chat)
     add_option_flags(chat, SamplingOptions)
 
     gen = sub.add_parser("generate", help="continue a plain-text prompt (a pretrained model; no chat template)",
                          formatter_class=fmt)
-    gen.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint) or a checkpoint directory")
+    gen.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint), checkpoint, HF directory "
+                     "or MiniMind .pth")
+    add_tokenizer_flag(gen)
     gen.add_argument("--prompt", help="text to continue (default: standard input; empty: a new document)")
     gen.add_argument("--num-samples", type=INT_GE1, default=1, help="continuations to write, one after another")
     add_option_flags(gen, SamplingOptions)
     add_option_flags(gen, DeviceOptions)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP API and a web chat page", formatter_class=fmt)
-    serve.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint), checkpoint or HF directory")
+    serve.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint), checkpoint, HF directory "
+                       "or MiniMind .pth")
+    add_tokenizer_flag(serve)
     add_option_flags(serve, ServeOptions)
     add_option_flags(serve, DeviceOptions)
     add_option_flags(chat, ChatOptions)

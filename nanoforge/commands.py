@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nanoforge.config import MODEL_FIELDS, TRAIN_FIELDS, LoraConfig, build_config, parse_value
+from nanoforge.core.config import MODEL_FIELDS, TRAIN_FIELDS, LoraConfig, build_config, parse_value
 from nanoforge.data.options import PrepareOptions
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.eval.options import EvalOptions
 from nanoforge.infer.defaults import ChatOptions, DeviceOptions, SamplingOptions
 from nanoforge.recipes.options import DistillOptions, DPOOptions, PPOOptions, RLOptions
@@ -21,6 +21,7 @@ from nanoforge.train.autoresume import AUTO, resolve_resume
 from nanoforge.train.distributed import is_main, leave
 from nanoforge.train.loop import TrainingInterrupted
 from nanoforge.train.rundir import check_resume_options
+from nanoforge.weights.minimind import is_pth, pair_tokenizer
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if getattr(args, "resume", None) == AUTO:  # every training command's --resume auto, grpo's too
             args.resume = resolve_resume(AUTO, args.out, args.command)
+        pair_pth_tokenizer(args)
         COMMANDS[args.command](args)
         code = 0
     except NanoforgeError as e:
@@ -39,6 +41,16 @@ def run(args: argparse.Namespace) -> int:
         print("interrupted", file=sys.stderr)
         code = 130
     return leave(code)  # under torchrun: leave the process group and exit here (train/distributed.py)
+
+
+def pair_pth_tokenizer(args: argparse.Namespace) -> None:
+    """A MiniMind .pth model takes its tokenizer from --tokenizer; anywhere else (but raw JSONL's) it is refused."""
+    models = [getattr(args, name) for name in ("init", "run", "teacher") if is_pth(getattr(args, name, None))]
+    for pth in models:
+        pair_tokenizer(pth, getattr(args, "tokenizer", None))
+    if getattr(args, "tokenizer", None) and not models and args.command not in ("pretrain", "prepare", "tokenizer"):
+        raise NanoforgeError("--tokenizer is for a model given as a MiniMind .pth; a run or HF directory brings "
+                             "its own")
 
 
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -138,7 +150,7 @@ def cmd_distill(args) -> None:
 
 
 def cmd_plan(args) -> None:
-    from nanoforge.plan import format_plan, make_plan
+    from nanoforge.train.plan import format_plan, make_plan
     preset = args.preset or (None if args.config else "mini")
     mcfg, tcfg = build_config(preset, args.config, config_overrides(args))
     p = make_plan(mcfg, tcfg, args.device, args.global_batch, args.tokens, args.mfu, args.tokens_per_s)
@@ -146,7 +158,7 @@ def cmd_plan(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from nanoforge.bench import format_bench, run_bench, write_json
+    from nanoforge.recipes.bench import format_bench, run_bench, write_json
     preset = args.preset or (None if args.config else "mini")
     res = run_bench(preset, args.config, config_overrides(args), steps=args.steps, warmup=args.warmup,
                     data=args.data, compare_naive=args.compare_naive,
@@ -162,9 +174,13 @@ def cmd_eval(args) -> None:
 
 
 def cmd_export(args) -> None:
-    from nanoforge.weights.export import export_gguf, export_hf
-    out = (export_hf(args.run, args.out, force=args.force) if args.format == "hf"
-           else export_gguf(args.run, args.out, dtype=args.dtype, force=args.force))
+    from nanoforge.weights.export import export_gguf, export_hf, export_minimind
+    if args.format == "hf":
+        out = export_hf(args.run, args.out, force=args.force)
+    elif args.format == "gguf":
+        out = export_gguf(args.run, args.out, dtype=args.dtype or "f32", force=args.force)
+    else:
+        out = export_minimind(args.run, args.out, dtype=args.dtype or "f16", force=args.force)
     print(f"wrote {out}")
 
 

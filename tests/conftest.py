@@ -74,6 +74,15 @@ def shared_data() -> Path:
     return found
 
 
+@pytest.fixture(scope="session")
+def minimind_code() -> Path:
+    """MiniMind's own code (../shared/anchors/minimind), to run side by side; skips like `shared_data`."""
+    anchors = _REAL_SHARED_DATA.parent / "anchors" / "minimind"
+    if shared_data_dir() is None or not (anchors / "model" / "model_minimind.py").is_file():
+        _missing_shared_data("this test (MiniMind's code in ../shared/anchors/minimind)")
+    return anchors
+
+
 # A few lines of our own, so tokenizer-dependent tests still run on a machine without ../shared.
 _FALLBACK_TEXTS = [
     "Once upon a time there was a little robot who liked to count the stars at night.",
@@ -142,8 +151,8 @@ def tiny_tokenizer_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_tokenizer_dir):
-    """The tiny tokenizer (nanoforge.tokenizer.Tokenizer); its files are in the `tiny_tokenizer_dir` fixture."""
-    from nanoforge.tokenizer import load_tokenizer
+    """The tiny tokenizer (nanoforge.chat.tokenizer.Tokenizer); its files are in the `tiny_tokenizer_dir` fixture."""
+    from nanoforge.chat.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_tokenizer_dir)
 
@@ -176,7 +185,7 @@ def save_random_run(out: Path, tokenizer, max_seq_len: int) -> Path:
 
     import torch
 
-    from nanoforge.config import build_config
+    from nanoforge.core.config import build_config
     from nanoforge.model.gpt import GPT
     from nanoforge.weights import checkpoint as ckpt
 

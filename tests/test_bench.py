@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoforge.device import cpu_info, precision_note
+from nanoforge.core.device import cpu_info, precision_note
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ import pytest
 
 from nanoforge.cli import build_parser
 from nanoforge.commands import config_overrides
-from nanoforge.config import MODEL_FIELDS, TRAIN_FIELDS, ConfigError, build_config
+from nanoforge.core.config import MODEL_FIELDS, TRAIN_FIELDS, ConfigError, build_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

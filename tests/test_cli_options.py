@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from nanoforge.cli import build_parser
-from nanoforge.config import LoraConfig
+from nanoforge.core.config import LoraConfig
 from nanoforge.data.options import PrepareOptions
 from nanoforge.eval.options import EvalOptions
 from nanoforge.infer.defaults import ChatOptions, DeviceOptions, SamplingOptions
@@ -82,7 +82,7 @@ def test_each_flag_states_its_fields_default_and_an_omitted_flag_gets_it():
 def test_every_field_says_what_it_is():
     """Help is data on the field (config.option(..., help=...)), never read from the source: a config or options
     field without it fails here, and its flag's --help shows exactly that text."""
-    from nanoforge.config import ModelConfig, TrainConfig
+    from nanoforge.core.config import ModelConfig, TrainConfig
 
     parsers = dict(_commands(build_parser()))
     pretrain = {a.dest: a for a in parsers["pretrain"]._actions}

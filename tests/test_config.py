@@ -1,6 +1,6 @@
 import pytest
 
-from nanoforge.config import (ConfigError, build_config, config_to_toml, load_toml,
+from nanoforge.core.config import (ConfigError, build_config, config_to_toml, load_toml,
                               parse_value, TRAIN_FIELDS)
 
 

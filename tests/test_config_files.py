@@ -1,12 +1,14 @@
 """The TOML recipes in configs/: each loads with no unknown key, matches the preset it is named after, and works
 where its comment says it does (`nanoforge plan --config`, the speedrun script)."""
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from nanoforge.config import build_config, load_toml
+from nanoforge.core.config import build_config, load_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
@@ -18,11 +20,12 @@ def test_there_are_recipes():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_recipe_loads(path):
-    build_config(None, path, {})  # an unknown key or a bad value raises, naming the file
+    # an unknown key or a bad value raises, naming the file; the fine-tuning recipes on the model they are for
+    build_config("minimind-3" if path.stem.startswith("minimind-3") else None, path, {})
     assert "vocab_size" not in load_toml(path).get("model", {}), "the embedding should follow the tokenizer"
 
 
-@pytest.mark.parametrize("name", ["mini", "base"])
+@pytest.mark.parametrize("name", ["mini", "base", "minimind-3"])
 def test_model_shape_is_the_preset(name):
     from_file, _ = build_config(None, ROOT / "configs" / f"{name}.toml", {})
     from_preset, _ = build_config(name, None, {})
@@ -36,8 +39,20 @@ def test_mini_is_the_26m_reference():
     assert (t.batch_size * t.grad_accum, t.seq_len, t.epochs) == (256, 512, 1.0)
 
 
-def test_sft_recipe_leaves_the_model_to_init():
-    assert "model" not in load_toml(ROOT / "configs" / "mini-sft.toml")
+@pytest.mark.parametrize("name", ["mini-sft"] + [f"minimind-3-{stage}" for stage in ("sft", "lora", "dpo", "grpo", "ppo")])
+def test_finetuning_recipes_leave_the_model_to_init(name):
+    assert "model" not in load_toml(ROOT / "configs" / f"{name}.toml")
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_the_commands_a_recipe_shows_parse(path):
+    """Each `nanoforge ...` line of a recipe's comment (with its continuations) is a valid command line."""
+    from nanoforge.cli import build_parser
+    text = re.sub(r"\\\n#\s*", " ", path.read_text(encoding="utf-8"))
+    commands = [line.split("nanoforge", 1)[1] for line in text.splitlines() if line.startswith("#   nanoforge")]
+    for command in commands:
+        args = build_parser().parse_args(shlex.split(command.replace("...", "--out R")))
+        assert args.command in command
 
 
 def test_plan_reads_a_recipe():

@@ -10,8 +10,8 @@ import pytest
 from nanoforge.demo import pipeline as demo
 from nanoforge.demo import corpus as demo_corpus
 from nanoforge.data.jsonl import validate_record
-from nanoforge.errors import NanoforgeError
-from nanoforge.tokenizer import load_tokenizer
+from nanoforge.core.errors import NanoforgeError
+from nanoforge.chat.tokenizer import load_tokenizer
 
 SFT_SIZE = 300
 # what score_line prints: "in-set 9/13 exact ...; held-out 4/6 name ... (chance 0.3/6), 0/6 exact"

@@ -3,7 +3,7 @@ JSON it did not write: a clean refusal, like any malformed JSON, never a Recursi
 
 Through the real server (the official openai client, one keep-alive connection that must survive), the reply
 parser (a model can write such a block), the calculator; the CLI's readers are in test_bad_inputs.py's
-catalogue, RL prompt files in test_rl_prompts.py. Every reader of outside JSON goes through nanoforge/safejson.py:
+catalogue, RL prompt files in test_rl_prompts.py. Every reader of outside JSON goes through nanoforge/core/safejson.py:
 the last test checks that no other json.loads is left on such input."""
 from __future__ import annotations
 
@@ -146,8 +146,8 @@ def test_the_tool_endpoint_answers_an_error_string(client):
 
 # json.loads on JSON nanoforge wrote itself (metrics, manifests, checkpoint state, benchmark results, the
 # tokenizer's own serialisation); everything else is read with safejson.loads.
-OWN_JSON = {"nanoforge/safejson.py", "nanoforge/report/markdown.py", "nanoforge/bench.py", "nanoforge/train/metrics.py",
-            "nanoforge/dirlock.py", "nanoforge/data/dpo.py", "nanoforge/tokenizer.py", "nanoforge/weights/export.py"}
+OWN_JSON = {"nanoforge/core/safejson.py", "nanoforge/report/markdown.py", "nanoforge/recipes/bench.py", "nanoforge/train/metrics.py",
+            "nanoforge/core/dirlock.py", "nanoforge/data/dpo.py", "nanoforge/chat/tokenizer.py", "nanoforge/weights/export.py"}
 
 
 def test_no_other_json_loads_reads_outside_input():

@@ -9,17 +9,16 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nanoforge"
 
 # The pipeline, bottom to top: a module may import from its own layer or any below it, never above.
 LAYERS = [
-    ["errors", "config", "device", "fsutil", "dirlock", "safejson"],
+    ["core"],
     ["chat"],
-    ["tokenizer"],
     ["data"],
-    ["model", "plan"],
+    ["model"],
     ["weights"],
     ["infer"],
     ["train"],
     ["rl"],
     ["report", "eval", "serve"],
-    ["recipes", "bench"],
+    ["recipes"],
     ["demo"],
     ["cli", "commands", "__main__"],
 ]
@@ -76,7 +75,7 @@ def test_the_dispatcher_loads_no_recipe_until_its_command_runs():
     import subprocess
     import sys
     code = ("import sys, nanoforge.commands; print(sorted(m for m in sys.modules if m.startswith(('nanoforge.recipes.',"
-            " 'nanoforge.eval.run', 'nanoforge.bench', 'nanoforge.demo.')) and m != 'nanoforge.recipes.options'))")
+            " 'nanoforge.eval.run', 'nanoforge.demo.')) and m != 'nanoforge.recipes.options'))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert loaded == "[]", f"importing nanoforge.commands loads {loaded}"
 
@@ -114,3 +113,9 @@ def test_the_checks_can_fail():
     assert layer_of("train.loop") > layer_of("data.batches")
     with pytest.raises(AssertionError):
         layer_of("utils.misc")
+
+
+def test_the_top_of_the_package_holds_only_the_entry_points():
+    """The tree shows the pipeline: every module lives in its part's package, but the command line's own."""
+    loose = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert loose == ["__init__.py", "__main__.py", "cli.py", "commands.py"], loose

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from nanoforge.config import build_config
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.config import build_config
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.model.gpt import GPT
-from nanoforge.plan import GiB, RESERVED_FRACTION, activation_bytes, make_plan
+from nanoforge.train.plan import GiB, RESERVED_FRACTION, activation_bytes, make_plan
 
 
 def test_plan_counts_exact_state_and_fits_the_device():

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoforge.config import build_config
-from nanoforge.device import cpu_info, native_bf16, precision_note, resolve_precision
-from nanoforge.plan import make_plan
+from nanoforge.core.config import build_config
+from nanoforge.core.device import cpu_info, native_bf16, precision_note, resolve_precision
+from nanoforge.train.plan import make_plan
 
 from test_loop import corpus_files, pretrain_dir  # noqa: F401  (fixtures)
 
@@ -109,14 +109,14 @@ class Terminal(io.StringIO):
 def test_every_command_picks_the_same_precision(cpu, pretrain_dir, tmp_path, monkeypatch, capsys):  # noqa: F811
     """--precision auto through the real commands, in this process, on a CPU with and without native bf16 (its
     flags faked): train, eval, generate, chat, serve, bench and plan each say the one pick of device.py."""
-    import nanoforge.bench
-    import nanoforge.device
+    import nanoforge.recipes.bench
+    import nanoforge.core.device
     import nanoforge.serve.app
     from nanoforge.cli import main
 
-    monkeypatch.setattr(nanoforge.device, "cpu_info", lambda: cpu)
+    monkeypatch.setattr(nanoforge.core.device, "cpu_info", lambda: cpu)
     monkeypatch.setattr(nanoforge.serve.app.uvicorn, "run", lambda *a, **k: None)  # serve: load, announce, return
-    monkeypatch.setattr(nanoforge.bench, "_run_child", nanoforge.bench._child)  # bench: measure in this process
+    monkeypatch.setattr(nanoforge.recipes.bench, "_run_child", nanoforge.recipes.bench._child)  # bench: measure in this process
     run, cpu_flag = tmp_path / "run", ["--device", "cpu"]
 
     def said(*argv: str, stdin: str = "") -> list[str]:

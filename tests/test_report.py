@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from nanoforge.data.prepare import prepare_dataset
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.samples import DEFAULT_PROMPTS
 from nanoforge.report.markdown import NO_MATPLOTLIB, count_params, read_run, write_report
 from nanoforge.recipes.common import SAMPLE_MAX_TOKENS

@@ -10,9 +10,9 @@ import pytest
 
 from nanoforge.chat.template import THINKING_TOOLS_TEMPLATE, TOOL_TAGS
 from nanoforge.data.jsonl import DataError
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.data.sources import train_tokenizer
-from nanoforge.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, ChatTemplateError, Tokenizer, load_tokenizer
+from nanoforge.chat.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, ChatTemplateError, Tokenizer, load_tokenizer
 
 # Round trips check about this many bytes of each file, records sampled evenly over the file (all 55 MB
 # take ~25 s on 2 cores); NANOFORGE_FULL_ROUNDTRIP=1 checks every record.

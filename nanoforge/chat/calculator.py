@@ -19,7 +19,7 @@ import json
 import math
 import operator
 
-from nanoforge import safejson
+from nanoforge.core import safejson
 
 MAX_LENGTH = 200
 MAX_DIGITS = 100

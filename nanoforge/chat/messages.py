@@ -18,9 +18,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from nanoforge import safejson
+from nanoforge.core import safejson
 from nanoforge.chat.template import ChatTemplateError
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 
 ROLES = ("system", "user", "assistant")
 

@@ -28,7 +28,7 @@ import json
 from contextlib import suppress
 from dataclasses import dataclass, field
 
-from nanoforge import safejson
+from nanoforge.core import safejson
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"

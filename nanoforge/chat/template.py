@@ -13,7 +13,7 @@ from jinja2 import TemplateError, nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 
 IM_END = "<|im_end|>"
 

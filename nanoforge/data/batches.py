@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from nanoforge.data.shards import TokenShards
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 
 IGNORE = -100  # the label of a position without loss (prompt, padding): the one definition, used by every loss
 

@@ -35,7 +35,7 @@ from nanoforge.data.parts import range_line_chunks
 from nanoforge.data.jsonl import MAX_RECORD_BYTES, UTF8_BOM, DataError, SkipCounter, parse_lines
 from nanoforge.data.sft_records import drops_empty_think, render_sft_record
 from nanoforge.data.sources import is_plain_text
-from nanoforge.tokenizer import ChatTemplateError
+from nanoforge.chat.tokenizer import ChatTemplateError
 
 ENCODE_BATCH_CHARS = 1 << 18  # texts per encode_batch call, bounds the Rust-side memory of one call
 

@@ -19,10 +19,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from nanoforge import safejson
+from nanoforge.core import safejson
 from nanoforge.chat.messages import RecordError
 from nanoforge.data.jsonl import DataError, validate_record
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 
 ROWS_PER_CHUNK = 1024  # rows handed to a tokenizer worker at a time
 HF_STATE = "state.json"

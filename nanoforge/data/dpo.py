@@ -32,9 +32,9 @@ from torch import nn
 
 from nanoforge.data.batches import IGNORE, EpochOrder
 from nanoforge.data.shards import TokenShards
-from nanoforge.device import autocast_context, eval_mode
-from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import write_text_atomic
+from nanoforge.core.device import autocast_context, eval_mode
+from nanoforge.core.errors import NanoforgeError
+from nanoforge.core.fsutil import write_text_atomic
 
 CACHE_VERSION = 1
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field as dataclass_field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from nanoforge import safejson
+from nanoforge.core import safejson
 from nanoforge.chat.messages import RecordError, _keys, _type_name, check_messages
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 
 KINDS = ("pretrain", "sft", "dpo")
 UTF8_BOM = b"\xef\xbb\xbf"

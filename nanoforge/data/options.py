@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanoforge.config import option
+from nanoforge.core.config import option
 
 
 @dataclass

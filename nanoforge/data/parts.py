@@ -32,9 +32,9 @@ from typing import Callable, Iterator
 from nanoforge.data.columnar import arrow_files, is_columnar, num_rows
 from nanoforge.data.jsonl import MAX_RECORD_BYTES, record_too_long
 from nanoforge.data.shards import TokenShards, read_manifest
-from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import check_out_dir, fsync_dir, replace_dir, write_json
-from nanoforge.tokenizer import PLAIN_TEXT_SUFFIXES
+from nanoforge.core.errors import NanoforgeError
+from nanoforge.core.fsutil import check_out_dir, fsync_dir, replace_dir, write_json
+from nanoforge.chat.tokenizer import PLAIN_TEXT_SUFFIXES
 
 SCAN_BYTES = 8 << 20
 AGREE = ("format", "format_version", "kind", "dtype", "layout", "val_fraction", "drop_empty_think")

@@ -16,16 +16,17 @@ from typing import Callable
 
 import numpy as np
 
-from nanoforge import __version__, dirlock
+from nanoforge import __version__
+from nanoforge.core import dirlock
 from nanoforge.data.chunks import ChunkResult, SourceStats, chunk_tasks, run_chunks, token_dtype
 from nanoforge.data.columnar import check_columnar, is_columnar
 from nanoforge.data.jsonl import KINDS, DataError, check_input_file
 from nanoforge.data.parts import plan_part
 from nanoforge.data.sft_records import DROP_THINK_SEED
 from nanoforge.data.shards import FORMAT, FORMAT_VERSION, MASKED_KINDS
-from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import check_out_dir, fsync_dir, fsync_file, replace_dir, write_json
-from nanoforge.tokenizer import Tokenizer, load_tokenizer
+from nanoforge.core.errors import NanoforgeError
+from nanoforge.core.fsutil import check_out_dir, fsync_dir, fsync_file, replace_dir, write_json
+from nanoforge.chat.tokenizer import Tokenizer, load_tokenizer
 
 SPLITS = ("train", "val")
 SHARD_TOKENS = 100_000_000  # start a new shard after this many tokens (200 MB of uint16)

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import read_json
+from nanoforge.core.errors import NanoforgeError
+from nanoforge.core.fsutil import read_json
 
 FORMAT = "nanoforge-token-shards"
 FORMAT_VERSION = 1

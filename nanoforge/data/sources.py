@@ -10,8 +10,8 @@ from typing import Iterator, Sequence
 from nanoforge.data.columnar import check_columnar, columnar_kind, is_columnar, is_hf_dataset_dir
 from nanoforge.data.jsonl import DataError, check_input_file, detect_kind, iter_records
 from nanoforge.data.shards import read_manifest
-from nanoforge.errors import NanoforgeError
-from nanoforge.tokenizer import PLAIN_TEXT_SUFFIXES, Tokenizer, train_bpe
+from nanoforge.core.errors import NanoforgeError
+from nanoforge.chat.tokenizer import PLAIN_TEXT_SUFFIXES, Tokenizer, train_bpe
 
 _TEXT_BLOCK_BYTES = 1 << 20  # plain-text files are fed to the trainer in ~1 MB blocks cut at newlines
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 
 # Standard-library directories that are not library documentation: tests, the IDLE and turtle demo apps,
 # pip's bundled wheels, installed third-party packages, build configuration.

@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch
 
-from nanoforge.config import build_config
+from nanoforge.core.config import build_config
 from nanoforge.data.batches import EvalBatches, SFTBatches
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import TokenShards
 from nanoforge.demo.corpus import DEMO_MODULES, build_demo_corpus
-from nanoforge.device import autocast_context
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.device import autocast_context
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.generate import SamplingConfig, complete
 from nanoforge.weights.load import load_model
 from nanoforge.model.gpt import GPT

@@ -18,8 +18,8 @@ import torch
 
 from nanoforge.data.batches import IGNORE
 from nanoforge.data.jsonl import DataError, check_input_file
-from nanoforge.device import autocast_context, eval_mode, resolve_precision
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.device import autocast_context, eval_mode, resolve_precision
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.eval.common import Progress, format_table, json_lines, load_run
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"

@@ -7,10 +7,10 @@ import sys
 import time
 from typing import Iterable, Iterator, Sequence
 
-from nanoforge import safejson
+from nanoforge.core import safejson
 from nanoforge.data.jsonl import DataError
-from nanoforge.device import resolve_device
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.device import resolve_device
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.weights.load import load_model
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanoforge.config import PRECISIONS, option
+from nanoforge.core.config import PRECISIONS, option
 
 
 @dataclass
@@ -34,7 +34,8 @@ class EvalOptions:
     prompts: str | None = option(None, metavar="FILE", help="prompts for --samples, one per line")
     chat: bool = option(False, help="render sample prompts with the chat template")
     batch_size: int = option(8, "[1, inf)", help="sequences per forward")
-    seq_len: int | None = option(None, "[1, inf)", help="window length (default: the model's max_seq_len)")
+    seq_len: int | None = option(None, "[1, inf)", help="window length (default: the model's max_seq_len, at most "
+                                   "2048)")
     max_tokens: int | None = option(None, "[1, inf)", help="stop after scoring this many tokens")
     precision: str = option("auto", choices=PRECISIONS, help="inference precision")
     device: str = option("auto", help="auto, cpu, cuda, cuda:N, mps")

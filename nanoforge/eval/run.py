@@ -27,13 +27,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nanoforge.config import load_toml
+from nanoforge.core.config import load_toml
 from nanoforge.data.batches import IGNORE
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import TokenShards, check_tokenizer, read_manifest
 from nanoforge.data.sources import data_kind, prepared_dir
-from nanoforge.device import autocast_context, eval_mode, precision_note, resolve_precision
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.device import autocast_context, eval_mode, precision_note, resolve_precision
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.eval.choice import evaluate_choices
 from nanoforge.eval.common import Progress, format_table, load_run
 from nanoforge.eval.options import EvalOptions
@@ -89,6 +89,9 @@ class _Totals:
     nll: float = 0.0  # nats, summed over scored tokens
     tokens: int = 0
     bytes: int = 0  # from the token byte table (0 when there is none)
+
+
+DEFAULT_MAX_WINDOW = 2048
 
 
 def _rows_pretrain(shards, eos_id: int, seq_len: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -173,7 +176,7 @@ def evaluate_data(run, data_paths, batch_size: int = 8, seq_len: int | None = No
 
     Raw JSONL is tokenized with the run's own tokenizer into a temporary prepared directory (val_fraction
     0: every record counts). Pretraining data: every token is scored once, in non-overlapping windows of
-    seq_len (default: the model's max_seq_len) over the packed stream, as training validation does; bpb
+    seq_len (default: the model's max_seq_len, at most 2048) over the packed stream, as training validation does; bpb
     divides by the exact UTF-8 bytes of the texts (end-of-text tokens are scored, like any token, but have no
     bytes). SFT data: only assistant tokens (replies and their <|im_end|>) are scored, each conversation on
     its own; bpb divides by the bytes of those replies, counted from the tokens, which is exact for
@@ -187,7 +190,8 @@ def evaluate_data(run, data_paths, batch_size: int = 8, seq_len: int | None = No
     prepared = prepared_dir(paths)  # before the model loads: a wrong --data fails at once
     model, tokenizer, dev, ckpt = load_run(run, device)
     window = model.cfg.max_seq_len  # the most positions the model attends over
-    seq_len = seq_len or window
+    # MiniMind-3 and Qwen3 imports have 32768 positions: never windows of that by default
+    seq_len = seq_len or min(window, DEFAULT_MAX_WINDOW)
     if not 1 <= seq_len <= window:
         raise NanoforgeError(f"--seq-len {seq_len} must be between 1 and the model's max_seq_len {window}")
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from typing import Callable
 
-from nanoforge import safejson
+from nanoforge.core import safejson
 from nanoforge.chat.messages import call_function, tool_function
 from nanoforge.data.jsonl import iter_records
 from nanoforge.eval.common import Progress, fitting, format_table

@@ -17,8 +17,8 @@ import sys
 from typing import Callable, Sequence, TextIO
 
 
-from nanoforge.device import precision_note, resolve_device, resolve_precision
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.device import precision_note, resolve_device, resolve_precision
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.defaults import ChatOptions, DeviceOptions as _D, SamplingOptions as _S
 from nanoforge.infer.generate import SamplingConfig, stream
 from nanoforge.infer.toolloop import stop_ids

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanoforge.config import PRECISIONS, option
+from nanoforge.core.config import PRECISIONS, option
 
 
 @dataclass

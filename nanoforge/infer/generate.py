@@ -20,8 +20,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from nanoforge.device import autocast_context
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.device import autocast_context
+from nanoforge.core.errors import NanoforgeError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 

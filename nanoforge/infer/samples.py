@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from nanoforge import safejson
+from nanoforge.core import safejson
 from nanoforge.data.jsonl import DataError, check_input_file
-from nanoforge.device import eval_mode
+from nanoforge.core.device import eval_mode
 from nanoforge.infer.generate import SamplingConfig, complete
 
 

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.generate import Completion, SamplingConfig, complete
 from nanoforge.chat.replies import Reply, parse_reply
 from nanoforge.chat.tools import assistant_message, tool_messages, tool_schemas

@@ -26,9 +26,9 @@ import torch.utils.checkpoint
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanoforge.config import ModelConfig
+from nanoforge.core.config import ModelConfig
 from nanoforge.model.kvcache import KVCache
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.model.moe import MLP, MoE
 
 

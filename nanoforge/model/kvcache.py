@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 
 
 class KVCache:

@@ -24,8 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanoforge.config import TARGETS, LoraConfig  # noqa: F401 (LoraConfig: its users import it from here)
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.config import TARGETS, LoraConfig  # noqa: F401 (LoraConfig: its users import it from here)
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.model.gpt import check_same_tensors
 
 ADAPTER_KEYS = (".lora_A.", ".lora_B.")

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanoforge.config import ModelConfig
+from nanoforge.core.config import ModelConfig
 
 
 class MLP(nn.Module):

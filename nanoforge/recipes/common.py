@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from nanoforge.config import ModelConfig, TrainConfig
+from nanoforge.core.config import ModelConfig, TrainConfig
 from nanoforge.data.batches import EvalBatches, PretrainBatches, SFTBatches
 from nanoforge.data.shards import TokenShards
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.generate import SamplingConfig
 from nanoforge.infer.samples import generate_samples, load_prompts, write_samples
 from nanoforge.model.gpt import GPT

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from nanoforge.config import PRESETS
+from nanoforge.core.config import PRESETS
 from nanoforge.data.shards import check_tokenizer
 from nanoforge.data.sources import data_kind
-from nanoforge.device import resolve_device
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.device import resolve_device
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.recipes.common import (SFT_DEFAULTS, initial_gpt, lm_batches, make_sampler, sample_prompts,
                                      train_and_report)
 from nanoforge.train.distributed import setup

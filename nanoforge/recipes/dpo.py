@@ -8,8 +8,8 @@ from typing import Any, Sequence
 
 from nanoforge.data.dpo import DPOBatches, count_pairs, reference_logps
 from nanoforge.data.shards import TokenShards
-from nanoforge.device import resolve_device
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.device import resolve_device
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.model.gpt import GPT
 from nanoforge.recipes.common import SFT_DEFAULTS, initial_gpt, make_sampler, sample_prompts, train_and_report
 from nanoforge.train.distributed import main_first, setup, world

@@ -10,9 +10,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from nanoforge.config import MODEL_FIELDS
-from nanoforge.device import build_run_config, resolve_device
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.config import MODEL_FIELDS
+from nanoforge.core.device import build_run_config, resolve_device
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.chat.tools import parse_tool_names
 from nanoforge.weights.load import init_config, init_tokenizer_dir
 from nanoforge.model.gpt import GPT
@@ -23,7 +23,7 @@ from nanoforge.rl.reward_model import load_reward_model
 from nanoforge.rl.rewards import RewardFn, check_records, combine, parse_rewards, parse_weights
 from nanoforge.rl.rollout import RolloutConfig, check_prompts, rollout
 from nanoforge.rl.grpo_batches import RolloutBatches, policy_count, policy_objective
-from nanoforge.tokenizer import load_tokenizer
+from nanoforge.chat.tokenizer import load_tokenizer
 from nanoforge.train.distributed import setup, world
 from nanoforge.train.loop import Stage
 from nanoforge.train.rundir import (PreparedRun, copy_tokenizer, fresh_run_guard, given_fields, resolve_run_options,

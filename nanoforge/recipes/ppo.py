@@ -10,8 +10,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from nanoforge.device import resolve_device
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.device import resolve_device
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.rl.critic import PolicyWithValue
 from nanoforge.recipes.grpo import chosen_rewards, frozen_reference, reward_function, rl_setup
 from nanoforge.rl.ppo_update import PPOConfig, ppo_count

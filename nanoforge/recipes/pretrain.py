@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.recipes.common import initial_gpt, lm_batches, make_sampler, sample_prompts, train_and_report
-from nanoforge.tokenizer import load_tokenizer
+from nanoforge.chat.tokenizer import load_tokenizer
 from nanoforge.train.loop import Stage
 from nanoforge.train.microbatch import fit_micro_batch
 from nanoforge.train.objectives import causal_lm_loss
+from nanoforge.weights.minimind import is_pth
 from nanoforge.train.rundir import (PreparedRun, copy_tokenizer, finetune_setup, fit_vocab, fresh_run_guard, open_run,
                                     resolve_data, saved_data_dir, saved_run_info, write_run_config)
 
@@ -25,7 +26,7 @@ def pretrain(data: Sequence[str], out: str | Path, preset: str | None = None, co
     if init or saved.get("init"):  # continued pretraining: the fine-tuning plumbing, TrainConfig's defaults
         if preset:
             raise NanoforgeError("--preset with --init: the model's shape comes from --init; drop --preset")
-        if tokenizer:
+        if tokenizer and not is_pth(init):  # a MiniMind .pth has none: --tokenizer is its (weights/minimind.py)
             raise NanoforgeError("--tokenizer with --init: the tokenizer is --init's; drop --tokenizer")
         run = finetune_setup("pretrain", init, data, out, config_file, dict(overrides or {}), resume, quiet, {})
         prompts = sample_prompts(run.tcfg)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from nanoforge.config import build_config, config_dicts
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.config import build_config, config_dicts
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.model.lora import LoraConfig, LoraModel
 from nanoforge.recipes.common import (SFT_DEFAULTS, initial_gpt, lm_batches, make_sampler, sample_prompts,
                                      train_and_report)

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from nanoforge.config import MODEL_FIELDS, ModelConfig, load_toml
-from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import write_text_atomic
+from nanoforge.core.config import MODEL_FIELDS, ModelConfig, load_toml
+from nanoforge.core.errors import NanoforgeError
+from nanoforge.core.fsutil import write_text_atomic
 from nanoforge.model.gpt import GPT
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.train.distributed import is_main

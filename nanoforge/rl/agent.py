@@ -44,7 +44,7 @@ from typing import Sequence
 
 import torch
 
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.generate import SamplingConfig, sample_with_logprobs
 from nanoforge.infer.toolloop import stop_ids
 from nanoforge.chat.replies import Reply, parse_reply

@@ -20,8 +20,8 @@ import math
 import torch
 import torch.nn as nn
 
-from nanoforge.config import ModelConfig
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.config import ModelConfig
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.model.gpt import GPT, check_same_tensors
 
 CRITIC_PREFIX = "critic."

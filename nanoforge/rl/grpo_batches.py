@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.rl.losses import loss_count, policy_loss
 from nanoforge.rl.prompts import PromptIterator
 from nanoforge.model.prefix import prefix_token_logps

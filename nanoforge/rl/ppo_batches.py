@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nanoforge.device import autocast_context, eval_mode
+from nanoforge.core.device import autocast_context, eval_mode
 from nanoforge.rl.losses import approx_kl
 from nanoforge.rl.ppo_update import PPOConfig, forward_ppo, ppo_batch, ppo_loss, should_stop_early, token_logprobs
 from nanoforge.rl.prompts import PromptIterator

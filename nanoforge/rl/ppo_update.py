@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.rl.losses import NORMS, approx_kl, gae, loss_count, masked_mean, policy_loss, value_loss
 from nanoforge.train.objectives import with_aux_loss
 from nanoforge.train.stage import Batch

@@ -18,7 +18,7 @@ import torch
 
 from nanoforge.chat.messages import RecordError, _keys, _type_name, has_tool_calls, normalize_conversation
 from nanoforge.data.jsonl import DataError, check_input_file, line_json, line_text, validate_record
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 
 _PLACEHOLDER = {"role": "assistant", "content": ""}
 _OWN_KEYS = ("conversations", "question", "answer", "gt")

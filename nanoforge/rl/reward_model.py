@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 
 
 class RewardModel:

@@ -20,7 +20,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Callable
 
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.chat.replies import CALL_CLOSE, CALL_OPEN, THINK_CLOSE, THINK_OPEN, parse_reply
 
 RewardFn = Callable[[str, dict], float]

@@ -24,8 +24,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from nanoforge.device import autocast_context, eval_mode
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.device import autocast_context, eval_mode
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.generate import Completion, SamplingConfig, complete
 from nanoforge.chat.replies import THINK_OPEN
 from nanoforge.rl.losses import group_advantages

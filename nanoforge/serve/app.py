@@ -41,7 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.defaults import SamplingOptions
 from nanoforge.serve import protocol
 from nanoforge.infer.chat import load_for_inference

@@ -19,8 +19,8 @@ import json
 import re
 from typing import Any
 
-from nanoforge import safejson
-from nanoforge.errors import NanoforgeError
+from nanoforge.core import safejson
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.serve.protocol import (GenerationRequest, Limits, bad_request, check_fits, check_unicode, field,
                                       sampling)
 

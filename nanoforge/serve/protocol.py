@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from nanoforge import safejson
+from nanoforge.core import safejson
 from nanoforge.infer.generate import Completion, SamplingConfig
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nanoforge.config import load_toml
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.config import load_toml
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.weights import checkpoint as ckpt
 
 AUTO = "auto"

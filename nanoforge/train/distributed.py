@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 
 
 @dataclass(frozen=True)

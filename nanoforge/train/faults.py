@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import signal
 
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 
 KILL_ENV = "NANOFORGE_INJECT_KILL"
 

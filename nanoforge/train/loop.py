@@ -21,10 +21,10 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from nanoforge.config import ModelConfig, TrainConfig, config_dicts
-from nanoforge.device import (autocast_context, eval_mode, keep_freed_memory, precision_note, resolve_device,
+from nanoforge.core.config import ModelConfig, TrainConfig, config_dicts
+from nanoforge.core.device import (autocast_context, eval_mode, keep_freed_memory, precision_note, resolve_device,
                               resolve_precision)
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.model.interface import TRAINABLE_INTERFACE, TrainableModel
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.train import distributed

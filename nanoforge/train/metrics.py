@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from nanoforge.device import cpu_info
-from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import read_json, write_text_atomic
+from nanoforge.core.device import cpu_info
+from nanoforge.core.errors import NanoforgeError
+from nanoforge.core.fsutil import read_json, write_text_atomic
 
 # Dense bf16/fp16 tensor-core peaks in FLOP/s, from the vendors' datasheets (no sparsity). MFU divides by
 # these. RTX 3090/4090 figures are for fp32 accumulate, which is what autocast matmuls use.

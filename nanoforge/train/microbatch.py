@@ -10,11 +10,11 @@ from contextlib import suppress
 import torch
 import torch.distributed as dist
 
-from nanoforge.config import ModelConfig, TrainConfig
-from nanoforge.device import autocast_context, resolve_device
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.config import ModelConfig, TrainConfig
+from nanoforge.core.device import autocast_context, resolve_device
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.model.gpt import GPT
-from nanoforge.plan import GiB, RESERVED_FRACTION, activation_bytes
+from nanoforge.train.plan import GiB, RESERVED_FRACTION, activation_bytes
 from nanoforge.train import distributed
 from nanoforge.train.objectives import causal_lm_loss
 from nanoforge.train.optim import build_optimizer

@@ -13,7 +13,7 @@ import torch
 from torch.optim.adamw import adamw as adamw_update
 from torch import nn
 
-from nanoforge.config import TrainConfig
+from nanoforge.core.config import TrainConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -6,7 +6,7 @@ keeps, and what a fine-tuning run takes from its --init.
     RUN/tokenizer/       the tokenizer the run was trained with
     RUN/data/            raw JSONL prepared on the fly
     RUN/checkpoints/     weights/checkpoint.py's format
-    RUN/.lock            held by the one process training into RUN (nanoforge/dirlock.py)
+    RUN/.lock            held by the one process training into RUN (nanoforge/core/dirlock.py)
 
 The recipes (recipes/) call these first, then build their batches, model and objective."""
 from __future__ import annotations
@@ -18,20 +18,20 @@ import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
-from nanoforge import dirlock
-from nanoforge.config import (MODEL_FIELDS, PRESETS, ConfigError, ModelConfig, TrainConfig, build_config,
+from nanoforge.core import dirlock
+from nanoforge.core.config import (MODEL_FIELDS, PRESETS, ConfigError, ModelConfig, TrainConfig, build_config,
                               config_to_toml, load_toml)
-from nanoforge.device import build_run_config, resolve_device
+from nanoforge.core.device import build_run_config, resolve_device
 from nanoforge.data.columnar import is_columnar
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import check_tokenizer
 from nanoforge.data.parts import merge_prepared
 from nanoforge.data.sources import data_kind, is_prepared, prepared_dir, train_tokenizer
-from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import write_text_atomic
+from nanoforge.core.errors import NanoforgeError
+from nanoforge.core.fsutil import write_text_atomic
 from nanoforge.weights.load import init_config, init_tokenizer_dir
 from nanoforge.train.microbatch import fit_micro_batch
-from nanoforge.tokenizer import load_tokenizer
+from nanoforge.chat.tokenizer import load_tokenizer
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.train.distributed import is_main, main_first
 
@@ -50,7 +50,7 @@ class PreparedRun:
     data: Any
 
 
-RUN_LOCK = ".lock"  # in a run directory: held by the one process training into it (nanoforge/dirlock.py)
+RUN_LOCK = ".lock"  # in a run directory: held by the one process training into it (nanoforge/core/dirlock.py)
 
 
 def fresh_run_guard(stage_fn):

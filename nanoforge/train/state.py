@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from nanoforge import __version__
-from nanoforge.config import TrainConfig
-from nanoforge.device import resolve_precision
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.config import TrainConfig
+from nanoforge.core.device import resolve_precision
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.train import distributed
 from nanoforge.train.guard import NonFiniteGuard

@@ -24,8 +24,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import fsync_dir, fsync_file, read_json, replace_dir
+from nanoforge.core.errors import NanoforgeError
+from nanoforge.core.fsutil import fsync_dir, fsync_file, read_json, replace_dir
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 FORMAT_VERSION = 1

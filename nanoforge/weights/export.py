@@ -9,6 +9,8 @@ are written as they are and load strictly.
 `export_gguf` writes one GGUF file for llama.cpp (and so Ollama, LM Studio, ...): the same weights under
 llama.cpp's tensor names, the shape as metadata, and the byte-level BPE vocabulary with its merges.
 
+`export_minimind` writes MiniMind's own `.pth` (weights/minimind.py), for its eval_llm.py and `--from_weight`.
+
 Both read their model through weights/load.py; reading HF directories (the other way) is weights/hf.py's.
 
 Every output is written under a temporary name and renamed into place, so a failed export leaves nothing
@@ -26,11 +28,13 @@ from typing import Any
 import torch
 
 from nanoforge.chat.template import without_generation_markers
-from nanoforge.config import ModelConfig
-from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import replace_dir, write_json
+from nanoforge.core.config import ModelConfig
+from nanoforge.core.errors import NanoforgeError
+from nanoforge.core.fsutil import replace_dir, write_json
 from nanoforge.weights.hf import HF_ARCHITECTURES
+from nanoforge.weights import checkpoint as ckpt
 from nanoforge.weights.load import load_model
+from nanoforge.weights.minimind import is_pth, write_pth
 
 
 # ------------------------------------------------------------------------ HF transformers directory: export
@@ -63,11 +67,31 @@ def write_hf_dir(model, tokenizer, out_dir: str | os.PathLike, force: bool = Fal
         weights = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict_for_save().items()}
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save(tmp)
+        chat_eos(tmp / "tokenizer_config.json", tokenizer)
         replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def chat_eos(path: Path, tokenizer) -> None:
+    """eos_token <|im_end|> in an export's tokenizer_config.json, as MiniMind-3's own: tools that stop at
+    `tokenizer.eos_token_id` (MiniMind's eval_llm.py, pipelines) end a reply at its turn's end; <|endoftext|> stays
+    the pad token and the end of a document (generation_config.json stops at both)."""
+    if tokenizer.im_end_id is not None:
+        config = json.loads(path.read_text(encoding="utf-8"))
+        write_json(path, {**config, "eos_token": tokenizer.id_to_token(tokenizer.im_end_id)})
+
+
+def export_minimind(run_or_checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str = "f16",
+                    force: bool = False) -> Path:
+    """Write a model as MiniMind's .pth (fp16 as its trainers save, or f32), named for the run's stage when `out`
+    is a directory (pretrain_768.pth, full_sft_768.pth, ...)."""
+    model, _, path = load_model(run_or_checkpoint)
+    stage = "" if is_pth(path) or not (path / "state.json").is_file() else \
+        ckpt.load_state(path).get("run", {}).get("stage", "")
+    return write_pth(model, out, stage, torch.float16 if dtype == "f16" else torch.float32, force)
 
 
 def hf_config(cfg: ModelConfig, tokenizer) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """Reading HF transformers directories: config.json -> ModelConfig, model.safetensors (or its shards) -> weights.
 
-Llama- and Qwen3-shaped models only: our parameter names already are HF's (see model/gpt.py), so the weights
-keep their names, and `model_config_from_hf` refuses (by field name) anything our model does not compute the
-same way. Building a model from such a directory is weights/load.py's; writing one is weights/export.py's."""
+Llama- and Qwen3-shaped models only, and MiniMind's own MiniMindForCausalLM (Qwen3's computation under other
+config names): our parameter names already are HF's (see model/gpt.py), so the weights keep their names, and
+`model_config_from_hf` refuses (by field name) anything our model does not compute the same way.
+Building a model from such a directory is weights/load.py's; writing one is weights/export.py's."""
 from __future__ import annotations
 
 import json
@@ -14,10 +15,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from nanoforge import safejson
-from nanoforge.config import ConfigError, ModelConfig
-from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import read_json
+from nanoforge.core import safejson
+from nanoforge.core.config import ConfigError, ModelConfig
+from nanoforge.core.errors import NanoforgeError
+from nanoforge.core.fsutil import read_json
+from nanoforge.weights.minimind import MINIMIND_AUX_COEF, minimind_ffn, read_pth
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
@@ -51,9 +53,11 @@ def model_config_from_hf(config: dict[str, Any], where: str | os.PathLike = "con
             raise NanoforgeError(f"{where}: {field} is missing")
         return config[field]
 
+    if config.get("model_type") == "minimind":
+        config = _from_minimind(config, where)
     model_type = config.get("model_type")
     if model_type not in HF_ARCHITECTURES:
-        fail("model_type", f"only {', '.join(HF_ARCHITECTURES)} models can be imported")
+        fail("model_type", f"only {', '.join(HF_ARCHITECTURES)} and minimind models can be imported")
     if config.get("hidden_act", "silu") != "silu":
         fail("hidden_act", "only silu (SwiGLU) is supported")
     for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
@@ -90,7 +94,8 @@ def model_config_from_hf(config: dict[str, Any], where: str | os.PathLike = "con
 
     n_experts, experts_per_token, ffn = 0, 2, need("intermediate_size")
     if model_type == "qwen3_moe":
-        n_experts, experts_per_token = need("num_experts"), need("num_experts_per_tok")
+        n_experts = config.get("num_experts", config.get("num_local_experts"))  # transformers 5's name: the latter
+        n_experts, experts_per_token = n_experts or need("num_experts"), need("num_experts_per_tok")
         ffn = need("moe_intermediate_size")
         if config.get("decoder_sparse_step", 1) != 1:
             fail("decoder_sparse_step", "every layer must be an MoE layer")
@@ -117,6 +122,24 @@ def model_config_from_hf(config: dict[str, Any], where: str | os.PathLike = "con
     return cfg
 
 
+def _from_minimind(config: dict[str, Any], where) -> dict[str, Any]:
+    """MiniMind's config.json (scripts/convert_model.py's MiniMindForCausalLM) in Qwen3's names, MiniMindConfig's
+    defaults filling what it leaves out. Its YaRN (inference_rope_scaling) is its own variant: refused."""
+    if config.get("inference_rope_scaling") or config.get("rope_scaling"):
+        raise NanoforgeError(f"{where}: inference_rope_scaling: MiniMind's own YaRN variant is not supported")
+    hidden, layers = config.get("hidden_size", 768), config.get("num_hidden_layers", 8)
+    out = {"vocab_size": 6400, "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 32768,
+           "intermediate_size": minimind_ffn(hidden), "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+           "tie_word_embeddings": True, "num_experts": 4, "num_experts_per_tok": 1, "norm_topk_prob": True,
+           **{k: v for k, v in config.items() if v is not None}, "hidden_size": hidden, "num_hidden_layers": layers}
+    out.pop("rope_parameters", None)
+    out["moe_intermediate_size"] = config.get("moe_intermediate_size") or out["intermediate_size"]
+    # MiniMind adds each layer's aux loss times its coefficient; ours is the layers' mean times the weight
+    out["router_aux_loss_coef"] = config.get("router_aux_loss_coef", MINIMIND_AUX_COEF) * layers
+    out["model_type"] = "qwen3_moe" if config.get("use_moe") else "qwen3"
+    return out
+
+
 def read_hf_weights(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of model.safetensors (or of the shards its index lists), as float32. Never a pickle."""
     hf_dir = Path(hf_dir)
@@ -129,12 +152,27 @@ def read_hf_weights(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
             files = [hf_dir / f for f in sorted(set(weight_map.values()))]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise NanoforgeError(f"{index}: unreadable index ({e})") from None
+    elif (hf_dir / "pytorch_model.bin").is_file():  # MiniMind's own exports: read as tensors only, never code
+        return read_pth(hf_dir / "pytorch_model.bin")
     else:
-        raise NanoforgeError(f"{hf_dir}: no model.safetensors (pytorch_model.bin is not loaded: it is a pickle)")
+        raise NanoforgeError(f"{hf_dir}: no model.safetensors or pytorch_model.bin")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         try:
             weights.update(load_file(str(f)))
         except (OSError, SafetensorError, ValueError) as e:
             raise NanoforgeError(f"{f}: cannot read weights: {e}") from None
-    return {k: v.to(torch.float32) for k, v in weights.items()}
+    return split_experts({k: v.to(torch.float32) for k, v in weights.items()})
+
+
+def split_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5's fused experts (`mlp.experts.gate_up_proj` (E, 2F, C), `mlp.experts.down_proj` (E, C, F)),
+    as MiniMind's convert_model.py writes them, -> one gate/up/down_proj.weight per expert, as our MoE names them."""
+    for key in [k for k in weights if k.endswith(".mlp.experts.gate_up_proj")]:
+        prefix = key[:-len("gate_up_proj")]
+        gate_up, down = weights.pop(key), weights.pop(prefix + "down_proj")
+        for e in range(gate_up.shape[0]):
+            gate, up = gate_up[e].chunk(2, dim=0)  # (F, C) each
+            weights.update({f"{prefix}{e}.gate_proj.weight": gate, f"{prefix}{e}.up_proj.weight": up,
+                            f"{prefix}{e}.down_proj.weight": down[e]})
+    return weights

@@ -4,6 +4,7 @@
     RUN/checkpoints/step_NNNNNN/      one checkpoint (weights/checkpoint.py's format)
     a LoRA run or checkpoint          adapters, put on the base recorded in state.json (checked), merged
     an HF directory                   config.json, model.safetensors, tokenizer.json (weights/hf.py)
+    MiniMind's FILE.pth               a state dict from its trainers' out/, with --tokenizer DIR (weights/minimind.py)
 
 `load_model` turns any of them into (GPT in eval mode, its tokenizer, the path loaded); `init_config`,
 `init_tokenizer_dir` and `init_weights` read the same paths piecewise for a stage's --init. A LoRA run records
@@ -19,13 +20,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from nanoforge.config import MODEL_FIELDS, ModelConfig
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.config import MODEL_FIELDS, ModelConfig
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.weights.hf import is_hf_dir, model_config_from_hf, read_hf_config, read_hf_weights
 from nanoforge.model.gpt import GPT
 from nanoforge.model.lora import LoraConfig, LoraModel, weights_fingerprint
-from nanoforge.tokenizer import load_tokenizer
+from nanoforge.chat.tokenizer import load_tokenizer
 from nanoforge.weights import checkpoint as ckpt
+from nanoforge.weights.minimind import config_from_state_dict, is_pth, pth_tokenizer_dir, read_pth
 
 CRITIC_PREFIX = "critic."  # a PPO checkpoint's critic keys (rl/critic.py, which must not be imported here)
 
@@ -37,6 +39,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
     tokenizer is the run's own copy (RUN/tokenizer), so what generates is what was trained."""
     if is_hf_dir(path):
         model, tokenizer = load_hf_model(path)
+        return model.to(device).eval(), tokenizer, Path(path)
+    if is_pth(path):
+        model, tokenizer = load_pth_model(path)
         return model.to(device).eval(), tokenizer, Path(path)
     path = ckpt.resolve_checkpoint(path)
     state = ckpt.load_state(path)
@@ -77,6 +82,22 @@ def load_hf_model(hf_dir: str | Path, device: str | torch.device = "cpu"):
     return model.to(device).eval(), tokenizer
 
 
+def load_pth_model(pth: str | Path):
+    """A MiniMind `.pth` and the tokenizer paired with it -> (GPT, Tokenizer), the vocabulary checked."""
+    weights = read_pth(pth)
+    model = GPT(config_from_state_dict(weights, pth))
+    try:
+        model.load_weights(weights)
+    except NanoforgeError as e:
+        raise NanoforgeError(f"{pth}: {e}") from None
+    tokenizer_dir = pth_tokenizer_dir(pth)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise NanoforgeError(f"{tokenizer_dir}: the tokenizer has {tokenizer.vocab_size} tokens but {pth} has "
+                             f"{model.cfg.vocab_size} embeddings; pass the tokenizer it was trained with")
+    return model, tokenizer
+
+
 def load_adapter_checkpoint(path: str | Path, base: str | Path | None = None) -> nn.Module:
     """An adapter checkpoint (or LoRA run directory) -> the base GPT with the adapters merged in, in eval mode.
     The base is `base` if given, else the one recorded in the checkpoint; either way `check_base` must accept it."""
@@ -89,7 +110,7 @@ def load_adapter_checkpoint(path: str | Path, base: str | Path | None = None) ->
     base_file = _base_file(base if base is not None else run["base_checkpoint"])
     check_base(run, base_file)
     gpt = GPT(ModelConfig(**saved))
-    gpt.load_weights(ckpt.read_weights(base_file))
+    gpt.load_weights(read_base_weights(base_file))
     model = LoraModel(gpt, LoraConfig.from_dict(run))
     model.load_weights(ckpt.load_weights_file(path))
     return model.eval().merged()
@@ -99,9 +120,13 @@ def load_adapter_checkpoint(path: str | Path, base: str | Path | None = None) ->
 
 
 def _base_file(base_checkpoint: str | Path) -> Path:
-    """A model.safetensors file, a checkpoint directory or a run directory -> the weights file."""
+    """A model.safetensors or MiniMind .pth file, a checkpoint directory or a run directory -> the weights file."""
     path = Path(base_checkpoint)
     return path if path.is_file() else ckpt.resolve_checkpoint(path) / "model.safetensors"
+
+
+def read_base_weights(path: Path) -> dict[str, torch.Tensor]:
+    return read_pth(path) if is_pth(path) else ckpt.read_weights(path)
 
 
 def file_sha256(path: str | Path) -> str:
@@ -132,7 +157,7 @@ def check_base(meta: dict[str, Any], base_checkpoint: str | Path) -> None:
             raise NanoforgeError(f"the adapter's metadata has no {key}; cannot tell which base it was trained on")
     path = _base_file(base_checkpoint)
     sha = file_sha256(path)
-    if sha != meta["base_sha256"] and weights_fingerprint(ckpt.read_weights(path)) != meta["base_fingerprint"]:
+    if sha != meta["base_sha256"] and weights_fingerprint(read_base_weights(path)) != meta["base_fingerprint"]:
         raise NanoforgeError(f"adapter was trained on base {meta.get('base_checkpoint', '?')} "
                              f"(sha256 {meta['base_sha256'][:12]}), not {path} (sha256 {sha[:12]}); "
                              f"give the base it was trained on")
@@ -142,22 +167,27 @@ def check_base(meta: dict[str, Any], base_checkpoint: str | Path) -> None:
 
 
 def init_config(init: str | Path) -> tuple[Path, dict[str, Any]]:
-    """The checkpoint (or HF model directory) --init points at, and the config it was trained with."""
-    if is_hf_dir(init):
+    """The checkpoint (HF model directory, MiniMind .pth) --init points at, and the config it was trained with."""
+    if is_hf_dir(init) or is_pth(init):
         path = Path(init)
-        m = model_config_from_hf(read_hf_config(path), path / "config.json")
+        m = config_from_state_dict(read_pth(path), path) if is_pth(path) else \
+            model_config_from_hf(read_hf_config(path), path / "config.json")
         return path, {"model": dataclasses.asdict(m), "train": {"seq_len": min(512, m.max_seq_len)}}
     path = ckpt.resolve_checkpoint(init)
     return path, ckpt.load_state(path).get("config", {})
 
 
 def init_tokenizer_dir(init_path: Path) -> Path:
-    """An HF directory's own tokenizer, or the RUN/tokenizer of a checkpoint RUN/checkpoints/step_N."""
+    """An HF directory's own tokenizer, a .pth's paired one, or the RUN/tokenizer of a checkpoint RUN/checkpoints/N."""
+    if is_pth(init_path):
+        return pth_tokenizer_dir(init_path)
     return init_path if is_hf_dir(init_path) else init_path.parent.parent / "tokenizer"
 
 
 def init_weights(init_path: Path):
-    """Weights of --init: a checkpoint's model.safetensors or an HF directory's (strictly mapped later)."""
+    """Weights of --init: a checkpoint's model.safetensors, an HF directory's or a .pth's (strictly mapped later)."""
+    if is_pth(init_path):
+        return read_pth(init_path)
     return read_hf_weights(init_path) if is_hf_dir(init_path) else policy_only(ckpt.load_weights_file(init_path))
 
 

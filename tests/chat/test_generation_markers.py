@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from nanoforge.chat.template import CHAT_TEMPLATE, THINKING_TOOLS_TEMPLATE, without_generation_markers
-from nanoforge.tokenizer import Tokenizer
+from nanoforge.chat.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,7 +13,7 @@ import pickle
 
 import pytest
 
-from nanoforge.tokenizer import CHAT_TEMPLATE, ChatTemplateError, Tokenizer, load_tokenizer
+from nanoforge.chat.tokenizer import CHAT_TEMPLATE, ChatTemplateError, Tokenizer, load_tokenizer
 
 from test_tokenizer import _masked_runs
 

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from nanoforge.chat.template import CHAT_TEMPLATE, THINKING_TOOLS_TEMPLATE, TOOL_TAGS, ChatTemplateError
-from nanoforge.tokenizer import Tokenizer, load_tokenizer
+from nanoforge.chat.tokenizer import Tokenizer, load_tokenizer
 
 from test_tokenizer import _masked_runs
 

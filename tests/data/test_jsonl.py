@@ -9,7 +9,7 @@ import pytest
 
 from nanoforge.chat.messages import RecordError
 from nanoforge.data.jsonl import DataError, SkipCounter, iter_records, validate_record
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 
 U, A, S = "user", "assistant", "system"
 

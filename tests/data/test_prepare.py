@@ -15,9 +15,9 @@ from nanoforge.data.batches import EvalBatches, PretrainBatches
 from nanoforge.data.jsonl import DataError
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import TokenShards, check_tokenizer
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.data.sources import train_tokenizer
-from nanoforge.tokenizer import CHAT_TEMPLATE, Tokenizer
+from nanoforge.chat.tokenizer import CHAT_TEMPLATE, Tokenizer
 
 QUIET = dict(log=lambda message: None)
 
@@ -107,7 +107,7 @@ def test_reads_across_shard_boundaries(prepared):
 
 
 def test_prepared_dir_is_self_contained(prepared, tiny_tokenizer, tmp_path):
-    from nanoforge.tokenizer import load_tokenizer
+    from nanoforge.chat.tokenizer import load_tokenizer
 
     assert load_tokenizer(prepared / "tokenizer").sha256 == tiny_tokenizer.sha256
     check_tokenizer(prepared, tiny_tokenizer)

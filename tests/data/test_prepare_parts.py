@@ -15,7 +15,7 @@ import pytest
 from nanoforge.data.parts import merge_prepared
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import TokenShards
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,8 +18,8 @@ from nanoforge.data.jsonl import DataError
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.sft_records import drops_empty_think
 from nanoforge.data.shards import TokenShards
-from nanoforge.errors import NanoforgeError
-from nanoforge.tokenizer import Tokenizer, load_tokenizer
+from nanoforge.core.errors import NanoforgeError
+from nanoforge.chat.tokenizer import Tokenizer, load_tokenizer
 
 from test_tokenizer import _masked_runs
 

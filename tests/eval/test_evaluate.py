@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.eval.choice import build_prompt, evaluate_choices, load_benchmark, wilson_interval
 from nanoforge.eval.options import EvalOptions
 from nanoforge.eval.run import evaluate_data, run_eval, token_byte_lengths
@@ -129,7 +129,7 @@ def bench(tmp_path_factory, tiny_tokenizer):
 @pytest.fixture(scope="module")
 def untrained(tiny_tokenizer):
     """A random-init tiny model: enough for checks that compare two computations of the same numbers."""
-    from nanoforge.config import ModelConfig
+    from nanoforge.core.config import ModelConfig
     from nanoforge.model.gpt import GPT
 
     torch.manual_seed(0)
@@ -375,3 +375,17 @@ def test_run_eval_writes_samples_into_the_run_and_recalls_memorised_text(bench, 
     lines = (bench["run"] / "samples.jsonl").read_text(encoding="utf-8").splitlines()
     assert len(out["samples"]) == 2 == len(lines) and json.loads(lines[0])["step"] == 300
     assert out["data"]["loss"] < 0.5 and out["bench"]["overall"]["n"] == N_QUESTIONS
+
+
+def test_a_long_context_model_is_scored_in_windows_of_at_most_2048(tmp_path, tiny_tokenizer):
+    """A MiniMind-3 import has 32768 positions (its RoPE table): eval's default window stays at 2048."""
+    from nanoforge.core.config import build_config
+    from nanoforge.model.gpt import GPT
+    torch.manual_seed(0)
+    model = GPT(build_config("tiny", overrides={"vocab_size": tiny_tokenizer.vocab_size, "max_seq_len": 4096,
+                                                "seq_len": 64})[0]).eval()
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps({"text": f"line {i} of a long text, "}) + "\n" for i in range(800)))
+    score = {n: evaluate_data((model, tiny_tokenizer), [data], seq_len=n, progress=False, log=lambda *a: None)["loss"]
+             for n in (2048, 4096, None)}
+    assert score[None] == score[2048] != score[4096]

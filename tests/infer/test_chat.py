@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.chat import chat_loop
 from nanoforge.infer.generate import SamplingConfig
 

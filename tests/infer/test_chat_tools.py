@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.chat import chat_loop
 from nanoforge.infer.generate import SamplingConfig
 from nanoforge.weights.load import load_model
-from nanoforge.tokenizer import CHAT_TEMPLATE, Tokenizer
+from nanoforge.chat.tokenizer import CHAT_TEMPLATE, Tokenizer
 from nanoforge.chat.calculator import CALCULATOR_SCHEMA, evaluate
 
 from tool_run import ANSWER, QUESTIONS, REASONING, question

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoforge.config import ModelConfig
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.config import ModelConfig
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.generate import (SamplingConfig, apply_repetition_penalty, complete, cut_at_stop, generate,
                                       sample_next, stream)
 from nanoforge.model.gpt import GPT

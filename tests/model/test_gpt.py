@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from nanoforge.config import ModelConfig
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.config import ModelConfig
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.model import GPT, KVCache
 from nanoforge.model.gpt import RotaryEmbedding, apply_rope, rope_inv_freq
 

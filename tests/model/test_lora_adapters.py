@@ -6,11 +6,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nanoforge.config import ModelConfig, TrainConfig
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.config import ModelConfig, TrainConfig
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.weights.load import adapter_metadata, check_base, load_adapter_checkpoint
 from nanoforge.model.gpt import GPT
-from nanoforge.config import LoraConfig, parse_targets
+from nanoforge.core.config import LoraConfig, parse_targets
 from nanoforge.model.lora import (LoraLinear, LoraModel, attach_lora, load_lora_state_dict, lora_state_dict,
                                   merge_lora, num_trainable)
 from nanoforge.weights import checkpoint as ckpt

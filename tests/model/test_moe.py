@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from nanoforge.config import ModelConfig, build_config
+from nanoforge.core.config import ModelConfig, build_config
 from nanoforge.model.gpt import GPT
 from nanoforge.model.moe import MoE, load_balancing_loss
 from nanoforge.weights import checkpoint as ckpt
@@ -94,7 +94,7 @@ def test_moe_model_trains_and_logs_aux_loss(tmp_path, tiny_tokenizer):
 
 
 def test_moe_config_is_validated():
-    from nanoforge.config import ConfigError
+    from nanoforge.core.config import ConfigError
     with pytest.raises(ConfigError, match="experts_per_token=5"):
         build_config("tiny", None, {"n_experts": 4, "experts_per_token": 5})
     m, _ = build_config("mini-moe")

@@ -3,7 +3,7 @@ gradients, on a real (tiny, random) model."""
 import torch
 import torch.nn.functional as F
 
-from nanoforge.config import ModelConfig
+from nanoforge.core.config import ModelConfig
 from nanoforge.model.gpt import GPT
 from nanoforge.model.prefix import group_rows, prefix_token_logps
 

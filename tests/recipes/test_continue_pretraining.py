@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanoforge.data.prepare import prepare_dataset
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.recipes.pretrain import pretrain
 

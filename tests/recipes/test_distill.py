@@ -6,7 +6,7 @@ import torch
 
 from conftest import prepare_tiny
 from nanoforge.data.prepare import prepare_dataset
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.train.objectives import make_distill_loss
 from nanoforge.recipes.distill import distill
 from nanoforge.recipes.options import DistillOptions
@@ -44,7 +44,7 @@ def test_student_kl_to_teacher_falls(teacher, tmp_path):
 
 
 def test_loss_mixes_ce_and_kl_as_documented():
-    from nanoforge.config import ModelConfig
+    from nanoforge.core.config import ModelConfig
     from nanoforge.model.gpt import GPT
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=16)

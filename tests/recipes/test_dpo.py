@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from nanoforge.config import ModelConfig, build_config
+from nanoforge.core.config import ModelConfig, build_config
 from nanoforge.data.batches import IGNORE
 from nanoforge.data.dpo import (DPOBatches, compute_reference_logps, count_pairs, reference_logps,
                                 sequence_logps)
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import TokenShards
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.model.gpt import GPT
 from nanoforge.train.loop import Stage, evaluate, train
 from nanoforge.train.objectives import dpo_loss, dpo_objective, pair_logps

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import metrics_of
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.generate import Completion
 from nanoforge.recipes.grpo import RLOptions, grpo
 from nanoforge.rl.losses import policy_loss

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import metrics_of
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.rl.agent import agent_prompt, agent_rollout, environment_ids, pack_trajectories, Trajectory
 from nanoforge.recipes.grpo import RLOptions, grpo
 from nanoforge.rl.losses import policy_loss

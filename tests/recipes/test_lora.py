@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import prepare_tiny
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.model.lora import LoraConfig
 from nanoforge.weights.load import load_model
 from nanoforge.weights import checkpoint as ckpt

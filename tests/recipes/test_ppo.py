@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import metrics_of, save_random_run
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.weights.load import CRITIC_PREFIX, init_weights, load_model
 from nanoforge.model.gpt import GPT
 from nanoforge.rl import critic

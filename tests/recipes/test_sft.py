@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from nanoforge.config import ModelConfig
+from nanoforge.core.config import ModelConfig
 from nanoforge.data.batches import IGNORE, SFTBatches, fit_to_window, pack_rows
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import TokenShards
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.model.gpt import GPT
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.recipes.pretrain import pretrain

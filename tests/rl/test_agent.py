@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoforge.config import ModelConfig
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.config import ModelConfig
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.generate import SamplingConfig
 from nanoforge.infer.toolloop import run_tool_loop, stop_ids
 from nanoforge.chat.tools import tool_schemas

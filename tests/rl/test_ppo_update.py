@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoforge.config import ModelConfig, build_config
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.config import ModelConfig, build_config
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.model.gpt import GPT
 from nanoforge.model.interface import TrainableModel
 from nanoforge.rl.critic import CRITIC_PREFIX, PolicyWithValue, ValueModel, policy_weights

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import _missing_shared_data, shared_data_dir
 from nanoforge.data.jsonl import DataError
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.rl.prompts import PromptIterator, PromptRecord, read_prompts
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]

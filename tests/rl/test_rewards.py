@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.rl.reward_model import load_reward_model
 from nanoforge.rl.rewards import (AgentTurns, agent_reward, agent_reward_parts, answer_found, answer_number,
                                   combine, format_reward, length_reward, math_reward, parse_rewards, parse_weights,

@@ -384,7 +384,7 @@ def test_a_port_in_use_is_a_clear_error_before_loading(tmp_path):
     """Checked before the model loads (the run below does not even exist) and before "serving ..." is said."""
     import socket
 
-    from nanoforge.errors import NanoforgeError
+    from nanoforge.core.errors import NanoforgeError
     from nanoforge.serve.app import run_server
     from nanoforge.serve.options import ServeOptions
     with socket.socket() as busy:

@@ -19,7 +19,7 @@ from nanoforge.chat.template import CHAT_TEMPLATE  # noqa: E402
 from nanoforge.serve.chat_reply import ReplyDeltas, reply_message  # noqa: E402
 from nanoforge.serve.protocol import GenerationRequest  # noqa: E402
 from nanoforge.chat.replies import parse_reply  # noqa: E402
-from nanoforge.tokenizer import Tokenizer  # noqa: E402
+from nanoforge.chat.tokenizer import Tokenizer  # noqa: E402
 from nanoforge.chat.calculator import CALCULATOR_SCHEMA, run_tool_call  # noqa: E402
 
 import tool_run  # noqa: E402

@@ -149,7 +149,7 @@ def test_compiled_ddp_matches_eager_ddp(runs, pretrain_dir, tmp_path):
 def test_collective_timeout_comes_from_the_environment(monkeypatch):
     """A collective waits for a dead peer this long (default 10 minutes), then fails; a bad value is an error
     that names the variable."""
-    from nanoforge.errors import NanoforgeError
+    from nanoforge.core.errors import NanoforgeError
     from nanoforge.train.distributed import _timeout_minutes
     monkeypatch.delenv("NANOFORGE_DIST_TIMEOUT_MIN", raising=False)
     assert _timeout_minutes() == 10.0

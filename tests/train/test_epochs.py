@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import prepare_tiny
-from nanoforge.config import ConfigError, build_config
+from nanoforge.core.config import ConfigError, build_config
 from nanoforge.data.batches import PretrainBatches, SFTBatches
 from nanoforge.data.shards import TokenShards
 from nanoforge.weights import checkpoint as ckpt

@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nanoforge.config import build_config
+from nanoforge.core.config import build_config
 from nanoforge.data.prepare import prepare_dataset
-from nanoforge.device import resolve_precision
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.device import resolve_precision
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.model.gpt import GPT
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.train.loop import INJECT_ENV, Stage, train

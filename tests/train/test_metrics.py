@@ -116,7 +116,7 @@ def test_measuring_leaves_the_global_rng_alone(cache):
 def test_the_loop_never_logs_mfu_above_one(cache, tmp_path, monkeypatch):
     """A peak measured at a tenth of the truth (as on a loaded machine): the loop's MFU stays <= 1 and the
     cache is raised to the rate the run reached."""
-    from nanoforge.config import ModelConfig, TrainConfig
+    from nanoforge.core.config import ModelConfig, TrainConfig
     from nanoforge.model.gpt import GPT
     from nanoforge.train.loop import Stage, train
     from nanoforge.train.objectives import causal_lm_loss

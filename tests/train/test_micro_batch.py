@@ -7,9 +7,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import prepare_tiny
-from nanoforge.config import build_config
-from nanoforge.config import ConfigError
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.config import build_config
+from nanoforge.core.config import ConfigError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.train.microbatch import divisors_doubling, fit_micro_batch
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.recipes.pretrain import pretrain

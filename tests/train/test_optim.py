@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from nanoforge.config import ConfigError, ModelConfig, TrainConfig, build_config
+from nanoforge.core.config import ConfigError, ModelConfig, TrainConfig, build_config
 from nanoforge.model.gpt import GPT
 from nanoforge.train.optim import MuonAdamW, build_optimizer, lr_at, muon_params, orthogonalize, param_groups, set_lr
 

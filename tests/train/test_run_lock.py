@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from nanoforge import dirlock
-from nanoforge.errors import NanoforgeError
+from nanoforge.core import dirlock
+from nanoforge.core.errors import NanoforgeError
 
 ROOT = Path(__file__).resolve().parents[2]
-HOLD = ("import sys, time; from nanoforge import dirlock; dirlock.acquire(sys.argv[1], 'x'); "
+HOLD = ("import sys, time; from nanoforge.core import dirlock; dirlock.acquire(sys.argv[1], 'x'); "
         "print('held', flush=True); time.sleep(600)")
 
 

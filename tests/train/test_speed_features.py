@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoforge.config import ModelConfig
+from nanoforge.core.config import ModelConfig
 from nanoforge.model.gpt import GPT
 from nanoforge.train.loop import INJECT_ENV
 from nanoforge.recipes.pretrain import pretrain

@@ -8,13 +8,13 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from conftest import prepare_tiny
 from nanoforge.chat.template import without_generation_markers
-from nanoforge.config import ModelConfig
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.config import ModelConfig
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.weights.export import export_gguf, export_hf, gguf_pre_tokenizer, permute_for_llama_cpp, write_gguf, write_hf_dir
 from nanoforge.weights.hf import is_hf_dir
 from nanoforge.weights.load import load_hf_model
 from nanoforge.model.gpt import GPT
-from nanoforge.tokenizer import Tokenizer
+from nanoforge.chat.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.weights.load import load_model
 from nanoforge.weights import checkpoint as ckpt
 

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 
 
 class DirectoryBusy(NanoforgeError):

@@ -23,8 +23,8 @@ from typing import Iterable, Sequence
 from nanoforge.chat.template import (CHAT_TEMPLATE, IM_END, THINKING_TOOLS_TEMPLATE, TOOL_TAGS, ChatTemplateError,
                                      assistant_mask, assistant_turns, check_disguise, compile_template, disguise,
                                      without_empty_think)
-from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import read_json, write_json
+from nanoforge.core.errors import NanoforgeError
+from nanoforge.core.fsutil import read_json, write_json
 from nanoforge.chat.messages import normalize_conversation
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"<|reserved_{i}|>" for i in range(13)]

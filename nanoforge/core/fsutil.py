@@ -8,8 +8,8 @@ import os
 import shutil
 from pathlib import Path
 
-from nanoforge import safejson
-from nanoforge.errors import NanoforgeError
+from nanoforge.core import safejson
+from nanoforge.core.errors import NanoforgeError
 
 
 def fsync_file(path: str | Path) -> None:

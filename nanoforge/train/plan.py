@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoforge.config import ModelConfig, TrainConfig
-from nanoforge.device import resolve_precision
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.config import ModelConfig, TrainConfig
+from nanoforge.core.device import resolve_precision
+from nanoforge.core.errors import NanoforgeError
 from nanoforge.model.gpt import GPT
 
 GiB = 1024**3

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Iterable
 
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.errors import NanoforgeError
 
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # --precision; auto: device.py resolve_precision's rule
@@ -268,6 +268,8 @@ MODEL_FIELDS = {f.name: f for f in fields(ModelConfig)}
 TRAIN_FIELDS = {f.name: f for f in fields(TrainConfig)}
 assert not set(MODEL_FIELDS) & set(TRAIN_FIELDS), "model and train field names must be disjoint"
 
+_MINIMIND_3 = dict(d_model=768, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=2432, qk_norm=True, rope_theta=1e6,
+                   norm_eps=1e-6, max_seq_len=32768)
 # Presets are partial configs: only what differs from the dataclass defaults.
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     # a few hundred thousand parameters: for tests and smoke runs
@@ -283,10 +285,18 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                       decay_fraction=0.4, min_lr_ratio=0.0, warmup_steps=20, weight_decay=0.1, eval_every=100,
                       eval_batches=8, log_every=10, save_every=0, keep_last=1),
     },
-    # MiniMind's 26M reference: d_model 512, 8 layers, 8 heads, 2 KV heads, vocab 6400
+    # MiniMind's older 26M (minimind2-small): d_model 512, 8 layers, 8 heads, 2 KV heads, vocab 6400
     "mini": {"model": {}, "train": {}},
     # the mini shape with 4 SwiGLU experts per layer, 2 active per token (MiniMind's MoE routes top-2 of 4)
     "mini-moe": {"model": dict(n_experts=4, experts_per_token=2), "train": {}},
+    # MiniMind-3, MiniMind's main model (64M; model/model_minimind.py's MiniMindConfig at commit d65ef2c): 768 wide,
+    # 8 layers, 8 heads of 96, 4 KV heads, SwiGLU ceil(768 pi / 64) * 64 = 2432, QK-norm, RoPE theta 1e6, eps 1e-6,
+    # tied embeddings, 32768 positions (its RoPE table)
+    "minimind-3": {"model": dict(_MINIMIND_3), "train": {}},
+    # MiniMind-3-MoE (198M, 64M active): the same with 4 experts of 2432 per layer, top-1; MiniMind adds each layer's
+    # aux loss times 5e-4, which is our mean over the 8 layers times 8 * 5e-4
+    "minimind-3-moe": {"model": dict(_MINIMIND_3, n_experts=4, experts_per_token=1, moe_aux_weight=8 * 5e-4),
+                       "train": {}},
     # about 100M parameters, MiniMind's larger dense shape (768 wide, 16 layers)
     "base": {
         "model": dict(d_model=768, n_layers=16, n_heads=8, n_kv_heads=2, max_seq_len=1024),

@@ -9,8 +9,8 @@ import platform
 
 import torch
 
-from nanoforge.config import PRECISIONS, ModelConfig, TrainConfig, build_config
-from nanoforge.errors import NanoforgeError
+from nanoforge.core.config import PRECISIONS, ModelConfig, TrainConfig, build_config
+from nanoforge.core.errors import NanoforgeError
 
 
 def resolve_device(name: str) -> torch.device:

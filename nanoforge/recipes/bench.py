@@ -26,12 +26,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nanoforge.config import TRAIN_FIELDS, config_dicts
-from nanoforge.device import build_run_config, precision_note, resolve_device
-from nanoforge.errors import NanoforgeError
-from nanoforge.fsutil import write_text_atomic
+from nanoforge.core.config import TRAIN_FIELDS, config_dicts
+from nanoforge.core.device import build_run_config, precision_note, resolve_device
+from nanoforge.core.errors import NanoforgeError
+from nanoforge.core.fsutil import write_text_atomic
 from nanoforge.model.gpt import GPT
-from nanoforge.tokenizer import load_tokenizer
+from nanoforge.chat.tokenizer import load_tokenizer
 from nanoforge.train import metrics
 from nanoforge.train.loop import Stage, train
 from nanoforge.train.metrics import observed_peak, peak_memory_bytes
@@ -212,7 +212,7 @@ def _run_child(spec: dict[str, Any]) -> dict[str, Any]:
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    r = subprocess.run([sys.executable, "-m", "nanoforge.bench", json.dumps(spec)], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "nanoforge.recipes.bench", json.dumps(spec)], capture_output=True,
                        text=True, env=env)
     line = next((l for l in r.stdout.splitlines() if l.startswith("RESULT ")), None)
     if r.returncode != 0 or line is None:
