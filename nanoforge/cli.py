@@ -10,7 +10,7 @@ from nanoforge import __version__
 from nanoforge.core.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, LoraConfig, ModelConfig, TrainConfig
 from nanoforge.data.options import PrepareOptions
 from nanoforge.eval.options import EvalOptions
-from nanoforge.infer.defaults import ChatOptions, DeviceOptions, SamplingOptions
+from nanoforge.infer.defaults import CHAT_SAMPLING, ChatOptions, DeviceOptions
 from nanoforge.recipes.options import DistillOptions, DPOOptions, PPOOptions, RLOptions
 from nanoforge.serve.options import ServeOptions
 
@@ -68,20 +68,22 @@ def add_config_flags(p: argparse.ArgumentParser, presets: bool = True, exclude: 
 
 
 def add_option_flags(p: argparse.ArgumentParser, cls, given_only: bool = False) -> None:
-    """One --field-name flag per field of a command's options dataclass (config.option): a number in the field's
+    """One --field-name flag per field of a command's options dataclass (config.option), its default the field's
+    (or, given an instance, the instance's value; a field marked flag=False has none): a number in the field's
     interval, a store_true for a bool, nargs/choices/metavar and help as the field says (config.option).
     given_only: an omitted flag stays out of the namespace (argparse.SUPPRESS; the dataclass default fills it), so
     that a --resume keeps the run's saved value, and the help states the default itself."""
-    for f in dataclasses.fields(cls):
-        flag, kind = dict(f.metadata), f.type.split(" ")[0]  # the annotation's text: "int", "float | None", ...
+    for f in (f for f in dataclasses.fields(cls) if f.metadata.get("flag", True)):
+        flag, default = dict(f.metadata), getattr(cls, f.name)
+        kind = f.type.split(" ")[0]  # the annotation's text: "int", "float | None", ...
         interval, what = flag.pop("interval") or "(-inf, inf)", flag.pop("help").replace("%", "%%")
-        if given_only and f.default not in (None, False) and "(default" not in what:
-            what += f" (default: {f.default})"
+        if given_only and default not in (None, False) and "(default" not in what:
+            what += f" (default: {default})"
         if kind == "bool":
             flag["action"] = "store_true"
         elif kind in ("int", "float"):
             flag["type"] = number(int if kind == "int" else float, interval)
-        p.add_argument(f"--{f.name.replace('_', '-')}", default=argparse.SUPPRESS if given_only else f.default,
+        p.add_argument(f"--{f.name.replace('_', '-')}", default=argparse.SUPPRESS if given_only else default,
                        help=what, **flag)
 
 
@@ -284,7 +286,7 @@ def add_inference_parsers(sub, fmt) -> None:
     chat.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint), checkpoint, HF directory "
                       "or MiniMind .pth")
     add_tokenizer_flag(chat)
-    add_option_flags(chat, SamplingOptions)
+    add_option_flags(chat, CHAT_SAMPLING)
 
     gen = sub.add_parser("generate", help="continue a plain-text prompt (a pretrained model; no chat template)",
                          formatter_class=fmt)
@@ -293,7 +295,7 @@ def add_inference_parsers(sub, fmt) -> None:
     add_tokenizer_flag(gen)
     gen.add_argument("--prompt", help="text to continue (default: standard input; empty: a new document)")
     gen.add_argument("--num-samples", type=INT_GE1, default=1, help="continuations to write, one after another")
-    add_option_flags(gen, SamplingOptions)
+    add_option_flags(gen, CHAT_SAMPLING)
     add_option_flags(gen, DeviceOptions)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP API and a web chat page", formatter_class=fmt)

@@ -14,7 +14,7 @@ from nanoforge.core.config import MODEL_FIELDS, TRAIN_FIELDS, LoraConfig, build_
 from nanoforge.data.options import PrepareOptions
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.eval.options import EvalOptions
-from nanoforge.infer.defaults import ChatOptions, DeviceOptions, SamplingOptions
+from nanoforge.infer.defaults import CHAT_SAMPLING, ChatOptions, DeviceOptions
 from nanoforge.recipes.options import DistillOptions, DPOOptions, PPOOptions, RLOptions
 from nanoforge.serve.options import ServeOptions
 from nanoforge.train.autoresume import AUTO, resolve_resume
@@ -101,10 +101,11 @@ def cmd_sft(args) -> None:
 
 
 def options_from(args: argparse.Namespace, cls) -> tuple[Any, set[str]]:
-    """A command's options dataclass from its flags (cli.add_option_flags), and the names of those given: a
-    resumable command's omitted flags are absent from the namespace, and the dataclass defaults fill them."""
+    """A command's options dataclass from its flags (cli.add_option_flags; given an instance, that instance with
+    them), and the names of those given: a resumable command's omitted flags are absent from the namespace, and
+    the dataclass defaults fill them."""
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
-    return cls(**given), set(given)
+    return (dataclasses.replace(cls, **given) if not isinstance(cls, type) else cls(**given)), set(given)
 
 
 def cmd_lora(args) -> None:
@@ -203,7 +204,7 @@ def cmd_chat(args) -> None:
 
 def inference_options(args) -> dict[str, Any]:
     """chat's and generate's sampling and device flags, as the keywords of infer/chat.py's run_chat/run_generate."""
-    return {**vars(options_from(args, SamplingOptions)[0]), **vars(options_from(args, DeviceOptions)[0])}
+    return {**vars(options_from(args, CHAT_SAMPLING)[0]), **vars(options_from(args, DeviceOptions)[0])}
 
 
 COMMANDS = {"demo": cmd_demo, "report": cmd_report, "tokenizer": cmd_tokenizer, "prepare": cmd_prepare,

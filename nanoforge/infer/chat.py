@@ -19,7 +19,7 @@ from typing import Callable, Sequence, TextIO
 
 from nanoforge.core.device import precision_note, resolve_device, resolve_precision
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.infer.defaults import ChatOptions, DeviceOptions as _D, SamplingOptions as _S
+from nanoforge.infer.defaults import CHAT_SAMPLING, ChatOptions, DeviceOptions as _D
 from nanoforge.infer.generate import SamplingConfig, stream
 from nanoforge.infer.toolloop import stop_ids
 from nanoforge.chat.replies import THINK_OPEN, Reply, StreamParser, reply_from_events
@@ -245,16 +245,14 @@ class _ReplyPrinter:
             self.section = kind
 
 
-def run_chat(run_dir, temperature: float = _S.temperature, top_k: int = _S.top_k,
-             top_p: float = _S.top_p, repetition_penalty: float = _S.repetition_penalty,
-             max_new_tokens: int = _S.max_new_tokens, system: str | None = None, seed: int | None = None,
-             device: str = _D.device, precision: str = _D.precision, tools: str | None = None,
-             think: bool = False, max_tool_turns: int = ChatOptions.max_tool_turns) -> None:
+def run_chat(run_dir, system: str | None = None, device: str = _D.device, precision: str = _D.precision,
+             tools: str | None = None, think: bool = False, max_tool_turns: int = ChatOptions.max_tool_turns,
+             **sampling) -> None:
     """`nanoforge chat RUN`: load the run's latest checkpoint (or a checkpoint directory) and chat on the
     terminal; with piped standard input, answer it once and return. `tools`: "calculator" (comma-separated
-    built-in tool names) to offer and run; `think`: open the think block of each reply."""
-    cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-                         max_new_tokens=max_new_tokens, seed=seed)
+    built-in tool names) to offer and run; `think`: open the think block of each reply; `sampling`: fields of
+    SamplingConfig that differ from chat's defaults (CHAT_SAMPLING)."""
+    cfg = dataclasses.replace(CHAT_SAMPLING, **sampling)
     tool_names = parse_tool_names(tools)
     interactive = sys.stdin.isatty()
     model, tokenizer, _, precision = load_for_inference(run_dir, device, precision, announce=interactive)
@@ -262,13 +260,14 @@ def run_chat(run_dir, temperature: float = _S.temperature, top_k: int = _S.top_k
               tools=tool_names, think=think, max_tool_turns=max_tool_turns)
 
 
-def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, temperature: float = _S.temperature,
-                 top_k: int = _S.top_k, top_p: float = _S.top_p, repetition_penalty: float = _S.repetition_penalty,
-                 max_new_tokens: int = _S.max_new_tokens, seed: int | None = None, device: str = _D.device,
-                 precision: str = _D.precision, input_stream: TextIO | None = None, out: TextIO | None = None) -> None:
+def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, device: str = _D.device,
+                 precision: str = _D.precision, input_stream: TextIO | None = None, out: TextIO | None = None,
+                 **sampling) -> None:
     """`nanoforge generate RUN`: continue a plain-text prompt (no chat template), the way a pretrained model
     is meant to be used; the prompt is --prompt, else standard input. An empty prompt samples from the start
-    of a document (after <|endoftext|>). Streams each of num_samples continuations to `out`, the prompt first."""
+    of a document (after <|endoftext|>). Streams each of num_samples continuations to `out`, the prompt first;
+    `sampling` as run_chat's, sample i seeded with seed + i."""
+    base = dataclasses.replace(CHAT_SAMPLING, **sampling)
     input_stream, out = input_stream or sys.stdin, out or sys.stdout
     if prompt is None:
         prompt = input_stream.read()
@@ -287,9 +286,7 @@ def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, tempe
     for i in range(num_samples):
         if num_samples > 1:
             out.write(f"--- sample {i + 1} of {num_samples}\n")
-        cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
-                             repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens,
-                             seed=None if seed is None else seed + i)
+        cfg = dataclasses.replace(base, seed=None if base.seed is None else base.seed + i)
         out.write(prompt)
         for piece in stream(model, tokenizer, ids, cfg, stops, precision):
             out.write(piece)
