@@ -156,8 +156,7 @@ def grpo(init: str | None, data: str | None, out: str | Path, options: RLOptions
     device = setup(resolve_device(tcfg.device))  # under torchrun: this rank's device
     w = world()
     iterator = PromptIterator(records, o["prompts_per_step"], tcfg.seed, w.rank, w.world_size)
-    cfg = RolloutConfig(o["num_generations"], o["temperature"], o["max_new_tokens"], o["think"], o["advantage"],
-                        tcfg.precision)
+    cfg = RolloutConfig(**{f.name: o[f.name] for f in fields(RolloutConfig) if f.name in o}, precision=tcfg.precision)
     cfg.validate()
     reference = frozen_reference(mcfg, tcfg, run.init, device) if o["beta"] > 0 else None
     model = initial_gpt(mcfg, tcfg, run.init, resume)

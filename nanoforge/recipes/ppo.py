@@ -51,8 +51,7 @@ def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions
     out = Path(out)
     o = resolve_options(out, options or PPOOptions(), resume, given)
     rewards = chosen_rewards(o)
-    cfg_ppo = PPOConfig(epsilon=o["epsilon"], vf_coef=o["vf_coef"], value_clip=o["value_clip"], beta=o["beta"],
-                        gamma=o["gamma"], lam=o["lam"], temperature=o["temperature"], target_kl=o.get("target_kl"))
+    cfg_ppo = PPOConfig(**{f.name: o[f.name] for f in fields(PPOConfig) if f.name in o})  # the rest: PPOConfig's
     run = rl_setup("ppo", init, data, out, config_file, dict(overrides or {}), resume, o)
     mcfg, tcfg, tok, records = run.mcfg, run.tcfg, run.tokenizer, run.data
     if tcfg.optimizer == "muon":
@@ -63,7 +62,8 @@ def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions
     w = world()
     iterator = PromptIterator(records, o["prompts_per_step"], tcfg.seed, w.rank, w.world_size)
     # the group advantage of RolloutConfig is GRPO's and unused here: PPO's advantages come from GAE
-    cfg = RolloutConfig(o["num_generations"], o["temperature"], o["max_new_tokens"], o["think"], "mean", tcfg.precision)
+    cfg = RolloutConfig(**{f.name: o[f.name] for f in fields(RolloutConfig) if f.name in o}, advantage="mean",
+                        precision=tcfg.precision)
     reference = frozen_reference(mcfg, tcfg, run.init, device) if cfg_ppo.beta > 0 else None
     model = (PolicyWithValue.from_config(mcfg) if resume  # the loop loads the checkpoint's policy and critic
              else PolicyWithValue.from_policy(initial_gpt(mcfg, tcfg, run.init, resume)))
