@@ -16,7 +16,6 @@ import dataclasses
 import sys
 from typing import Callable, Sequence, TextIO
 
-
 from nanoforge.core.device import precision_note, resolve_device, resolve_precision
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.defaults import CHAT_SAMPLING, ChatOptions, DeviceOptions as _D

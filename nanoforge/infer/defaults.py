@@ -73,7 +73,7 @@ CHAT_SAMPLING = SamplingConfig(temperature=0.7, top_k=50, top_p=0.9, repetition_
 @dataclass
 class DeviceOptions:
     device: str = option("auto", help="auto, cpu, cuda, cuda:N, mps")
-    # auto: bf16 where the device computes it natively, else fp32 (nanoforge/device.py, as training picks)
+    # auto: bf16 where the device computes it natively, else fp32 (core/device.py, as training picks)
     precision: str = option("auto", choices=PRECISIONS, help="inference precision")
 
 
