@@ -7,10 +7,10 @@ import math
 import sys
 
 from nanoforge import __version__
-from nanoforge.core.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, LoraConfig, ModelConfig, TrainConfig, field_help
+from nanoforge.core.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, LoraConfig, ModelConfig, TrainConfig
 from nanoforge.data.options import PrepareOptions
 from nanoforge.eval.options import EvalOptions
-from nanoforge.infer.defaults import ChatOptions, DeviceOptions, SamplingOptions
+from nanoforge.infer.defaults import CHAT_SAMPLING, ChatOptions, DeviceOptions
 from nanoforge.recipes.options import DistillOptions, DPOOptions, PPOOptions, RLOptions
 from nanoforge.serve.options import ServeOptions
 
@@ -57,32 +57,33 @@ def add_config_flags(p: argparse.ArgumentParser, presets: bool = True, exclude: 
     p.add_argument("--config", metavar="FILE.toml", help="TOML file with [model] and [train] sections")
     for title, cls, names in (("model", ModelConfig, MODEL_FIELDS), ("training", TrainConfig, TRAIN_FIELDS)):
         group = p.add_argument_group(f"{title} config fields (override preset and --config)")
-        defaults, helps = cls(), field_help(cls)
+        defaults = cls()
         for name, f in names.items():
             if name in exclude:
                 continue
             default = getattr(defaults, name)
-            what = helps.get(name, "").replace("%", "%%")  # argparse formats help with %
+            what = f.metadata["help"].replace("%", "%%")  # argparse formats help with %
             group.add_argument(f"--{name.replace('_', '-')}", dest=f"cfg_{name}", metavar=_metavar(f),
                                help=f"{what} (default: {default!r})" if what else f"(default: {default!r})")
 
 
 def add_option_flags(p: argparse.ArgumentParser, cls, given_only: bool = False) -> None:
-    """One --field-name flag per field of a command's options dataclass (config.option): a number in the field's
-    interval, a store_true for a bool, nargs/choices/metavar as the field says, and the field's comment as help.
+    """One --field-name flag per field of a command's options dataclass (config.option), its default the field's
+    (or, given an instance, the instance's value; a field marked flag=False has none): a number in the field's
+    interval, a store_true for a bool, nargs/choices/metavar and help as the field says (config.option).
     given_only: an omitted flag stays out of the namespace (argparse.SUPPRESS; the dataclass default fills it), so
     that a --resume keeps the run's saved value, and the help states the default itself."""
-    helps = field_help(cls)
-    for f in dataclasses.fields(cls):
-        flag, kind = dict(f.metadata), f.type.split(" ")[0]  # the annotation's text: "int", "float | None", ...
-        interval, what = flag.pop("interval") or "(-inf, inf)", helps.get(f.name, "").replace("%", "%%")
-        if given_only and f.default not in (None, False) and "(default" not in what:
-            what += f" (default: {f.default})"
+    for f in (f for f in dataclasses.fields(cls) if f.metadata.get("flag", True)):
+        flag, default = dict(f.metadata), getattr(cls, f.name)
+        kind = f.type.split(" ")[0]  # the annotation's text: "int", "float | None", ...
+        interval, what = flag.pop("interval") or "(-inf, inf)", flag.pop("help").replace("%", "%%")
+        if given_only and default not in (None, False) and "(default" not in what:
+            what += f" (default: {default})"
         if kind == "bool":
             flag["action"] = "store_true"
         elif kind in ("int", "float"):
             flag["type"] = number(int if kind == "int" else float, interval)
-        p.add_argument(f"--{f.name.replace('_', '-')}", default=argparse.SUPPRESS if given_only else f.default,
+        p.add_argument(f"--{f.name.replace('_', '-')}", default=argparse.SUPPRESS if given_only else default,
                        help=what, **flag)
 
 
@@ -220,8 +221,8 @@ def add_training_parsers(sub, fmt) -> None:
     add_option_flags(dpo, DPOOptions, given_only=True)
     add_run_flags(dpo)
 
-    add_grpo_parser(sub, fmt)
-    add_ppo_parser(sub, fmt)
+    add_rl_parser(sub, fmt, "grpo")
+    add_rl_parser(sub, fmt, "ppo")
 
     dist = sub.add_parser("distill", help="distill a teacher run into a student (a run or a preset)",
                           formatter_class=fmt)
@@ -285,7 +286,7 @@ def add_inference_parsers(sub, fmt) -> None:
     chat.add_argument("run", metavar="RUN", help="run directory (its latest checkpoint), checkpoint, HF directory "
                       "or MiniMind .pth")
     add_tokenizer_flag(chat)
-    add_option_flags(chat, SamplingOptions)
+    add_option_flags(chat, CHAT_SAMPLING)
 
     gen = sub.add_parser("generate", help="continue a plain-text prompt (a pretrained model; no chat template)",
                          formatter_class=fmt)
@@ -294,7 +295,7 @@ def add_inference_parsers(sub, fmt) -> None:
     add_tokenizer_flag(gen)
     gen.add_argument("--prompt", help="text to continue (default: standard input; empty: a new document)")
     gen.add_argument("--num-samples", type=INT_GE1, default=1, help="continuations to write, one after another")
-    add_option_flags(gen, SamplingOptions)
+    add_option_flags(gen, CHAT_SAMPLING)
     add_option_flags(gen, DeviceOptions)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP API and a web chat page", formatter_class=fmt)
@@ -319,30 +320,26 @@ def main(argv: list[str] | None = None) -> int:
     return commands.run(args)
 
 
-def add_grpo_parser(sub, fmt) -> None:
-    """`nanoforge grpo`: GRPO, CISPO or REINFORCE on groups of sampled replies (recipes/grpo.py)."""
-    rl = sub.add_parser("grpo", help="reinforcement learning with verifiable rewards: GRPO, CISPO or REINFORCE on "
-                        "groups of sampled replies", formatter_class=fmt)
-    rl.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the SFT run, checkpoint or HF model directory to "
-                    "train; also the frozen reference of the KL term")
+RL_STAGES = {  # name: (options, help, what --init is), recipes/grpo.py and recipes/ppo.py
+    "grpo": (RLOptions, "reinforcement learning with verifiable rewards: GRPO, CISPO or REINFORCE on groups of "
+             "sampled replies", "train; also the frozen reference of the KL term"),
+    "ppo": (PPOOptions, "reinforcement learning with PPO: a critic from the policy's weights, GAE, clipped policy "
+            "and value losses, KL penalty, early stop on approximate KL", "train (its weights also start the "
+            "critic); also the frozen reference of the KL penalty"),
+}
+
+
+def add_rl_parser(sub, fmt, name: str) -> None:
+    """`nanoforge grpo` and `nanoforge ppo`: RL on sampled replies to a prompts file, each with its options."""
+    options, what, init = RL_STAGES[name]
+    rl = sub.add_parser(name, help=what, formatter_class=fmt)
+    rl.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help=f"the SFT run, checkpoint or HF model directory to "
+                    f"{init}")
     rl.add_argument("--data", metavar="FILE.jsonl", help="prompts: chats ending in a user turn (or an empty "
                     'assistant placeholder), GSM8K\'s {"question", "answer"}; "answer"/"gt" for the rewards')
     rl.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    add_option_flags(rl, RLOptions, given_only=True)
+    add_option_flags(rl, options, given_only=True)
     add_run_flags(rl)
-
-
-def add_ppo_parser(sub, fmt) -> None:
-    """`nanoforge ppo`: PPO on sampled replies (recipes/ppo.py)."""
-    p = sub.add_parser("ppo", help="reinforcement learning with PPO: a critic from the policy's weights, GAE, clipped "
-                       "policy and value losses, KL penalty, early stop on approximate KL", formatter_class=fmt)
-    p.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the SFT run, checkpoint or HF model directory to "
-                   "train (its weights also start the critic); also the frozen reference of the KL penalty")
-    p.add_argument("--data", metavar="FILE.jsonl", help="prompts: chats ending in a user turn (or an empty "
-                   'assistant placeholder), GSM8K\'s {"question", "answer"}; "answer"/"gt" for the rewards')
-    p.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
-    add_option_flags(p, PPOOptions, given_only=True)
-    add_run_flags(p)
 
 
 if __name__ == "__main__":

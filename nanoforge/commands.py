@@ -1,6 +1,6 @@
 """What each `nanoforge` command does once cli.py has parsed its arguments: one small function per command,
-calling the module that does the work. cli.py imports this module only after parsing, so that `--help` and
-usage errors need neither torch nor these modules."""
+importing the module that does the work when it runs (a command loads its own recipe, never all of them). cli.py
+imports this module only after parsing, so that `--help` and usage errors need neither torch nor these modules."""
 from __future__ import annotations
 
 import argparse
@@ -10,34 +10,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nanoforge.recipes.bench import format_bench, run_bench, write_json
 from nanoforge.core.config import MODEL_FIELDS, TRAIN_FIELDS, LoraConfig, build_config, parse_value
 from nanoforge.data.options import PrepareOptions
-from nanoforge.data.parts import merge_prepared
-from nanoforge.data.prepare import prepare_dataset
-from nanoforge.demo.pipeline import run_demo
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.eval.options import EvalOptions
-from nanoforge.eval.run import run_eval
-from nanoforge.weights.export import export_gguf, export_hf, export_minimind
-from nanoforge.weights.minimind import is_pth, pair_tokenizer
-from nanoforge.infer.chat import run_chat, run_generate
-from nanoforge.infer.defaults import ChatOptions, DeviceOptions, SamplingOptions
-from nanoforge.train.plan import format_plan, make_plan
-from nanoforge.recipes.grpo import grpo
+from nanoforge.infer.defaults import CHAT_SAMPLING, ChatOptions, DeviceOptions
 from nanoforge.recipes.options import DistillOptions, DPOOptions, PPOOptions, RLOptions
 from nanoforge.serve.options import ServeOptions
-from nanoforge.recipes.ppo import ppo
-from nanoforge.report.markdown import write_report
-from nanoforge.data.sources import train_tokenizer
 from nanoforge.train.autoresume import AUTO, resolve_resume
 from nanoforge.train.distributed import is_main, leave
 from nanoforge.train.loop import TrainingInterrupted
 from nanoforge.train.rundir import check_resume_options
-from nanoforge.recipes.distill import distill
-from nanoforge.recipes.dpo import dpo
-from nanoforge.recipes.pretrain import pretrain
-from nanoforge.recipes.sft import lora_merge, sft
+from nanoforge.weights.minimind import is_pth, pair_tokenizer
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,19 +60,24 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_demo(args) -> None:
+    from nanoforge.demo.pipeline import run_demo
     run_demo(args.out, minutes=args.minutes)
 
 
 def cmd_report(args) -> None:
+    from nanoforge.report.markdown import write_report
     print(f"report written to {write_report(args.runs, args.out)}")
 
 
 def cmd_tokenizer(args) -> None:
+    from nanoforge.data.sources import train_tokenizer
     tok = train_tokenizer(args.data, vocab_size=args.vocab_size, out_dir=args.out, min_frequency=args.min_frequency)
     print(f"tokenizer with {tok.vocab_size} tokens written to {args.out}")
 
 
 def cmd_prepare(args) -> None:
+    from nanoforge.data.parts import merge_prepared
+    from nanoforge.data.prepare import prepare_dataset
     if args.action == "merge":
         merge_prepared(args.parts, args.out, force=args.force, allow_incomplete=args.allow_incomplete)
     else:
@@ -97,6 +86,7 @@ def cmd_prepare(args) -> None:
 
 
 def cmd_pretrain(args) -> None:
+    from nanoforge.recipes.pretrain import pretrain
     preset = args.preset or (None if (args.config or args.resume or args.init) else "mini")
     summary = pretrain(args.data, args.out, preset=preset, config_file=args.config, overrides=config_overrides(args),
                        resume=args.resume, tokenizer=args.tokenizer, quiet=args.quiet, init=args.init)
@@ -104,19 +94,22 @@ def cmd_pretrain(args) -> None:
 
 
 def cmd_sft(args) -> None:
+    from nanoforge.recipes.sft import sft
     summary = sft(args.init, args.data, args.out, config_file=args.config, overrides=config_overrides(args),
                   resume=args.resume, quiet=args.quiet)
     print(f"sft finished at step {summary['step']}: checkpoint {summary['checkpoint']}")
 
 
 def options_from(args: argparse.Namespace, cls) -> tuple[Any, set[str]]:
-    """A command's options dataclass from its flags (cli.add_option_flags), and the names of those given: a
-    resumable command's omitted flags are absent from the namespace, and the dataclass defaults fill them."""
+    """A command's options dataclass from its flags (cli.add_option_flags; given an instance, that instance with
+    them), and the names of those given: a resumable command's omitted flags are absent from the namespace, and
+    the dataclass defaults fill them."""
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
-    return cls(**given), set(given)
+    return (dataclasses.replace(cls, **given) if not isinstance(cls, type) else cls(**given)), set(given)
 
 
 def cmd_lora(args) -> None:
+    from nanoforge.recipes.sft import lora_merge, sft
     if args.action == "merge":
         print(f"merged model written to {lora_merge(args.run, args.out)}")
         return
@@ -130,6 +123,7 @@ def cmd_lora(args) -> None:
 
 
 def cmd_dpo(args) -> None:
+    from nanoforge.recipes.dpo import dpo
     options, given = options_from(args, DPOOptions)
     summary = dpo(args.init, args.data, args.out, config_file=args.config, overrides=config_overrides(args),
                   resume=args.resume, options=options, quiet=args.quiet, given=given)
@@ -138,6 +132,8 @@ def cmd_dpo(args) -> None:
 
 def cmd_rl(args) -> None:
     """grpo and ppo: the stage's options dataclass filled from the flags of the same names."""
+    from nanoforge.recipes.grpo import grpo
+    from nanoforge.recipes.ppo import ppo
     options_cls, train_rl = {"grpo": (RLOptions, grpo), "ppo": (PPOOptions, ppo)}[args.command]
     options, given = options_from(args, options_cls)
     summary = train_rl(args.init, args.data, args.out, options, config_file=args.config,
@@ -146,6 +142,7 @@ def cmd_rl(args) -> None:
 
 
 def cmd_distill(args) -> None:
+    from nanoforge.recipes.distill import distill
     options, given = options_from(args, DistillOptions)
     summary = distill(args.teacher, args.init, args.data, args.out, config_file=args.config,
                       overrides=config_overrides(args), resume=args.resume, options=options, quiet=args.quiet,
@@ -154,6 +151,7 @@ def cmd_distill(args) -> None:
 
 
 def cmd_plan(args) -> None:
+    from nanoforge.train.plan import format_plan, make_plan
     preset = args.preset or (None if args.config else "mini")
     mcfg, tcfg = build_config(preset, args.config, config_overrides(args))
     p = make_plan(mcfg, tcfg, args.device, args.global_batch, args.tokens, args.mfu, args.tokens_per_s)
@@ -161,6 +159,7 @@ def cmd_plan(args) -> None:
 
 
 def cmd_bench(args) -> None:
+    from nanoforge.recipes.bench import format_bench, run_bench, write_json
     preset = args.preset or (None if args.config else "mini")
     res = run_bench(preset, args.config, config_overrides(args), steps=args.steps, warmup=args.warmup,
                     data=args.data, compare_naive=args.compare_naive,
@@ -171,10 +170,12 @@ def cmd_bench(args) -> None:
 
 
 def cmd_eval(args) -> None:
+    from nanoforge.eval.run import run_eval
     run_eval(args.run, options_from(args, EvalOptions)[0])
 
 
 def cmd_export(args) -> None:
+    from nanoforge.weights.export import export_gguf, export_hf, export_minimind
     if args.format == "hf":
         out = export_hf(args.run, args.out, force=args.force)
     elif args.format == "gguf":
@@ -185,23 +186,25 @@ def cmd_export(args) -> None:
 
 
 def cmd_serve(args) -> None:
-    from nanoforge.serve.app import run_server  # here: it needs fastapi and uvicorn, the optional `serve` extra
+    from nanoforge.serve.app import run_server  # it needs fastapi and uvicorn, the optional `serve` extra
     options, _ = options_from(args, ServeOptions)
     options.api_key = options.api_key or os.environ.get("NANOFORGE_API_KEY") or None
     run_server(args.run, options, device=args.device, precision=args.precision)
 
 
 def cmd_generate(args) -> None:
+    from nanoforge.infer.chat import run_generate
     run_generate(args.run, prompt=args.prompt, num_samples=args.num_samples, **inference_options(args))
 
 
 def cmd_chat(args) -> None:
+    from nanoforge.infer.chat import run_chat
     run_chat(args.run, **vars(options_from(args, ChatOptions)[0]), **inference_options(args))
 
 
 def inference_options(args) -> dict[str, Any]:
     """chat's and generate's sampling and device flags, as the keywords of infer/chat.py's run_chat/run_generate."""
-    return {**vars(options_from(args, SamplingOptions)[0]), **vars(options_from(args, DeviceOptions)[0])}
+    return {**vars(options_from(args, CHAT_SAMPLING)[0]), **vars(options_from(args, DeviceOptions)[0])}
 
 
 COMMANDS = {"demo": cmd_demo, "report": cmd_report, "tokenizer": cmd_tokenizer, "prepare": cmd_prepare,

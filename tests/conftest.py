@@ -163,3 +163,76 @@ def tool_run_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     from tool_run import make_tool_run
 
     return make_tool_run(tmp_path_factory, tiny_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Decode on one thread (modules take it with `pytestmark = pytest.mark.usefixtures("one_thread")`): these
+    models are so small that each op is microseconds, and with two threads on a machine busy with other work every
+    op waits for the descheduled second thread (measured: the same 40-token generate took 0.05 s on one thread and
+    0.3-8 s on two while another process ran)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def save_random_run(out: Path, tokenizer, max_seq_len: int) -> Path:
+    """A random tiny model saved as a run (its config, the tokenizer and one checkpoint): an --init."""
+    import dataclasses
+
+    import torch
+
+    from nanoforge.core.config import build_config
+    from nanoforge.model.gpt import GPT
+    from nanoforge.weights import checkpoint as ckpt
+
+    mcfg, _ = build_config("tiny", None, {"vocab_size": tokenizer.vocab_size, "max_seq_len": max_seq_len})
+    torch.manual_seed(0)
+    tokenizer.save(out / "tokenizer")
+    ckpt.save_checkpoint(out, 0, GPT(mcfg).state_dict_for_save(), {},
+                         {"config": {"model": dataclasses.asdict(mcfg), "train": {"seq_len": 128}}})
+    return out
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A random tiny model of 1024 positions saved as a run (save_random_run): the RL stages' --init."""
+    return save_random_run(tmp_path_factory.mktemp("rl_base") / "base", tiny_tokenizer, max_seq_len=1024)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    """The RL stages' prompts (write_sum_prompts), once per module."""
+    return write_sum_prompts(tmp_path_factory.mktemp("prompts"))
+
+
+def write_sum_prompts(directory: Path) -> Path:
+    """prompts.jsonl of 12 sums ("3+4=", answer "7") for the RL stages, and beside it myreward.py with the
+    user's own rewards: the reply's length in characters (chars), or a tenth of it (tenth_chars), so that a
+    random model's replies differ in reward."""
+    path = directory / "prompts.jsonl"
+    with open(path, "w") as f:
+        for a in range(12):
+            f.write(json.dumps({"conversations": [{"role": "user", "content": f"{a}+{a + 1}="}],
+                                "answer": str(2 * a + 1)}) + "\n")
+    (directory / "myreward.py").write_text("def chars(completion, record):\n    return len(completion)\n\n\n"
+                                           "def tenth_chars(completion, record):\n    return len(completion) / 10\n")
+    return path
+
+
+def metrics_of(run) -> list[dict]:
+    """RUN/metrics.jsonl's records."""
+    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+def prepare_tiny(out: Path, tokenizer, kind: str = "pretrain", val_fraction: float = 0.1) -> Path:
+    """tiny_corpus's pretraining (or SFT) file, written beside `out` where it is not shared, prepared into `out`."""
+    from nanoforge.data.prepare import prepare_dataset
+
+    files = tiny_corpus(out.parent)
+    prepare_dataset(kind, files[:1] if kind == "pretrain" else files[1:2], tokenizer, out, val_fraction=val_fraction,
+                    workers=1, log=lambda *a: None)
+    return out

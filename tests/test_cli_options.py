@@ -12,7 +12,7 @@ from nanoforge.cli import build_parser
 from nanoforge.core.config import LoraConfig
 from nanoforge.data.options import PrepareOptions
 from nanoforge.eval.options import EvalOptions
-from nanoforge.infer.defaults import ChatOptions, DeviceOptions, SamplingOptions
+from nanoforge.infer.defaults import CHAT_SAMPLING, ChatOptions, DeviceOptions
 from nanoforge.recipes.options import DistillOptions, DPOOptions, PPOOptions, RLOptions
 from nanoforge.serve.options import ServeOptions
 
@@ -57,8 +57,8 @@ def test_every_flag_and_default_is_the_recorded_one():
 # The commands whose options are a dataclass (cli.add_option_flags), with a command line that gives none of them.
 OPTIONS = {"eval": ([EvalOptions], ["RUN"]), "prepare": ([PrepareOptions], PREPARE), "grpo": ([RLOptions], OUT),
            "ppo": ([PPOOptions], OUT), "lora": ([LoraConfig], OUT), "dpo": ([DPOOptions], OUT),
-           "distill": ([DistillOptions], OUT), "chat": ([SamplingOptions, ChatOptions, DeviceOptions], ["RUN"]),
-           "generate": ([SamplingOptions, DeviceOptions], ["RUN"]), "serve": ([ServeOptions, DeviceOptions], ["RUN"])}
+           "distill": ([DistillOptions], OUT), "chat": ([CHAT_SAMPLING, ChatOptions, DeviceOptions], ["RUN"]),
+           "generate": ([CHAT_SAMPLING, DeviceOptions], ["RUN"]), "serve": ([ServeOptions, DeviceOptions], ["RUN"])}
 
 
 def test_each_flag_states_its_fields_default_and_an_omitted_flag_gets_it():
@@ -70,10 +70,26 @@ def test_each_flag_states_its_fields_default_and_an_omitted_flag_gets_it():
         actions = {a.dest: a for a in parsers[command]._actions}
         formatter = parsers[command]._get_formatter()
         parsed = vars(build_parser().parse_args([command, *minimal]))
-        for f in (f for cls in classes for f in dataclasses.fields(cls)):
+        for options, f in ((c, f) for c in classes for f in dataclasses.fields(c) if f.metadata.get("flag", True)):
+            default = getattr(options, f.name)  # of an instance (CHAT_SAMPLING): its value
             shown = re.findall(r"\(default: ([^)]*)\)", formatter._expand_help(actions[f.name]))
             where = f"{command} --{f.name.replace('_', '-')}"
-            if f.default is not None and (shown or f.default not in (False, 0)):  # argparse shows no 0 or False
-                assert shown and shown[-1] == str(f.default), f"{where}: help says {shown}, the field {f.default!r}"
-            assert parsed.get(f.name, f.default) == f.default, f"{where}: parsed {parsed.get(f.name)!r}"
+            if default is not None and (shown or default not in (False, 0)):  # argparse shows no 0 or False
+                assert shown and shown[-1] == str(default), f"{where}: help says {shown}, the field {default!r}"
+            assert parsed.get(f.name, default) == default, f"{where}: parsed {parsed.get(f.name)!r}"
             assert (f.name in parsed) == (actions[f.name].default != argparse.SUPPRESS), where
+
+
+def test_every_field_says_what_it_is():
+    """Help is data on the field (config.option(..., help=...)), never read from the source: a config or options
+    field without it fails here, and its flag's --help shows exactly that text."""
+    from nanoforge.core.config import ModelConfig, TrainConfig
+
+    parsers = dict(_commands(build_parser()))
+    pretrain = {a.dest: a for a in parsers["pretrain"]._actions}
+    for cls in [ModelConfig, TrainConfig, *(c for classes, _ in OPTIONS.values() for c in classes)]:
+        for f in dataclasses.fields(cls):
+            text = f.metadata.get("help")
+            assert isinstance(text, str) and len(text.split()) >= 2, f"{cls.__name__}.{f.name} has no help"
+    for f in dataclasses.fields(TrainConfig):
+        assert pretrain[f"cfg_{f.name}"].help.startswith(f.metadata["help"].replace("%", "%%")), f.name

@@ -22,8 +22,10 @@ LAYERS = [
     ["demo"],
     ["cli", "commands", "__main__"],
 ]
-# Imports inside a function, each for a stated reason: `--help` must not load torch, and FastAPI is optional.
-LAZY_IMPORTS = {("cli", "nanoforge.commands"), ("commands", "nanoforge.serve.app")}
+# Imports inside a function, each for a stated reason: `--help` must not load torch; and commands.py, the
+# dispatcher, imports the module a command runs inside that command (one recipe per run, never all of them).
+LAZY_IMPORTS = {("cli", "nanoforge.commands")}
+LAZY_MODULES = {"commands"}
 MAX_FUNCTION_LINES, MAX_MODULE_LINES = 80, 500
 
 
@@ -65,7 +67,17 @@ def test_imports_point_down_the_pipeline_and_sit_at_the_top(module):
     for target, line, top in imports(module):
         where = f"nanoforge/{module.replace('.', '/')}.py:{line}"
         assert layer_of(target) <= layer_of(module), f"{where}: imports nanoforge.{target}, a layer above it"
-        assert top or (module, f"nanoforge.{target}") in LAZY_IMPORTS, f"{where}: an import inside a function"
+        lazy_ok = (module, f"nanoforge.{target}") in LAZY_IMPORTS or module in LAZY_MODULES
+        assert top or lazy_ok, f"{where}: an import inside a function"
+
+
+def test_the_dispatcher_loads_no_recipe_until_its_command_runs():
+    import subprocess
+    import sys
+    code = ("import sys, nanoforge.commands; print(sorted(m for m in sys.modules if m.startswith(('nanoforge.recipes.',"
+            " 'nanoforge.eval.run', 'nanoforge.demo.')) and m != 'nanoforge.recipes.options'))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]", f"importing nanoforge.commands loads {loaded}"
 
 
 def test_no_import_cycles():

@@ -1,5 +1,7 @@
 """--precision auto, the default: bf16 only where the device computes it natively (on a CPU: the avx512_bf16,
 amx_bf16 or ARM bf16 flag), else fp32; a run says what it uses and why, and warns where bf16 is emulated."""
+import io
+import re
 import subprocess
 import sys
 import tomllib
@@ -90,3 +92,51 @@ def test_a_run_prints_its_pick_and_saves_it(pretrain_dir, tmp_path):  # noqa: F8
     assert f"precision: {picked} (auto: {hardware})" in r.stderr.splitlines()
     assert f"this CPU ({cpu_info()[0]}) has " in hardware
     assert tomllib.loads((run / "config.toml").read_text())["train"]["precision"] == picked
+
+
+AMX = ("Intel Xeon Platinum 8480+", {"avx2", "avx512_bf16", "amx_bf16"})
+
+
+class Terminal(io.StringIO):
+    """Standard input as a person's terminal: `chat` talks (and announces what it loaded), not a script's pipe."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cpu", [AMX, AVX2_ONLY], ids=["native-bf16", "no-native-bf16"])
+def test_every_command_picks_the_same_precision(cpu, pretrain_dir, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """--precision auto through the real commands, in this process, on a CPU with and without native bf16 (its
+    flags faked): train, eval, generate, chat, serve, bench and plan each say the one pick of device.py."""
+    import nanoforge.recipes.bench
+    import nanoforge.core.device
+    import nanoforge.serve.app
+    from nanoforge.cli import main
+
+    monkeypatch.setattr(nanoforge.core.device, "cpu_info", lambda: cpu)
+    monkeypatch.setattr(nanoforge.serve.app.uvicorn, "run", lambda *a, **k: None)  # serve: load, announce, return
+    monkeypatch.setattr(nanoforge.recipes.bench, "_run_child", nanoforge.recipes.bench._child)  # bench: measure in this process
+    run, cpu_flag = tmp_path / "run", ["--device", "cpu"]
+
+    def said(*argv: str, stdin: str = "") -> list[str]:
+        monkeypatch.setattr(sys, "stdin", Terminal(stdin))
+        assert main(list(argv)) == 0
+        out = capsys.readouterr()
+        return re.findall(r"^precision: (\w+) \(", out.err + out.out, re.M) + re.findall(
+            r"activations .* per sequence of \d+ \((\w+)\)", out.out)
+
+    picks = {
+        "train": said("pretrain", "--preset", "tiny", "--data", str(pretrain_dir), "--out", str(run), *cpu_flag,
+                      "--max-steps", "1", "--eval-every", "0", "--tensorboard", "false"),
+        "eval": said("eval", str(run), "--max-tokens", "32", *cpu_flag),
+        "generate": said("generate", str(run), "--prompt", "a", "--max-new-tokens", "2", *cpu_flag),
+        "chat": said("chat", str(run), "--max-new-tokens", "2", *cpu_flag, stdin="hi\n"),
+        "serve": said("serve", str(run), "--port", "18731", *cpu_flag),
+        "bench": said("bench", "--preset", "tiny", "--steps", "1", "--warmup", "0", "--quiet", *cpu_flag),
+        "plan": said("plan", "--preset", "tiny", "--device", "cpu", "--tokens-per-s", "1000"),
+    }
+    want = resolve_precision("auto", CPU, cpu)
+    assert want == ("bf16" if cpu is AMX else "fp32")
+    assert picks == {command: [want] for command in picks}
+    assert tomllib.loads((run / "config.toml").read_text())["train"]["precision"] == want  # never "auto"

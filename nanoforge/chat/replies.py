@@ -185,10 +185,9 @@ class StreamParser:
 def parse_call_body(body: str) -> tuple[dict | None, str | None]:
     """The text between the tool-call tags -> ({"name", "arguments" (a JSON string)}, None) or (None, error)."""
     body = body.strip()
-    try:
-        call = safejson.loads(body)
-    except json.JSONDecodeError as e:
-        return None, f"not valid JSON ({e.msg} at character {e.pos}): {body[:80]!r}"
+    call, bad = _json_value(body)
+    if bad:
+        return None, f"not valid JSON ({bad.msg} at character {bad.pos}): {body[:80]!r}"
     if not isinstance(call, dict):
         return None, f"must be a JSON object with a name and arguments, got {body[:80]!r}"
     name = call.get("name")
@@ -196,16 +195,23 @@ def parse_call_body(body: str) -> tuple[dict | None, str | None]:
         return None, f"has no string 'name': {body[:80]!r}"
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):
-        try:
-            parsed = safejson.loads(arguments)
-        except json.JSONDecodeError as e:
-            return None, f"'arguments' of {name!r} is a string but not JSON ({e.msg}): {arguments[:80]!r}"
+        parsed, bad = _json_value(arguments)
+        if bad:
+            return None, f"'arguments' of {name!r} is a string but not JSON ({bad.msg}): {arguments[:80]!r}"
         if not isinstance(parsed, dict):
             return None, f"'arguments' of {name!r} must be a JSON object, got {arguments[:80]!r}"
         return {"name": name, "arguments": arguments}, None
     if not isinstance(arguments, dict):
         return None, f"'arguments' of {name!r} must be an object, got {json.dumps(arguments)[:80]}"
     return {"name": name, "arguments": _arguments_text(body, name, arguments)}, None
+
+
+def _json_value(text: str) -> tuple[object, json.JSONDecodeError | None]:
+    """(the JSON value of `text`, None), or (None, the decode error) where it is not JSON."""
+    try:
+        return safejson.loads(text), None
+    except json.JSONDecodeError as e:
+        return None, e
 
 
 def _arguments_text(body: str, name: str, arguments: dict) -> str:

@@ -15,33 +15,46 @@ from typing import Any, Iterable
 from nanoforge.core.errors import NanoforgeError
 
 
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # --precision; auto: device.py resolve_precision's rule
+
+
 class ConfigError(NanoforgeError):
     """A config value or file a person has to fix; the message says which field and why."""
 
 
+def option(default: Any = None, interval: str | None = None, **flag: Any) -> Any:
+    """A config or options field: its default, and for its flag (cli.add_config_flags, add_option_flags) its help
+    (every field has one: tests/test_cli_options.py), a number's interval ("[1, inf)", cli.number) and argparse's
+    choices, metavar or nargs."""
+    return dataclasses.field(default=default, metadata={"interval": interval, **flag})
+
+
 @dataclass
 class ModelConfig:
-    vocab_size: int = 6400  # tokens in the embedding; training commands size it to the tokenizer unless given
-    d_model: int = 512  # model width
-    n_layers: int = 8  # transformer blocks
-    n_heads: int = 8  # query heads (head_dim = d_model / n_heads)
-    n_kv_heads: int = 2  # key/value heads shared by groups of query heads (GQA); = n_heads for plain attention
-    # SwiGLU hidden width; 0 derives MiniMind's rule: 8/3 * d_model rounded up to a multiple of 64.
-    ffn_hidden: int = 0
-    max_seq_len: int = 512  # longest context the model is built for (RoPE tables)
-    rope_theta: float = 1e4  # RoPE base frequency
-    # YaRN context extension (arXiv 2309.00071): factor > 1 stretches RoPE to factor * rope_original_max_seq_len.
-    rope_scaling_factor: float = 1.0
-    rope_original_max_seq_len: int = 0  # YaRN: the context length trained at; 0 means max_seq_len
-    norm_eps: float = 1e-5  # RMSNorm epsilon
-    qk_norm: bool = False  # RMSNorm on per-head q and k (Qwen3 style)
-    dropout: float = 0.0  # dropout on attention and residual branches while training
-    tie_embeddings: bool = True  # the output head shares the input embedding's weights
-    init_std: float = 0.02  # std of the normal initialisation (residual projections scaled by 1/sqrt(2 n_layers))
-    # mixture of experts: 0 keeps the dense SwiGLU; otherwise each token goes to its top experts_per_token
-    n_experts: int = 0
-    experts_per_token: int = 2  # experts each token is routed to
-    moe_aux_weight: float = 0.01  # weight of the load-balancing loss added to the training loss
+    vocab_size: int = option(6400, help="tokens in the embedding; training commands size it to the tokenizer unless "
+                             "given")
+    d_model: int = option(512, help="model width")
+    n_layers: int = option(8, help="transformer blocks")
+    n_heads: int = option(8, help="query heads (head_dim = d_model / n_heads)")
+    n_kv_heads: int = option(2, help="key/value heads shared by groups of query heads (GQA); = n_heads for plain "
+                             "attention")
+    ffn_hidden: int = option(0, help="SwiGLU hidden width; 0 derives MiniMind's rule: 8/3 * d_model rounded up to a "
+                             "multiple of 64.")
+    max_seq_len: int = option(512, help="longest context the model is built for (RoPE tables)")
+    rope_theta: float = option(1e4, help="RoPE base frequency")
+    rope_scaling_factor: float = option(1.0, help="YaRN context extension (arXiv 2309.00071): factor > 1 stretches "
+                                        "RoPE to factor * rope_original_max_seq_len.")
+    rope_original_max_seq_len: int = option(0, help="YaRN: the context length trained at; 0 means max_seq_len")
+    norm_eps: float = option(1e-5, help="RMSNorm epsilon")
+    qk_norm: bool = option(False, help="RMSNorm on per-head q and k (Qwen3 style)")
+    dropout: float = option(0.0, help="dropout on attention and residual branches while training")
+    tie_embeddings: bool = option(True, help="the output head shares the input embedding's weights")
+    init_std: float = option(0.02, help="std of the normal initialisation (residual projections scaled by 1/sqrt(2 "
+                             "n_layers))")
+    n_experts: int = option(0, help="mixture of experts: 0 keeps the dense SwiGLU; otherwise each token goes to its "
+                            "top experts_per_token")
+    experts_per_token: int = option(2, help="experts each token is routed to")
+    moe_aux_weight: float = option(0.01, help="weight of the load-balancing loss added to the training loss")
 
     @property
     def head_dim(self) -> int:
@@ -77,66 +90,74 @@ class ModelConfig:
 @dataclass
 class TrainConfig:
     # schedule of the run
-    max_steps: int = 1000  # optimizer steps to train (see also epochs)
-    epochs: float = 0.0  # > 0: train this many passes over the data (sets max_steps from the data's size)
-    # > 0: stop after this many seconds of training (or at max_steps), the lr schedule following elapsed / budget
-    time_budget: float = 0.0
-    batch_size: int = 4  # sequences per micro-batch
-    grad_accum: int = 1  # micro-batches per optimizer step
-    # "" trains batch_size x grad_accum as given; "auto" finds the largest micro-batch that fits (a probe, see
-    # train/microbatch.py) and N uses micro-batch N; both then set grad_accum so the global batch (batch_size x
-    # grad_accum) stays the same
-    micro_batch: str = ""
-    memory_budget_gb: float = 0.0  # memory --micro-batch auto may fill; 0: the device's (CPU: 80% of MemAvailable)
-    seq_len: int = 512  # tokens per training sequence
+    max_steps: int = option(1000, help="optimizer steps to train (see also epochs)")
+    epochs: float = option(0.0, help="> 0: train this many passes over the data (sets max_steps from the data's size)")
+    time_budget: float = option(0.0, help="> 0: stop after this many seconds of training (or at max_steps), the lr "
+                                "schedule following elapsed / budget")
+    batch_size: int = option(4, help="sequences per micro-batch")
+    grad_accum: int = option(1, help="micro-batches per optimizer step")
+    micro_batch: str = option("", help="\"\" trains batch_size x grad_accum as given; \"auto\" finds the largest "
+                              "micro-batch that fits (a probe, see train/microbatch.py) and N uses micro-batch N; "
+                              "both then set grad_accum so the global batch (batch_size x grad_accum) stays the same")
+    memory_budget_gb: float = option(0.0, help="memory --micro-batch auto may fill; 0: the device's (CPU: 80% of "
+                                     "MemAvailable)")
+    seq_len: int = option(512, help="tokens per training sequence")
     # optimizer
-    lr: float = 5e-4  # peak learning rate (AdamW)
-    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
-    schedule: str = "cosine"  # cosine | wsd | onecycle | constant
-    warmup_steps: int = 100  # linear warmup from 0 to lr
-    decay_fraction: float = 0.2  # wsd: share of the steps spent decaying at the end
-    weight_decay: float = 0.1  # AdamW decoupled weight decay (matrices only; not norms, biases or embeddings)
-    beta1: float = 0.9  # AdamW beta1
-    beta2: float = 0.95  # AdamW beta2
-    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables clipping
+    lr: float = option(5e-4, help="peak learning rate (AdamW)")
+    min_lr_ratio: float = option(0.1, help="final lr = lr * min_lr_ratio")
+    schedule: str = option("cosine", help="cosine | wsd | onecycle | constant")
+    warmup_steps: int = option(100, help="linear warmup from 0 to lr")
+    decay_fraction: float = option(0.2, help="wsd: share of the steps spent decaying at the end")
+    weight_decay: float = option(0.1, help="AdamW decoupled weight decay (matrices only; not norms, biases or "
+                                 "embeddings)")
+    beta1: float = option(0.9, help="AdamW beta1")
+    beta2: float = option(0.95, help="AdamW beta2")
+    grad_clip: float = option(1.0, help="clip the global gradient norm to this; 0 disables clipping")
     # muon: Newton-Schulz orthogonalised momentum for the blocks' weight matrices, AdamW (lr) for the rest
-    optimizer: str = "adamw"  # adamw | muon
-    muon_lr: float = 0.02  # peak lr of the muon matrices; follows the same schedule as lr
-    muon_momentum: float = 0.95  # muon's Nesterov momentum
+    optimizer: str = option("adamw", help="adamw | muon")
+    muon_lr: float = option(0.02, help="peak lr of the muon matrices; follows the same schedule as lr")
+    muon_momentum: float = option(0.95, help="muon's Nesterov momentum")
     # numerics and device
-    precision: str = "auto"  # auto | fp32 | bf16 | fp16; auto: bf16 where the device computes it natively, else fp32
-    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
-    compile: bool = False  # torch.compile the model for training (evaluation and sampling use it uncompiled)
-    activation_checkpointing: bool = False  # recompute block activations in backward: less memory, ~1/3 more compute
-    tf32: bool = True  # CUDA: fp32 matmuls on tensor cores (TF32)
-    sync_timing: bool = False  # CUDA: synchronise at phase boundaries so data/fwd_bwd/optim times are exact (slower)
-    fsdp: bool = False  # under torchrun: shard parameters, gradients and optimizer state (FSDP2) instead of DDP
-    seed: int = 0  # fixes the initial weights, the data order and dropout
+    precision: str = option("auto", help="auto | fp32 | bf16 | fp16; auto: bf16 where the device computes it "
+                            "natively, else fp32")
+    device: str = option("auto", help="auto | cpu | cuda | cuda:N | mps")
+    compile: bool = option(False, help="torch.compile the model for training (evaluation and sampling use it "
+                           "uncompiled)")
+    activation_checkpointing: bool = option(False, help="recompute block activations in backward: less memory, ~1/3 "
+                                            "more compute")
+    tf32: bool = option(True, help="CUDA: fp32 matmuls on tensor cores (TF32)")
+    sync_timing: bool = option(False, help="CUDA: synchronise at phase boundaries so data/fwd_bwd/optim times are "
+                               "exact (slower)")
+    fsdp: bool = option(False, help="under torchrun: shard parameters, gradients and optimizer state (FSDP2) instead "
+                        "of DDP")
+    seed: int = option(0, help="fixes the initial weights, the data order and dropout")
     # evaluation, logging, checkpoints
-    eval_every: int = 100  # steps between validations; 0 disables periodic validation
-    eval_batches: int = 20  # validation batches per evaluation (capped by the split's size)
-    early_stop_patience: int = 0  # evaluations without improvement before stopping; 0 disables
-    log_every: int = 10  # steps between progress lines and metrics.jsonl records
-    # generate the sample prompts every N steps (to samples.jsonl, TensorBoard and wandb); 0 disables
-    sample_every: int = 0
-    sample_prompts: str = ""  # file of prompts for samples (JSONL with "prompt" or one per line); empty: built-in set
-    save_every: int = 500  # steps between checkpoints; 0 saves only at the end and on interruption
-    keep_last: int = 3  # checkpoints kept on disk (older ones are deleted)
-    tensorboard: bool = True  # write TensorBoard events to RUN/tb
-    wandb_project: str = ""  # log to this wandb project too; empty disables wandb
+    eval_every: int = option(100, help="steps between validations; 0 disables periodic validation")
+    eval_batches: int = option(20, help="validation batches per evaluation (capped by the split's size)")
+    early_stop_patience: int = option(0, help="evaluations without improvement before stopping; 0 disables")
+    log_every: int = option(10, help="steps between progress lines and metrics.jsonl records")
+    sample_every: int = option(0, help="generate the sample prompts every N steps (to samples.jsonl, TensorBoard and "
+                               "wandb); 0 disables")
+    sample_prompts: str = option("", help="file of prompts for samples (JSONL with \"prompt\" or one per line); "
+                                 "empty: built-in set")
+    save_every: int = option(500, help="steps between checkpoints; 0 saves only at the end and on interruption")
+    keep_last: int = option(3, help="checkpoints kept on disk (older ones are deleted)")
+    tensorboard: bool = option(True, help="write TensorBoard events to RUN/tb")
+    wandb_project: str = option("", help="log to this wandb project too; empty disables wandb")
     # guard against non-finite loss or gradients
-    nonfinite_patience: int = 3  # consecutive bad steps before rolling back to the last checkpoint
-    rollback_lr_factor: float = 0.5  # lr multiplier after each rollback
+    nonfinite_patience: int = option(3, help="consecutive bad steps before rolling back to the last checkpoint")
+    rollback_lr_factor: float = option(0.5, help="lr multiplier after each rollback")
     # data
-    val_fraction: float = 0.01  # held out when raw JSONL/text is prepared on the fly (a text file: its tail)
-    workers: int = 0  # tokenization processes when preparing on the fly; 0 means all cores
-    text_column: str = "text"  # Parquet / datasets pretraining input: the column that holds the text
+    val_fraction: float = option(0.01, help="held out when raw JSONL/text is prepared on the fly (a text file: its "
+                                 "tail)")
+    workers: int = option(0, help="tokenization processes when preparing on the fly; 0 means all cores")
+    text_column: str = option("text", help="Parquet / datasets pretraining input: the column that holds the text")
 
     def validate(self) -> None:
         _finite(self)
         _positive(self, "max_steps", "batch_size", "grad_accum", "seq_len", "eval_batches", "log_every",
                   "keep_last", "nonfinite_patience")
-        _one_of(self, "precision", ("auto", "fp32", "bf16", "fp16"))
+        _one_of(self, "precision", PRECISIONS)
         _one_of(self, "schedule", ("cosine", "wsd", "onecycle", "constant"))
         _one_of(self, "optimizer", ("adamw", "muon"))
         if self.muon_lr <= 0 or not 0.0 <= self.muon_momentum < 1.0:
@@ -154,12 +175,6 @@ class TrainConfig:
             raise ConfigError(f"micro_batch={self.micro_batch!r} must be empty, 'auto' or a positive integer")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ConfigError("beta1 and beta2 must be in [0, 1)")
-
-
-def option(default: Any = None, interval: str | None = None, **flag: Any) -> Any:
-    """A field of a command's options dataclass: its default, and for its flag (cli.add_option_flags) a number's
-    interval ("[1, inf)", cli.number) and argparse's choices, metavar or nargs; its help is its comment."""
-    return dataclasses.field(default=default, metadata={"interval": interval, **flag})
 
 
 # short target name -> (submodule of a Block, Linear inside it)
@@ -191,10 +206,10 @@ def parse_targets(spec: str | Iterable[str]) -> tuple[str, ...]:
 @dataclass
 class LoraConfig:
     """`nanoforge lora`'s options (cli.add_option_flags), saved with the run as to_dict's lora_* keys."""
-    rank: int = option(16, "[1, inf)")  # adapter rank
-    alpha: float = option(32.0, "(0, inf)")  # adapter scale numerator, scale = alpha / rank (a new rank, same lr)
-    dropout: float = option(0.05, "[0, 1)")  # dropout on the adapters' input (the frozen path sees x unchanged)
-    targets: str | tuple[str, ...] = option(",".join(TARGETS))  # linear layers to adapt
+    rank: int = option(16, "[1, inf)", help="adapter rank")
+    alpha: float = option(32.0, "(0, inf)", help="adapter scale numerator, scale = alpha / rank (a new rank, same lr)")
+    dropout: float = option(0.05, "[0, 1)", help="dropout on the adapters' input (the frozen path sees x unchanged)")
+    targets: str | tuple[str, ...] = option(",".join(TARGETS), help="linear layers to adapt")
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
@@ -216,29 +231,6 @@ class LoraConfig:
             return cls(rank=d["lora_rank"], alpha=d["lora_alpha"], dropout=d["lora_dropout"], targets=d["lora_targets"])
         except KeyError as e:
             raise NanoforgeError(f"LoRA settings are incomplete: {e.args[0]} is missing") from None
-
-
-def field_help(cls) -> dict[str, str]:
-    """Each field's comment in this file (its trailing `# ...`, else a descriptive comment block right above
-    it), for --help: the dataclasses stay the one place where a field is explained."""
-    import inspect
-    import re
-    try:
-        lines = inspect.getsource(cls).splitlines()
-    except (OSError, TypeError):  # no source (a frozen install): flags keep only their defaults
-        return {}
-    out, block = {}, []
-    for line in lines:
-        text = line.strip()
-        if text.startswith("#"):
-            block.append(text.lstrip("# "))
-            continue
-        m = re.match(r"(\w+): [^=]+=.*?(?:  # (.*))?$", text)
-        if m:
-            above = " ".join(block)
-            out[m.group(1)] = m.group(2) or (above if len(above.split()) > 5 else "")
-        block = []
-    return {k: v for k, v in out.items() if v}
 
 
 def _later_length_wins(train: dict[str, Any], layer: dict[str, Any]) -> None:

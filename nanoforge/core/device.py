@@ -9,6 +9,7 @@ import platform
 
 import torch
 
+from nanoforge.core.config import PRECISIONS, ModelConfig, TrainConfig, build_config
 from nanoforge.core.errors import NanoforgeError
 
 
@@ -91,12 +92,23 @@ def native_bf16(device: torch.device, cpu: tuple[str, set[str]] | None = None) -
 
 
 def resolve_precision(precision: str, device: torch.device | str, cpu: tuple[str, set[str]] | None = None) -> str:
-    """What --precision means on `device`: auto is bf16 where the device computes it natively, else fp32
-    (also the fallback where fp16 keeps overflowing: bf16 has fp32's range); any other value is itself."""
+    """What --precision means on `device`, the one rule of every command: auto is bf16 where the device computes
+    it natively, else fp32 (also the fallback where fp16 keeps overflowing: bf16 has fp32's range); any other
+    value is itself."""
+    if precision not in PRECISIONS:
+        raise NanoforgeError(f"--precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     if precision != "auto":
         return precision
     device = resolve_device(device) if isinstance(device, str) else device
     return "bf16" if native_bf16(device, cpu)[0] else "fp32"
+
+
+def build_run_config(*layers, **kwargs) -> tuple[ModelConfig, TrainConfig]:
+    """config.build_config, with --precision auto resolved for --device: a run's config never says auto, and
+    config.toml records the precision it computes in (so a resume keeps it)."""
+    mcfg, tcfg = build_config(*layers, **kwargs)
+    tcfg.precision = resolve_precision(tcfg.precision, tcfg.device)
+    return mcfg, tcfg
 
 
 def precision_note(precision: str, device: torch.device, cpu: tuple[str, set[str]] | None = None) -> str:

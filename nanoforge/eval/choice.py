@@ -18,9 +18,9 @@ import torch
 
 from nanoforge.data.batches import IGNORE
 from nanoforge.data.jsonl import DataError, check_input_file
-from nanoforge.core.device import autocast_context, eval_mode
+from nanoforge.core.device import autocast_context, eval_mode, resolve_precision
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.eval.common import Progress, check_precision, format_table, json_lines, load_run
+from nanoforge.eval.common import Progress, format_table, json_lines, load_run
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
@@ -264,7 +264,7 @@ def evaluate_choices(run, bench_path, fmt: str = "auto", shots: int = 0, dev_pat
     acc_norm). shots > 0 prepends that many solved examples of the same subject from the dev split (C-Eval/
     CMMLU dev/, or `dev_path`). limit keeps the first N questions (a quick look). `run` may be a loaded
     (model, tokenizer) pair."""
-    check_precision(precision)
+    precision = resolve_precision(precision, device)  # a bad one fails before the model loads
     questions, dev = load_benchmark(bench_path, fmt, dev_path)
     if shots and not dev:
         raise NanoforgeError(f"--shots {shots} needs solved examples: a dev/ folder beside the benchmark's "

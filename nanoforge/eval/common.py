@@ -1,5 +1,5 @@
-"""What the evaluations (eval/run.py, eval/) share: the model to score, the lines of a JSONL benchmark, the precision
-check, the records whose prompt fits, a progress line and the printed table."""
+"""What the evaluations (eval/run.py, eval/) share: the model to score, the lines of a JSONL benchmark, the
+records whose prompt fits, a progress line and the printed table."""
 from __future__ import annotations
 
 import json
@@ -34,11 +34,6 @@ def json_lines(path) -> Iterator[tuple[int, object]]:
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise DataError(f"not valid JSON: {e}", path, line_no) from None
             yield line_no, value
-
-
-def check_precision(precision: str) -> None:
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise NanoforgeError(f"--precision {precision!r} must be one of fp32, bf16, fp16")
 
 
 def fitting(items: list, wheres: list[str], rollouts: list, what: str, model, max_new_tokens: int, log):

@@ -17,6 +17,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,10 +32,10 @@ from nanoforge.data.batches import IGNORE
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import TokenShards, check_tokenizer, read_manifest
 from nanoforge.data.sources import data_kind, prepared_dir
-from nanoforge.core.device import autocast_context, eval_mode
+from nanoforge.core.device import autocast_context, eval_mode, precision_note, resolve_precision
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.eval.choice import evaluate_choices
-from nanoforge.eval.common import Progress, check_precision, format_table, load_run
+from nanoforge.eval.common import Progress, format_table, load_run
 from nanoforge.eval.options import EvalOptions
 from nanoforge.eval.gsm8k import evaluate_gsm8k, read_gsm8k
 from nanoforge.eval.toolcall import evaluate_toolcall, read_toolcall
@@ -182,7 +183,7 @@ def evaluate_data(run, data_paths, batch_size: int = 8, seq_len: int | None = No
     byte-level BPE (and left out for other tokenizers). A prepared directory is scored over `split`
     ("all", "train" or "val"). `run` may also be a loaded (model, tokenizer) pair. Prints a table through
     `log` and returns the numbers."""
-    check_precision(precision)
+    precision = resolve_precision(precision, device)  # a bad one fails before the model loads
     if split not in ("all", "train", "val"):
         raise NanoforgeError(f"split {split!r} must be all, train or val")
     paths = [data_paths] if isinstance(data_paths, (str, os.PathLike)) else list(data_paths)
@@ -296,18 +297,20 @@ def run_eval(run, o: EvalOptions, log: Callable[[str], None] = print) -> dict:
         data, split = [str(own)], split or "val"
         log(f"evaluating on the {split} split of {own}, the data the run trained on")
     model, tokenizer, dev_device, ckpt = load_run(run, o.device)
-    loaded = (model, tokenizer)
+    loaded, precision = (model, tokenizer), resolve_precision(o.precision, dev_device)
+    if not o.quiet:
+        print(precision_note(precision, dev_device), file=sys.stderr)
     out: dict = {"checkpoint": str(ckpt) if ckpt else None}
     if data:
         out["data"] = evaluate_data(loaded, data, batch_size=o.batch_size, seq_len=o.seq_len, max_tokens=o.max_tokens,
-                                    precision=o.precision, device=str(dev_device), progress=not o.quiet,
+                                    precision=precision, device=str(dev_device), progress=not o.quiet,
                                     split=split or "all", log=log)
     if o.bench:
         out["bench"] = evaluate_choices(loaded, o.bench, fmt=o.format, shots=o.shots, dev_path=o.dev,
-                                        batch_size=o.batch_size, limit=o.limit, precision=o.precision,
+                                        batch_size=o.batch_size, limit=o.limit, precision=precision,
                                         device=str(dev_device), progress=not o.quiet, log=log)
     generation = dict(think=o.think, batch_size=o.batch_size, max_new_tokens=o.max_new_tokens, max_turns=o.max_turns,
-                      precision=o.precision, progress=not o.quiet, log=log)
+                      precision=precision, progress=not o.quiet, log=log)
     if o.gsm8k:
         out["gsm8k"] = {"file": str(o.gsm8k), **evaluate_gsm8k(model, tokenizer, problems, tools=tool_names,
                                                              **generation)}
@@ -315,7 +318,7 @@ def run_eval(run, o: EvalOptions, log: Callable[[str], None] = print) -> dict:
         out["toolcall"] = {"file": str(o.toolcall), **evaluate_toolcall(model, tokenizer, cases, **generation)}
     if o.samples:
         prompts = load_prompts(o.prompts) if o.prompts else None
-        got = generate_samples(model, tokenizer, prompts, chat=o.chat, precision=o.precision)  # its fixed-seed sampling
+        got = generate_samples(model, tokenizer, prompts, chat=o.chat, precision=precision)  # its fixed-seed sampling
         for s in got:
             log(f"--- {s['prompt']!r}\n{s['prompt']}{s['text']}")
         out["samples"] = got

@@ -16,11 +16,9 @@ import dataclasses
 import sys
 from typing import Callable, Sequence, TextIO
 
-import torch
-
-from nanoforge.core.device import resolve_device
+from nanoforge.core.device import precision_note, resolve_device, resolve_precision
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.infer.defaults import PRECISION_CHOICES, ChatOptions, DeviceOptions as _D, SamplingOptions as _S
+from nanoforge.infer.defaults import CHAT_SAMPLING, ChatOptions, DeviceOptions as _D
 from nanoforge.infer.generate import SamplingConfig, stream
 from nanoforge.infer.toolloop import stop_ids
 from nanoforge.chat.replies import THINK_OPEN, Reply, StreamParser, reply_from_events
@@ -246,16 +244,14 @@ class _ReplyPrinter:
             self.section = kind
 
 
-def run_chat(run_dir, temperature: float = _S.temperature, top_k: int = _S.top_k,
-             top_p: float = _S.top_p, repetition_penalty: float = _S.repetition_penalty,
-             max_new_tokens: int = _S.max_new_tokens, system: str | None = None, seed: int | None = None,
-             device: str = _D.device, precision: str = _D.precision, tools: str | None = None,
-             think: bool = False, max_tool_turns: int = ChatOptions.max_tool_turns) -> None:
+def run_chat(run_dir, system: str | None = None, device: str = _D.device, precision: str = _D.precision,
+             tools: str | None = None, think: bool = False, max_tool_turns: int = ChatOptions.max_tool_turns,
+             **sampling) -> None:
     """`nanoforge chat RUN`: load the run's latest checkpoint (or a checkpoint directory) and chat on the
     terminal; with piped standard input, answer it once and return. `tools`: "calculator" (comma-separated
-    built-in tool names) to offer and run; `think`: open the think block of each reply."""
-    cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-                         max_new_tokens=max_new_tokens, seed=seed)
+    built-in tool names) to offer and run; `think`: open the think block of each reply; `sampling`: fields of
+    SamplingConfig that differ from chat's defaults (CHAT_SAMPLING)."""
+    cfg = dataclasses.replace(CHAT_SAMPLING, **sampling)
     tool_names = parse_tool_names(tools)
     interactive = sys.stdin.isatty()
     model, tokenizer, _, precision = load_for_inference(run_dir, device, precision, announce=interactive)
@@ -263,17 +259,18 @@ def run_chat(run_dir, temperature: float = _S.temperature, top_k: int = _S.top_k
               tools=tool_names, think=think, max_tool_turns=max_tool_turns)
 
 
-def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, temperature: float = _S.temperature,
-                 top_k: int = _S.top_k, top_p: float = _S.top_p, repetition_penalty: float = _S.repetition_penalty,
-                 max_new_tokens: int = _S.max_new_tokens, seed: int | None = None, device: str = _D.device,
-                 precision: str = _D.precision, input_stream: TextIO | None = None, out: TextIO | None = None) -> None:
+def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, device: str = _D.device,
+                 precision: str = _D.precision, input_stream: TextIO | None = None, out: TextIO | None = None,
+                 **sampling) -> None:
     """`nanoforge generate RUN`: continue a plain-text prompt (no chat template), the way a pretrained model
     is meant to be used; the prompt is --prompt, else standard input. An empty prompt samples from the start
-    of a document (after <|endoftext|>). Streams each of num_samples continuations to `out`, the prompt first."""
+    of a document (after <|endoftext|>). Streams each of num_samples continuations to `out`, the prompt first;
+    `sampling` as run_chat's, sample i seeded with seed + i."""
+    base = dataclasses.replace(CHAT_SAMPLING, **sampling)
     input_stream, out = input_stream or sys.stdin, out or sys.stdout
     if prompt is None:
         prompt = input_stream.read()
-    model, tokenizer, _, precision = load_for_inference(run_dir, device, precision)
+    model, tokenizer, _, precision = load_for_inference(run_dir, device, precision, announce=True)
     ids = tokenizer.encode(prompt) if prompt else []
     if not ids:
         if tokenizer.eos_id is None:
@@ -288,9 +285,7 @@ def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, tempe
     for i in range(num_samples):
         if num_samples > 1:
             out.write(f"--- sample {i + 1} of {num_samples}\n")
-        cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
-                             repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens,
-                             seed=None if seed is None else seed + i)
+        cfg = dataclasses.replace(base, seed=None if base.seed is None else base.seed + i)
         out.write(prompt)
         for piece in stream(model, tokenizer, ids, cfg, stops, precision):
             out.write(piece)
@@ -301,21 +296,12 @@ def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, tempe
 
 def load_for_inference(run_dir, device: str, precision: str, announce: bool = False):
     """(model, tokenizer, checkpoint, precision) with device and precision resolved; `announce` tells stderr
-    what was loaded where."""
+    what was loaded where, and the precision and why (the line every command prints)."""
     target = resolve_device(device)
     precision = resolve_precision(precision, target)
     model, tokenizer, checkpoint = load_model(run_dir, device=target)
     if announce:
-        print(f"loaded {checkpoint} ({model.num_params() / 1e6:.1f}M parameters) on {target}, {precision}",
-              file=sys.stderr)
+        print(f"loaded {checkpoint} ({model.num_params() / 1e6:.1f}M parameters) on {target}, {precision}\n"
+              + precision_note(precision, target), file=sys.stderr)
     return model, tokenizer, checkpoint, precision
 
-
-def resolve_precision(precision: str, device) -> str:
-    """Turn "auto" into bf16 on a CUDA GPU that supports it, else fp32; check and keep any other choice."""
-    if precision not in PRECISION_CHOICES:
-        raise NanoforgeError(f"--precision {precision!r} is not one of {', '.join(PRECISION_CHOICES)}")
-    if precision != "auto":
-        return precision
-    native_bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8  # not emulated
-    return "bf16" if native_bf16 else "fp32"

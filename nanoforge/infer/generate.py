@@ -13,75 +13,15 @@ prompt alone, so a prompt gives the same tokens in a batch as on its own."""
 from __future__ import annotations
 
 import contextlib
-import math
-import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
 
+from nanoforge.core.config import PRECISIONS
 from nanoforge.core.device import autocast_context
 from nanoforge.core.errors import NanoforgeError
-
-PRECISIONS = ("fp32", "bf16", "fp16")
-
-
-# -------------------------------------------------------------------------------------------- configuration
-
-
-@dataclass
-class SamplingConfig:
-    """How to pick each next token. The defaults are plain sampling from the model's distribution.
-
-    temperature         0 picks the most likely token (greedy); otherwise logits are divided by it
-    top_k               keep only the k most likely tokens (0: off)
-    top_p               keep the smallest set of tokens whose probability adds up to top_p (1.0: off);
-                        nucleus sampling, Holtzman et al. 2019 (arXiv 1904.09751)
-    repetition_penalty  > 1 discourages every token already in the prompt or the reply (1.0: off); CTRL's
-                        penalty (Keskar et al. 2019, arXiv 1909.05858) as HF applies it: a positive logit is
-                        divided by it, a negative one multiplied, so a seen token always becomes less likely
-    max_new_tokens      the most tokens to generate per prompt (fewer if the model's context runs out)
-    stop_strings        stop as soon as the reply's text contains one of these; the text is cut before it
-    seed                draw from a private torch.Generator seeded with this, so that a seeded call gives
-                        the same reply whatever else used the global RNG (None: the global RNG)"""
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    max_new_tokens: int = 256
-    stop_strings: list[str] = field(default_factory=list)
-    seed: int | None = None
-
-    def __post_init__(self):
-        self.validate()
-
-    def validate(self) -> None:
-        for name in ("temperature", "top_p", "repetition_penalty"):  # NaN would pass the range checks below
-            value = getattr(self, name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise NanoforgeError(f"{name}={value!r} must be a finite number")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise NanoforgeError(f"temperature={self.temperature!r} must be a number >= 0 (0 means greedy)")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise NanoforgeError(f"top_k={self.top_k!r} must be an integer >= 0 (0 turns it off)")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise NanoforgeError(f"top_p={self.top_p!r} must be in (0, 1] (1 turns it off)")
-        if not isinstance(self.repetition_penalty, (int, float)) or self.repetition_penalty <= 0:
-            raise NanoforgeError(f"repetition_penalty={self.repetition_penalty!r} must be > 0 "
-                                 f"(1 turns it off; values above 1 discourage repeats)")
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise NanoforgeError(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
-        if isinstance(self.stop_strings, str):
-            raise NanoforgeError(f"stop_strings must be a list of strings, got the string {self.stop_strings!r}; "
-                                 f"write [{self.stop_strings!r}]")
-        if not all(isinstance(s, str) and s for s in self.stop_strings):
-            raise NanoforgeError(f"stop_strings={self.stop_strings!r} must be non-empty strings")
-        if self.seed is not None and not _is_int(self.seed):
-            raise NanoforgeError(f"seed={self.seed!r} must be an integer or None")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # numpy ints too
+from nanoforge.infer.defaults import SamplingConfig, is_int
 
 
 # -------------------------------------------------------------------------------------- public entry points
@@ -362,7 +302,7 @@ def _check_prompts(model, prompts) -> list[int]:
         if len(prompt) == 0:
             raise NanoforgeError(f"prompt {i} is empty; a model needs at least one token to continue from "
                                  f"(e.g. the tokenizer's eos_id, or a rendered chat prompt)")
-        bad = [t for t in prompt if not _is_int(t) or not 0 <= t < vocab]
+        bad = [t for t in prompt if not is_int(t) or not 0 <= t < vocab]
         if bad:
             raise NanoforgeError(f"prompt {i} has token ids outside the model's vocabulary of {vocab}: "
                                  f"{bad[:5]}; was it encoded with this model's tokenizer?")

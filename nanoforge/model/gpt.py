@@ -187,7 +187,7 @@ class Attention(nn.Module):
             # a packed SFT row, a left-padded batch or an fp32 run would fall back to the math kernel, which
             # materialises (B, H, T, S) float32 scores. Expanded heads keep the memory-efficient kernel.
             rep = self.n_heads // self.n_kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H, T, hd)
             gqa = False
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                            dropout_p=self.dropout if self.training else 0.0,

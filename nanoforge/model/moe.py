@@ -71,7 +71,7 @@ class MoE(nn.Module):
         for expert, n in zip(self.experts, counts):
             if n:
                 token, slot = tokens[start:start + n], slots[start:start + n]  # (n_e,), (n_e,)
-                y = expert(flat[token]) * weights[token, slot, None].to(flat.dtype)
+                y = expert(flat[token]) * weights[token, slot, None].to(flat.dtype)  # (n_e, C)
                 out.index_add_(0, token, y.to(out.dtype))
             start += n
-        return out.view(B, T, C)
+        return out.view(B, T, C)  # (N, C) -> (B, T, C)

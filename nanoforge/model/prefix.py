@@ -71,8 +71,8 @@ def prefix_token_logps(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, 
     if not groups:  # nothing trained: a forward all the same, so the loss has a graph (and DDP its gradients)
         return out + 0 * model(input_ids[:, :1]).float().sum()
     if all(len(rows) == 1 for rows, _, _ in groups):  # nothing to share: the plain causal pass (SDPA's fused path)
-        logits = model(input_ids)[:, :-1].float() / temperature
-        return -F.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")
+        logits = model(input_ids)[:, :-1].float() / temperature  # (B, T-1, V)
+        return -F.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")  # (B, T-1)
     ids, pos, allowed, picks = prefix_layout(input_ids.cpu(), groups)
     device = input_ids.device
     logits = model(ids.to(device), layout=(pos.to(device), allowed.to(device)))  # (R, T, V)

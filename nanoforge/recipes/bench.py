@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nanoforge.core.config import TRAIN_FIELDS, build_config, config_dicts
-from nanoforge.core.device import precision_note, resolve_device, resolve_precision
+from nanoforge.core.config import TRAIN_FIELDS, config_dicts
+from nanoforge.core.device import build_run_config, precision_note, resolve_device
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.core.fsutil import write_text_atomic
 from nanoforge.model.gpt import GPT
@@ -183,8 +183,7 @@ def _figures(model, device: torch.device, precision: str, seq_len: int, tokens_p
 
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
     """One measurement, in this (fresh) process."""
-    mcfg, tcfg = build_config(spec["preset"], spec["config"], spec["overrides"])
-    tcfg.precision = resolve_precision(tcfg.precision, tcfg.device)  # before the micro-batch probe runs in it
+    mcfg, tcfg = build_run_config(spec["preset"], spec["config"], spec["overrides"])  # before the probe runs in it
     fit_micro_batch(mcfg, tcfg, log=lambda m: print(m, file=sys.stderr))  # --micro-batch auto|N
     out = (bench_naive(mcfg, tcfg, spec["steps"], spec["warmup"]) if spec["kind"] == "naive"
            else bench_ours(mcfg, tcfg, spec["steps"], spec["warmup"], spec.get("data")))
@@ -196,7 +195,8 @@ def run_bench(preset: str | None = None, config_file: str | None = None, overrid
               log=print) -> dict[str, Any]:
     """Measure ours (and the naive loop) each in a fresh process; returns {"config": ..., "ours": ..., "naive": ...}."""
     overrides = {**(overrides or {}), **bench_settings(steps, warmup)}
-    mcfg, tcfg = build_config(preset, config_file, overrides)  # errors here, before any process starts
+    mcfg, tcfg = build_run_config(preset, config_file, overrides)  # errors here, before any process starts
+    overrides["precision"] = tcfg.precision  # the children measure what this process picked and reports
     results: dict[str, Any] = {"config": config_dicts(mcfg, tcfg), "steps": steps, "warmup": warmup,
                                "data": data or "random tokens (seed %d)" % tcfg.seed,
                                "torch": torch.__version__, "threads": torch.get_num_threads()}

@@ -20,7 +20,7 @@ from nanoforge.model.lora import LoraModel
 from nanoforge.report.markdown import write_run_report
 from nanoforge.train.distributed import world
 from nanoforge.train.loop import Stage, TrainingInterrupted, train
-from nanoforge.train.rundir import write_run_config
+from nanoforge.train.rundir import PreparedRun, write_run_config
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.weights.load import init_weights
 
@@ -79,10 +79,10 @@ def steps_from_epochs(batches, tcfg: TrainConfig, quiet: bool) -> None:
               f"{tcfg.max_steps:,} steps", flush=True)
 
 
-def train_and_report(stage: Stage, model, mcfg: ModelConfig, tcfg: TrainConfig, run_dir: Path, resume: bool,
-                     quiet: bool) -> dict[str, Any]:
+def train_and_report(stage: Stage, model, run: PreparedRun, resume: bool, quiet: bool) -> dict[str, Any]:
     """The loop, then RUN/report.md (rank 0; a report failure is a warning, never a failed run). A run stopped
     by SIGINT/SIGTERM gets the report of its steps so far, after its checkpoint and before it exits."""
+    mcfg, tcfg, run_dir = run.mcfg, run.tcfg, run.run_dir
     if tcfg.epochs:
         steps_from_epochs(stage.train_batches, tcfg, quiet)
         write_run_config(run_dir, mcfg, tcfg, stage.run_info)

@@ -17,8 +17,9 @@ from nanoforge.train.loop import Stage
 from nanoforge.train.microbatch import fit_micro_batch
 from nanoforge.train.objectives import causal_lm_loss, make_distill_loss
 from nanoforge.recipes.options import DistillOptions
-from nanoforge.train.rundir import (check_same_origin, copy_tokenizer, finetune_setup, fit_vocab, fresh_run_guard,
-                                    open_run, resolve_data, resolve_run_options, saved_run_info, write_run_config)
+from nanoforge.train.rundir import (PreparedRun, check_same_origin, copy_tokenizer, finetune_setup, fit_vocab,
+                                    fresh_run_guard, open_run, resolve_data, resolve_run_options, saved_run_info,
+                                    write_run_config)
 from nanoforge.weights.load import init_tokenizer_dir, load_model
 
 
@@ -63,12 +64,13 @@ def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str
                     "data": str(data_dir.resolve()), **options}
         copy_tokenizer(init_tokenizer_dir(teacher_path), run_dir)
         write_run_config(run_dir, mcfg, tcfg, run_info)
-        tok, init_path = teacher_tok, None
+        run = PreparedRun(run_dir, mcfg, tcfg, run_info, None, teacher_tok, data_dir)
     else:
-        run_dir, mcfg, tcfg, run_info, init_path, tok, data_dir = finetune_setup(
-            "distill", init, data, out, config_file, overrides, resume, quiet, SFT_DEFAULTS, options, probe_loss)
-        if str(run_info["init"]).startswith("preset:"):  # resuming a student that began as a preset
-            init_path = None
+        run = finetune_setup("distill", init, data, out, config_file, overrides, resume, quiet, SFT_DEFAULTS, options,
+                             probe_loss)
+        if str(run.info["init"]).startswith("preset:"):  # resuming a student that began as a preset
+            run.init = None
+    mcfg, tcfg, tok = run.mcfg, run.tcfg, run.tokenizer
     if tok.sha256 != teacher_tok.sha256:
         raise NanoforgeError(f"the student's tokenizer ({tok.sha256[:12]}, {tok.vocab_size} tokens) is not the "
                              f"teacher's ({teacher_tok.sha256[:12]}, {teacher_tok.vocab_size} tokens): "
@@ -77,12 +79,12 @@ def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str
         raise NanoforgeError(f"student vocab_size {mcfg.vocab_size} differs from the teacher's "
                              f"{teacher_model.cfg.vocab_size}")
     prompts = sample_prompts(tcfg)
-    batches, val_batches, val_bpt = lm_batches(data_dir, tcfg, tok, quiet)
-    model = initial_gpt(mcfg, tcfg, init_path, resume)
+    batches, val_batches, val_bpt = lm_batches(run.data, tcfg, tok, quiet)
+    model = initial_gpt(mcfg, tcfg, run.init, resume)
     # setup(): under torchrun cuda:LOCAL_RANK (plain "cuda" is cuda:0 on every rank until setup has run, e.g.
     # on `distill --resume` without --data, where nothing else called it yet)
     teacher_model.to(setup(resolve_device(tcfg.device)))
     # samples speak the way the data does: chat turns for conversation data, plain text for pretraining text
-    stage = Stage("distill", batches, loss, val_batches, None, run_info,
-                  sampler=make_sampler(run_dir, tcfg, tok, prompts, chat=batches.shards.kind == "sft"))
-    return train_and_report(stage, model, mcfg, tcfg, run_dir, resume, quiet)
+    stage = Stage("distill", batches, loss, val_batches, None, run.info,
+                  sampler=make_sampler(run.run_dir, tcfg, tok, prompts, chat=batches.shards.kind == "sft"))
+    return train_and_report(stage, model, run, resume, quiet)

@@ -30,20 +30,21 @@ def dpo(init: str | None, data: Sequence[str], out: str | Path, config_file: str
     """`nanoforge dpo`: direct preference optimisation on chosen/rejected pairs. The reference model is the
     --init model; its log-probabilities are computed once, before training, and cached in the run."""
     beta = resolve_run_options(Path(out), options or DPOOptions(), resume, given)["beta"]
-    run_dir, mcfg, tcfg, run_info, init_path, tok, data_dir = finetune_setup(
-        "dpo", init, data, out, config_file, dict(overrides or {}), resume, quiet, DPO_DEFAULTS, {"beta": beta})
+    run = finetune_setup("dpo", init, data, out, config_file, dict(overrides or {}), resume, quiet, DPO_DEFAULTS,
+                         {"beta": beta})
+    mcfg, tcfg, tok, data_dir = run.mcfg, run.tcfg, run.tokenizer, run.data
     prompts = sample_prompts(tcfg)
     train_shards, val_shards = TokenShards(data_dir, "train"), TokenShards(data_dir, "val")
     if train_shards.kind != "dpo":
         raise NanoforgeError(f"{data_dir}: prepared as {train_shards.kind!r} data; dpo needs chosen/rejected "
                              f"pairs (`nanoforge prepare --kind dpo`)")
     # The reference is the initial policy, whatever step we resume at: rebuild it from --init.
-    reference = initial_gpt(mcfg, tcfg, init_path, resume=False)
+    reference = initial_gpt(mcfg, tcfg, run.init, resume=False)
     device = setup(resolve_device(tcfg.device))  # under torchrun: this rank's GPU
     reference.to(device).eval()
     log = (lambda *a: None) if quiet else print
     with main_first(device):  # under torchrun rank 0 computes and caches; the others load the cache
-        ref = {split: reference_logps(reference, shards, run_dir, tcfg.batch_size * 2, tcfg.seq_len,
+        ref = {split: reference_logps(reference, shards, run.run_dir, tcfg.batch_size * 2, tcfg.seq_len,
                                       tcfg.precision, device, pad_id=tok.pad_id, log=log)
                for split, shards in (("train", train_shards), ("val", val_shards)) if shards.num_docs}
     model = reference if not resume else GPT(mcfg)  # the policy starts as the reference (train() moves it)
@@ -57,6 +58,6 @@ def dpo(init: str | None, data: Sequence[str], out: str | Path, config_file: str
     if "val" in ref:
         val = DPOBatches(val_shards, ref["val"], tcfg.batch_size, tcfg.seq_len, shuffle=False, pad_id=tok.pad_id)
         val_batches = lambda: val.eval_batches(tcfg.eval_batches)  # noqa: E731
-    stage = Stage("dpo", batches, functools.partial(dpo_loss, beta=beta), val_batches, None, run_info,
-                  count_fn=count_pairs, sampler=make_sampler(run_dir, tcfg, tok, prompts, chat=True))
-    return train_and_report(stage, model, mcfg, tcfg, run_dir, resume, quiet)
+    stage = Stage("dpo", batches, functools.partial(dpo_loss, beta=beta), val_batches, None, run.info,
+                  count_fn=count_pairs, sampler=make_sampler(run.run_dir, tcfg, tok, prompts, chat=True))
+    return train_and_report(stage, model, run, resume, quiet)

@@ -10,8 +10,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from nanoforge.core.config import MODEL_FIELDS, build_config
-from nanoforge.core.device import resolve_device, resolve_precision
+from nanoforge.core.config import MODEL_FIELDS
+from nanoforge.core.device import build_run_config, resolve_device
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.chat.tools import parse_tool_names
 from nanoforge.weights.load import init_config, init_tokenizer_dir
@@ -26,7 +26,7 @@ from nanoforge.rl.grpo_batches import RolloutBatches, policy_count, policy_objec
 from nanoforge.chat.tokenizer import load_tokenizer
 from nanoforge.train.distributed import setup, world
 from nanoforge.train.loop import Stage
-from nanoforge.train.rundir import (copy_tokenizer, fresh_run_guard, given_fields, resolve_run_options,
+from nanoforge.train.rundir import (PreparedRun, copy_tokenizer, fresh_run_guard, given_fields, resolve_run_options,
                                     resumed_run, write_run_config)
 from nanoforge.recipes.common import initial_gpt, make_sampler, sample_prompts, train_and_report
 from nanoforge.recipes.options import RLOptions
@@ -76,9 +76,9 @@ def resolve_options(out: Path, options: RLOptions, resume: bool, given=None) -> 
 
 
 def rl_setup(stage: str, init: str | None, data: str | None, out: Path, config_file: str | None,
-             overrides: dict[str, Any], resume: bool, options: dict[str, Any]):
-    """The run directory and config of an RL run (finetune_setup's, with a prompts file instead of prepared data):
-    (run_dir, mcfg, tcfg, run_info, init_path, tokenizer, prompt records)."""
+             overrides: dict[str, Any], resume: bool, options: dict[str, Any]) -> PreparedRun:
+    """The run directory and config of an RL run (finetune_setup's, with a prompts file instead of prepared data:
+    its data is the prompt records)."""
     if resume:
         run_dir, mcfg, tcfg, run_info, init_path = resumed_run(stage, init, out, config_file, overrides)
         tokenizer_dir, data = run_dir / "tokenizer", data or run_info["data"]
@@ -96,8 +96,7 @@ def rl_setup(stage: str, init: str | None, data: str | None, out: Path, config_f
         base = {"model": init_cfg.get("model", {}),
                 "train": {**GRPO_DEFAULTS, "seq_len": init_cfg.get("model", {}).get("max_seq_len", 512)}}
         run_dir = out
-        mcfg, tcfg = build_config(None, config_file, overrides, base=base)
-        tcfg.precision = resolve_precision(tcfg.precision, tcfg.device)
+        mcfg, tcfg = build_run_config(None, config_file, overrides, base=base)
         tokenizer_dir = init_tokenizer_dir(init_path)
         run_info = {"stage": stage, "init": str(init_path.resolve()), "tokenizer": "tokenizer",
                     **{k: v for k, v in options.items() if v is not None}}
@@ -116,7 +115,7 @@ def rl_setup(stage: str, init: str | None, data: str | None, out: Path, config_f
                              "tokenizer's template has none")
     copy_tokenizer(tokenizer_dir, run_dir)
     write_run_config(run_dir, mcfg, tcfg, run_info)
-    return run_dir, mcfg, tcfg, run_info, init_path, tok, records
+    return PreparedRun(run_dir, mcfg, tcfg, run_info, init_path, tok, records)
 
 
 def chosen_rewards(o: dict[str, Any]) -> list[tuple[str, RewardFn]]:
@@ -151,17 +150,16 @@ def grpo(init: str | None, data: str | None, out: str | Path, options: RLOptions
     out = Path(out)
     o = resolve_options(out, options or RLOptions(), resume, given)
     rewards = chosen_rewards(o)
-    run_dir, mcfg, tcfg, run_info, init_path, tok, records = rl_setup(
-        "grpo", init, data, out, config_file, dict(overrides or {}), resume, o)
+    run = rl_setup("grpo", init, data, out, config_file, dict(overrides or {}), resume, o)
+    mcfg, tcfg, tok, records = run.mcfg, run.tcfg, run.tokenizer, run.data
     prompts = sample_prompts(tcfg)
     device = setup(resolve_device(tcfg.device))  # under torchrun: this rank's device
     w = world()
     iterator = PromptIterator(records, o["prompts_per_step"], tcfg.seed, w.rank, w.world_size)
-    cfg = RolloutConfig(o["num_generations"], o["temperature"], o["max_new_tokens"], o["think"], o["advantage"],
-                        tcfg.precision)
+    cfg = RolloutConfig(**{f.name: o[f.name] for f in fields(RolloutConfig) if f.name in o}, precision=tcfg.precision)
     cfg.validate()
-    reference = frozen_reference(mcfg, tcfg, init_path, device) if o["beta"] > 0 else None
-    model = initial_gpt(mcfg, tcfg, init_path, resume)
+    reference = frozen_reference(mcfg, tcfg, run.init, device) if o["beta"] > 0 else None
+    model = initial_gpt(mcfg, tcfg, run.init, resume)
     tools = parse_tool_names(o.get("tools"))
     if tools:  # multi-turn: rl/agent.py's rollouts and reward
         check_agent_prompts(tok, records, tools, cfg.think, model.model.rotary_emb.n_positions)
@@ -174,12 +172,12 @@ def grpo(init: str | None, data: str | None, out: str | Path, options: RLOptions
     tcfg.batch_size = batches.micro_rows  # for the header: replies per micro-batch
     loss = policy_objective(o["loss"], o["epsilon"], o.get("epsilon_high"), o["beta"], o["loss_norm"], o["temperature"],
                             batches)
-    stage = Stage("grpo", batches, loss, None, None, run_info, count_fn=policy_count(o["loss_norm"]),
-                  sampler=make_sampler(run_dir, tcfg, tok, prompts, chat=True))
+    stage = Stage("grpo", batches, loss, None, None, run.info, count_fn=policy_count(o["loss_norm"]),
+                  sampler=make_sampler(run.run_dir, tcfg, tok, prompts, chat=True))
     if not quiet:
         reward_name = (f"agent (tools {','.join(tools)}, max turns {o['max_turns']})" if tools else
                        f"{o.get('reward') or ''}{' + model' if o.get('reward_model') else ''}")
         print(f"grpo: {len(records)} prompts, {o['prompts_per_step']} x {o['num_generations']} replies per rollout"
               f" (x {w.world_size} processes), loss {o['loss']}, reward {reward_name}, beta {o['beta']:g}, "
               f"ppo epochs {o['ppo_epochs']}", flush=True)
-    return train_and_report(stage, model, mcfg, tcfg, run_dir, resume, quiet)
+    return train_and_report(stage, model, run, resume, quiet)

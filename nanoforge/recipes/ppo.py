@@ -51,10 +51,9 @@ def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions
     out = Path(out)
     o = resolve_options(out, options or PPOOptions(), resume, given)
     rewards = chosen_rewards(o)
-    cfg_ppo = PPOConfig(epsilon=o["epsilon"], vf_coef=o["vf_coef"], value_clip=o["value_clip"], beta=o["beta"],
-                        gamma=o["gamma"], lam=o["lam"], temperature=o["temperature"], target_kl=o.get("target_kl"))
-    run_dir, mcfg, tcfg, run_info, init_path, tok, records = rl_setup(
-        "ppo", init, data, out, config_file, dict(overrides or {}), resume, o)
+    cfg_ppo = PPOConfig(**{f.name: o[f.name] for f in fields(PPOConfig) if f.name in o})  # the rest: PPOConfig's
+    run = rl_setup("ppo", init, data, out, config_file, dict(overrides or {}), resume, o)
+    mcfg, tcfg, tok, records = run.mcfg, run.tcfg, run.tokenizer, run.data
     if tcfg.optimizer == "muon":
         raise NanoforgeError("--optimizer muon: not for ppo (its policy + critic module has no single lm_head "
                              "for Muon to leave to AdamW); use --optimizer adamw")
@@ -63,16 +62,17 @@ def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions
     w = world()
     iterator = PromptIterator(records, o["prompts_per_step"], tcfg.seed, w.rank, w.world_size)
     # the group advantage of RolloutConfig is GRPO's and unused here: PPO's advantages come from GAE
-    cfg = RolloutConfig(o["num_generations"], o["temperature"], o["max_new_tokens"], o["think"], "mean", tcfg.precision)
-    reference = frozen_reference(mcfg, tcfg, init_path, device) if cfg_ppo.beta > 0 else None
+    cfg = RolloutConfig(**{f.name: o[f.name] for f in fields(RolloutConfig) if f.name in o}, advantage="mean",
+                        precision=tcfg.precision)
+    reference = frozen_reference(mcfg, tcfg, run.init, device) if cfg_ppo.beta > 0 else None
     model = (PolicyWithValue.from_config(mcfg) if resume  # the loop loads the checkpoint's policy and critic
-             else PolicyWithValue.from_policy(initial_gpt(mcfg, tcfg, init_path, resume)))
+             else PolicyWithValue.from_policy(initial_gpt(mcfg, tcfg, run.init, resume)))
     check_prompts(tok, records, cfg.think, model.policy.model.rotary_emb.n_positions)
     batches = PPOBatches(model, tok, iterator, cfg, cfg_ppo, reward_function(o, rewards, device), tcfg.seed,
                          o["ppo_epochs"], tcfg.grad_accum, reference)
     tcfg.batch_size = batches.micro_rows
-    sampler = make_sampler(run_dir, tcfg, tok, prompts, chat=True)
-    stage = Stage("ppo", batches, ppo_objective(cfg_ppo), None, None, run_info,
+    sampler = make_sampler(run.run_dir, tcfg, tok, prompts, chat=True)
+    stage = Stage("ppo", batches, ppo_objective(cfg_ppo), None, None, run.info,
                   count_fn=lambda batch: ppo_count(batch, cfg_ppo.norm),
                   sampler=(lambda m, step, log: sampler(m.policy, step, log)) if sampler else None)
     if not quiet:
@@ -80,4 +80,4 @@ def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions
               f" (x {w.world_size} processes), reward {o.get('reward') or ''}"
               f"{' + model' if o.get('reward_model') else ''}, beta {cfg_ppo.beta:g}, ppo epochs {o['ppo_epochs']}"
               f", target kl {cfg_ppo.target_kl}", flush=True)
-    return train_and_report(stage, model, mcfg, tcfg, run_dir, resume, quiet)
+    return train_and_report(stage, model, run, resume, quiet)

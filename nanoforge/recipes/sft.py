@@ -30,24 +30,23 @@ def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str
     if resume and saved_run_info(out).get("stage") == "lora":
         lora = LoraConfig.from_dict(saved_run_info(out))
     name = "lora" if lora else "sft"
-    run_dir, mcfg, tcfg, run_info, init_path, tok, data_dir = finetune_setup(
-        name, init, data, out, config_file, dict(overrides or {}), resume, quiet,
-        LORA_DEFAULTS if lora else SFT_DEFAULTS, lora.to_dict() if lora else None)
-    prompts = sample_prompts(tcfg)
-    batches, val_batches, _ = lm_batches(data_dir, tcfg, tok, quiet, need="sft")
-    model = initial_gpt(mcfg, tcfg, None if lora else init_path, resume)
+    run = finetune_setup(name, init, data, out, config_file, dict(overrides or {}), resume, quiet,
+                         LORA_DEFAULTS if lora else SFT_DEFAULTS, lora.to_dict() if lora else None)
+    prompts = sample_prompts(run.tcfg)
+    batches, val_batches, _ = lm_batches(run.data, run.tcfg, run.tokenizer, quiet, need="sft")
+    model = initial_gpt(run.mcfg, run.tcfg, None if lora else run.init, resume)
     if lora:
-        base_weights = init_weights(init_path)  # every time: the checkpoints hold adapters only
+        base_weights = init_weights(run.init)  # every time: the checkpoints hold adapters only
         if resume:
-            check_base(run_info, init_path)
+            check_base(run.info, run.init)
         else:
-            run_info.update(adapter_metadata(init_path, base_weights))
-            write_run_config(run_dir, mcfg, tcfg, run_info)
+            run.info.update(adapter_metadata(run.init, base_weights))
+            write_run_config(run.run_dir, run.mcfg, run.tcfg, run.info)
         model.load_weights(base_weights)
         model = LoraModel(model, lora)
-    stage = Stage(name, batches, causal_lm_loss, val_batches, None, run_info,
-                  sampler=make_sampler(run_dir, tcfg, tok, prompts, chat=True))
-    return train_and_report(stage, model, mcfg, tcfg, run_dir, resume, quiet)
+    stage = Stage(name, batches, causal_lm_loss, val_batches, None, run.info,
+                  sampler=make_sampler(run.run_dir, run.tcfg, run.tokenizer, prompts, chat=True))
+    return train_and_report(stage, model, run, resume, quiet)
 
 
 def lora_merge(run: str | Path, out: str | Path) -> Path:

@@ -164,7 +164,7 @@ def policy_batch(reference, input_ids: torch.Tensor, loss_mask: torch.Tensor, re
     loss's micro-batch chunks, group advantages of the rewards, and the reward figures and `stats` as stat_* scalars."""
     grouped = rewards.view(-1, cfg.num_generations)  # (P, G)
     batch = {"input_ids": input_ids, "loss_mask": loss_mask,
-             "advantages": group_advantages(grouped, cfg.advantage).view(-1), "rewards": rewards}
+             "advantages": group_advantages(grouped, cfg.advantage).view(-1), "rewards": rewards}  # (B,)
     if reference is not None:
         batch["ref_logp"] = frozen_logps(reference, input_ids, loss_mask, cfg.temperature, cfg.precision, micro_rows)
     stats = {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),

@@ -42,7 +42,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.infer.defaults import SamplingOptions
+from nanoforge.infer.defaults import CHAT_SAMPLING
 from nanoforge.serve import protocol
 from nanoforge.infer.chat import load_for_inference
 from nanoforge.serve.chat_reply import ChatChunks, call_id_prefix, chat_body, finish_reason, reply_message
@@ -184,8 +184,7 @@ def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
     request_timeout seconds from a request's arrival (queue wait included) after which its generation stops
                     at the next token with finish_reason "length", streaming or not (a 200 with the text so
                     far, never a 504: a stream's 200 is sent before generation starts); None or 0: no limit"""
-    if defaults is None:
-        defaults = SamplingConfig(**vars(SamplingOptions()))
+    defaults = defaults or CHAT_SAMPLING
     limits = Limits(model.model.rotary_emb.n_positions, max_tokens_cap, defaults)
     worker = _Worker(model, tokenizer, precision, max_pending, request_timeout)
 

@@ -9,11 +9,11 @@ from nanoforge.core.config import option
 
 @dataclass
 class ServeOptions:
-    host: str = option("127.0.0.1")  # address to bind; anything but loopback wants --api-key
-    port: int = option(8000, "[1, 65535]")  # TCP port
-    # require 'Authorization: Bearer KEY' on /v1 (default: $NANOFORGE_API_KEY, else none)
-    api_key: str | None = option(None)
-    # seconds a request may take, queueing included; the reply then ends with finish_reason length (0: no limit)
-    request_timeout: float = option(300.0, "[0, inf)")
-    max_pending: int = option(64, "[1, inf)")  # requests waiting beyond this get 503 server_busy
-    log_level: str = option("info", choices=("critical", "error", "warning", "info", "debug"))  # uvicorn's log
+    host: str = option("127.0.0.1", help="address to bind; anything but loopback wants --api-key")
+    port: int = option(8000, "[1, 65535]", help="TCP port")
+    api_key: str | None = option(None, help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOFORGE_API_KEY, "
+                                 "else none)")
+    request_timeout: float = option(300.0, "[0, inf)", help="seconds a request may take, queueing included; the reply "
+                                    "then ends with finish_reason length (0: no limit)")
+    max_pending: int = option(64, "[1, inf)", help="requests waiting beyond this get 503 server_busy")
+    log_level: str = option("info", choices=("critical", "error", "warning", "info", "debug"), help="uvicorn's log")

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from nanoforge.core import dirlock
 from nanoforge.core.config import (MODEL_FIELDS, PRESETS, ConfigError, ModelConfig, TrainConfig, build_config,
                               config_to_toml, load_toml)
-from nanoforge.core.device import resolve_device, resolve_precision
+from nanoforge.core.device import build_run_config, resolve_device
 from nanoforge.data.columnar import is_columnar
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import check_tokenizer
@@ -34,6 +34,20 @@ from nanoforge.train.microbatch import fit_micro_batch
 from nanoforge.chat.tokenizer import load_tokenizer
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.train.distributed import is_main, main_first
+
+
+@dataclasses.dataclass
+class PreparedRun:
+    """A run ready for its batches, model and objective: the directory it writes, its config, what config.toml's
+    [run] records, the --init it starts from (None: its own weights), its tokenizer, and its data (a prepared
+    directory; an RL run's prompt records)."""
+    run_dir: Path
+    mcfg: ModelConfig
+    tcfg: TrainConfig
+    info: dict[str, Any]
+    init: Path | None
+    tokenizer: Any
+    data: Any
 
 
 RUN_LOCK = ".lock"  # in a run directory: held by the one process training into it (nanoforge/core/dirlock.py)
@@ -92,8 +106,7 @@ def open_run(out: str | Path, resume: bool, preset: str | None, config_file: str
     if resume:
         check_resume_shape(run_dir, saved.get("model", {}), preset, config_file, overrides)
         preset = None  # it asked for the saved shape; its [train] defaults must not undo the run's own settings
-    mcfg, tcfg = build_config(preset, config_file, overrides, base=saved)
-    tcfg.precision = resolve_precision(tcfg.precision, tcfg.device)  # config.toml keeps what it meant here
+    mcfg, tcfg = build_run_config(preset, config_file, overrides, base=saved)
     explicit = set(overrides) | set((saved or {}).get("model", {}))
     if config_file:
         explicit |= set(load_toml(config_file).get("model", {}))
@@ -258,13 +271,11 @@ def resumed_run(stage: str, init: str | None, out: str | Path, config_file: str 
 
 def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str | Path, config_file: str | None,
                    overrides: dict[str, Any], resume: bool, quiet: bool, train_defaults: dict[str, Any],
-                   run_options: dict[str, Any] | None = None, probe_loss=None):
+                   run_options: dict[str, Any] | None = None, probe_loss=None) -> PreparedRun:
     """What every stage that starts from a trained model shares: the run directory, the config (the model
     shape from --init, training defaults of the stage under --config and flags), the tokenizer of the init
-    run, and the data prepared with that tokenizer.
-
-    Returns (run_dir, mcfg, tcfg, run_info, init_path, tokenizer, data_dir). On --resume, --init, the data and
-    the stage's options (run_options) come from the run's config.toml."""
+    run, and the data prepared with that tokenizer. On --resume, --init, the data and the stage's options
+    (run_options) come from the run's config.toml."""
     run_dir = Path(out)
     if resume:
         run_dir, mcfg, tcfg, run_info, init_path = resumed_run(stage, init, out, config_file, overrides)
@@ -286,8 +297,7 @@ def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str |
             raise NanoforgeError(f"{config_file}: [model] sets " + ", ".join(
                 f"{k} = {in_file[k]!r} (--init {init} has {base['model'][k]!r})" for k in changed)
                 + "; the model shape comes from --init: use a config with only [train] (e.g. configs/mini-sft.toml)")
-        mcfg, tcfg = build_config(None, config_file, overrides, base=base)
-        tcfg.precision = resolve_precision(tcfg.precision, tcfg.device)
+        mcfg, tcfg = build_run_config(None, config_file, overrides, base=base)
         tokenizer_dir = init_tokenizer_dir(init_path)
         run_info = {"stage": stage, "init": str(init_path.resolve()), "tokenizer": "tokenizer", **(run_options or {})}
     tok = load_tokenizer(tokenizer_dir)
@@ -301,4 +311,4 @@ def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str |
     run_info["data"] = str(data_dir.resolve())
     copy_tokenizer(tokenizer_dir, run_dir)
     write_run_config(run_dir, mcfg, tcfg, run_info)
-    return run_dir, mcfg, tcfg, run_info, init_path, tok, data_dir
+    return PreparedRun(run_dir, mcfg, tcfg, run_info, init_path, tok, data_dir)

@@ -23,13 +23,7 @@ N_QUESTIONS = 48
 QUIET = {"progress": False, "log": lambda *a: None}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a busy 2-core machine: one thread avoids waiting on a descheduled second one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models decode on one thread
 
 
 def _line_pairs() -> list[tuple[str, str]]:

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.chat import chat_loop
@@ -22,13 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CFG = SamplingConfig(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1, max_new_tokens=12, seed=0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One thread for these tiny models: see the fixture of the same name in test_generate.py."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models decode on one thread
 
 
 @pytest.fixture(scope="module")

@@ -20,15 +20,7 @@ SPLIT_CHINESE = "鲸鱼在蔚蓝的海里唱歌，鹦鹉学舌。"
 _RUNS: dict[str, object] = {}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Decode on one thread: these models are so small that each op is microseconds, and with two threads on
-    a machine busy with other work every op waits for the descheduled second thread (measured: the same
-    40-token generate took 0.05 s on one thread and 0.3-8 s on two while another process ran)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models decode on one thread
 
 
 def make_tiny_run(tmp_path_factory, tokenizer):

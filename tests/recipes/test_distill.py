@@ -4,6 +4,7 @@ import json
 import pytest
 import torch
 
+from conftest import prepare_tiny
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.train.objectives import make_distill_loss
@@ -17,11 +18,8 @@ FAST = {"tensorboard": False, "log_every": 5, "eval_every": 0, "precision": "fp3
 
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory, tiny_tokenizer):
-    from conftest import tiny_corpus
     root = tmp_path_factory.mktemp("teacher")
-    files = tiny_corpus(root)[:1]
-    prepare_dataset("pretrain", files, tiny_tokenizer, root / "data", val_fraction=0.1, workers=1,
-                    log=lambda *a: None)
+    prepare_tiny(root / "data", tiny_tokenizer)
     pretrain([str(root / "data")], root / "run", preset="tiny",
              overrides={**FAST, "max_steps": 60, "lr": 3e-3}, quiet=True)
     return root

@@ -1,6 +1,5 @@
 """`nanoforge grpo`: rollouts (ids, masks, old and reference log-probs), the stage on the one loop (exact resume,
 the reference skipped at beta 0, torchrun), bad inputs, GSM8K, and that it learns (arithmetic)."""
-import dataclasses
 import json
 import os
 import subprocess
@@ -10,10 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoforge.core.config import build_config
+from conftest import metrics_of
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.generate import Completion
-from nanoforge.model.gpt import GPT
 from nanoforge.recipes.grpo import RLOptions, grpo
 from nanoforge.rl.losses import policy_loss
 from nanoforge.rl.rewards import combine, parse_rewards
@@ -26,30 +24,6 @@ from nanoforge.weights import checkpoint as ckpt
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 FAST = {"precision": "fp32", "tensorboard": False, "save_every": 0, "device": "cpu"}
-
-
-@pytest.fixture(scope="module")
-def base_run(tmp_path_factory, tiny_tokenizer):
-    """A random tiny model saved as a run (its config, tokenizer and one checkpoint): an --init."""
-    out = tmp_path_factory.mktemp("grpo_base") / "base"
-    mcfg, _ = build_config("tiny", None, {"vocab_size": tiny_tokenizer.vocab_size, "max_seq_len": 1024})
-    torch.manual_seed(0)
-    tiny_tokenizer.save(out / "tokenizer")
-    ckpt.save_checkpoint(out, 0, GPT(mcfg).state_dict_for_save(), {},
-                         {"config": {"model": dataclasses.asdict(mcfg), "train": {"seq_len": 128}}})
-    return out
-
-
-@pytest.fixture(scope="module")
-def prompts_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("grpo_prompts") / "prompts.jsonl"
-    with open(path, "w") as f:
-        for a in range(12):
-            f.write(json.dumps({"conversations": [{"role": "user", "content": f"{a}+{a + 1}="}],
-                                "answer": str(2 * a + 1)}) + "\n")
-    # the user's own reward: the reply's length in characters, so a random model's replies differ in reward
-    (path.parent / "myreward.py").write_text("def chars(completion, record):\n    return len(completion)\n")
-    return path
 
 
 def _options(prompts_file, **kw):
@@ -128,10 +102,6 @@ def test_the_first_updates_log_probs_are_the_old_ones_a_separate_forward_gives(b
     assert "current" in batches.state_dict()  # and the checkpoint between the two updates holds them
 
 
-def _metrics(run):
-    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_beta_zero_skips_the_reference_and_beta_logs_kl(base_run, prompts_file, tmp_path):
     grpo(str(base_run), str(prompts_file), tmp_path / "nokl", _options(prompts_file, beta=0.0), overrides={**FAST, "max_steps": 2,
                                                                                             "lr": 1e-3}, quiet=True)
@@ -140,14 +110,14 @@ def test_beta_zero_skips_the_reference_and_beta_logs_kl(base_run, prompts_file, 
     # samples through the chat template and the report, as every stage writes them
     assert [json.loads(line)["step"] for line in (tmp_path / "kl" / "samples.jsonl").read_text().splitlines()][0] == 2
     assert "grpo" in (tmp_path / "kl" / "report.md").read_text()
-    nokl, kl = _metrics(tmp_path / "nokl"), _metrics(tmp_path / "kl")
+    nokl, kl = metrics_of(tmp_path / "nokl"), metrics_of(tmp_path / "kl")
     assert all("kl" not in r for r in nokl) and all("reward_mean" in r and "truncated" in r for r in nokl)
     assert kl[0]["kl"] == 0.0 and kl[0]["ratio"] == 1.0  # first step: policy == reference == sampler
     assert kl[1]["kl"] > 0.0 and kl[1]["ratio"] != 1.0  # second epoch on the same rollout: the policy moved
     # with micro-batches too: old log-probs are computed in the loss's chunks, so the first ratio is exactly 1
     grpo(str(base_run), str(prompts_file), tmp_path / "accum", _options(prompts_file, beta=0.1),
          overrides={**FAST, "max_steps": 1, "lr": 1e-3, "grad_accum": 2}, quiet=True)
-    first = _metrics(tmp_path / "accum")[0]
+    first = metrics_of(tmp_path / "accum")[0]
     assert first["ratio"] == 1.0 and first["kl"] == 0.0 and first["clip_fraction"] == 0.0
 
 
@@ -166,8 +136,8 @@ def test_resume_is_bit_exact_also_in_the_middle_of_a_rollouts_epochs(base_run, p
     a = ckpt.load_weights_file(ckpt.latest_checkpoint(tmp_path / "whole"))
     b = ckpt.load_weights_file(ckpt.latest_checkpoint(tmp_path / "half"))
     assert all(torch.equal(a[k], b[k]) for k in a)
-    whole = [r["reward_mean"] for r in _metrics(tmp_path / "whole")]
-    half = [r["reward_mean"] for r in _metrics(tmp_path / "half")]
+    whole = [r["reward_mean"] for r in metrics_of(tmp_path / "whole")]
+    half = [r["reward_mean"] for r in metrics_of(tmp_path / "half")]
     assert whole == half
 
 
@@ -192,7 +162,7 @@ def test_a_local_reward_model_scores_the_replies(base_run, prompts_file, tiny_to
     options = RLOptions(num_generations=3, prompts_per_step=2, max_new_tokens=6, reward_model=str(directory))
     grpo(str(base_run), str(prompts_file), tmp_path / "run", options, overrides={**FAST, "max_steps": 2, "lr": 1e-4},
          quiet=True)
-    recs = _metrics(tmp_path / "run")
+    recs = metrics_of(tmp_path / "run")
     assert all(r["reward_model"] == pytest.approx(r["reward_mean"], abs=1e-6) and r["reward_std"] > 0 for r in recs)
     assert "reward_math" not in recs[0]
 
@@ -246,7 +216,7 @@ def test_a_reward_that_raises_mid_run_is_named_and_resume_continues(base_run, pr
     assert "KeyError: 'no luck'" in r.stderr
     r = nf("--resume", "--max-steps", 4)
     assert r.returncode == 0, r.stderr
-    assert [m["step"] for m in _metrics(tmp_path / "run") if "reward_mean" in m] == [1, 2, 3, 4]
+    assert [m["step"] for m in metrics_of(tmp_path / "run") if "reward_mean" in m] == [1, 2, 3, 4]
 
 
 def test_gsm8k_run_starts_logs_rewards_and_resumes_bit_exactly(base_run, shared_data, tmp_path):
@@ -257,7 +227,7 @@ def test_gsm8k_run_starts_logs_rewards_and_resumes_bit_exactly(base_run, shared_
                         ppo_epochs=2)
     common = {**FAST, "lr": 1e-4, "save_every": 3, "keep_last": 5}
     grpo(str(base_run), str(data), tmp_path / "whole", options, overrides={**common, "max_steps": 6}, quiet=True)
-    recs = _metrics(tmp_path / "whole")
+    recs = metrics_of(tmp_path / "whole")
     assert [r["step"] for r in recs if "reward_mean" in r] == [1, 2, 3, 4, 5, 6]
     assert all("reward_math" in r and "reward_format" in r and "rollout_tokens_per_s" in r for r in recs)
     grpo(str(base_run), str(data), tmp_path / "half", options, overrides={**common, "max_steps": 3}, quiet=True)
@@ -302,4 +272,4 @@ def test_two_processes_roll_out_their_own_prompts(base_run, prompts_file, tmp_pa
     proc = subprocess.run(launcher + ["grpo", "--out", str(tmp_path / "ddp"), "--resume", "--max-steps", "4",
                                       "--quiet"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert [r["step"] for r in _metrics(tmp_path / "ddp") if "reward_mean" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in metrics_of(tmp_path / "ddp") if "reward_mean" in r] == [1, 2, 3, 4]

@@ -1,7 +1,6 @@
 """`nanoforge grpo --tools calculator --max-turns N`: a scripted step's rollout batch (ids, loss mask, rewards,
 advantages) against a hand-built expectation, old log-probs that make the first ratio exactly 1, a run with
 the tiny tool run (tests/tool_run.py) that logs the agent's figures, exact resume, and bad inputs."""
-import dataclasses
 import json
 import os
 import subprocess
@@ -12,9 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoforge.core.config import build_config
+from conftest import metrics_of
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.model.gpt import GPT
 from nanoforge.rl.agent import agent_prompt, agent_rollout, environment_ids, pack_trajectories, Trajectory
 from nanoforge.recipes.grpo import RLOptions, grpo
 from nanoforge.rl.losses import policy_loss
@@ -31,16 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FAST = {"precision": "fp32", "tensorboard": False, "save_every": 0, "device": "cpu"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _metrics(run):
-    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models decode on one thread
 
 
 # ---------------------------------------------------------------------------------------------- the scripted case
@@ -160,7 +149,7 @@ def test_a_multi_turn_run_with_the_tool_run_completes_and_logs_the_agent(tool_ru
     summary = grpo(str(tool_run_dir), str(data), tmp_path / "rl", _tool_options(),
                    overrides={**FAST, "max_steps": 3, "lr": 1e-4}, quiet=True)
     assert summary["step"] == 3
-    recs = [r for r in _metrics(tmp_path / "rl") if "reward_mean" in r]
+    recs = [r for r in metrics_of(tmp_path / "rl") if "reward_mean" in r]
     assert [r["step"] for r in recs] == [1, 2, 3]
     for r in recs:
         assert {"turns", "tool_calls", "unfinished", "reward_answer", "reward_calls", "kl", "ratio"} <= set(r)
@@ -190,20 +179,8 @@ def test_multi_turn_resume_is_bit_exact(tool_run_dir, tmp_path):
     b = ckpt.load_weights_file(ckpt.latest_checkpoint(tmp_path / "half"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     keys = ("reward_mean", "turns", "tool_calls", "kl")
-    assert [[r[k] for k in keys] for r in _metrics(tmp_path / "whole")] == \
-        [[r[k] for k in keys] for r in _metrics(tmp_path / "half")]
-
-
-@pytest.fixture(scope="module")
-def base_run(tmp_path_factory, tiny_tokenizer):
-    """A random tiny model saved as a run: an --init whose tokenizer has the tools template."""
-    out = tmp_path_factory.mktemp("grpo_tools_base") / "base"
-    mcfg, _ = build_config("tiny", None, {"vocab_size": tiny_tokenizer.vocab_size, "max_seq_len": 1024})
-    torch.manual_seed(0)
-    tiny_tokenizer.save(out / "tokenizer")
-    ckpt.save_checkpoint(out, 0, GPT(mcfg).state_dict_for_save(), {},
-                         {"config": {"model": dataclasses.asdict(mcfg), "train": {"seq_len": 128}}})
-    return out
+    assert [[r[k] for k in keys] for r in metrics_of(tmp_path / "whole")] == \
+        [[r[k] for k in keys] for r in metrics_of(tmp_path / "half")]
 
 
 def test_a_random_model_runs_two_steps(base_run, tmp_path):
@@ -211,7 +188,7 @@ def test_a_random_model_runs_two_steps(base_run, tmp_path):
     data = _agent_prompts(tmp_path / "agent.jsonl", QUESTIONS[:4])
     grpo(str(base_run), str(data), tmp_path / "rl", _tool_options(max_new_tokens=6, max_turns=2),
          overrides={**FAST, "max_steps": 2, "lr": 1e-3}, quiet=True)
-    recs = _metrics(tmp_path / "rl")
+    recs = metrics_of(tmp_path / "rl")
     assert [r["step"] for r in recs] == [1, 2]
     assert all(r["turns"] == 1.0 and r["truncated"] == 1.0 and r["unfinished"] == 1.0 for r in recs)
     assert all(r["reward_mean"] == pytest.approx(-0.5) and r["reply_len"] == 6.0 for r in recs)
@@ -264,5 +241,5 @@ def test_two_processes_roll_out_their_own_trajectories(base_run, tmp_path):
     proc = subprocess.run(launcher + ["--out", str(tmp_path / "ddp"), "--resume", "--max-steps", "4", "--quiet"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    recs = [r for r in _metrics(tmp_path / "ddp") if "reward_mean" in r]
+    recs = [r for r in metrics_of(tmp_path / "ddp") if "reward_mean" in r]
     assert [r["step"] for r in recs] == [1, 2, 3, 4] and all("turns" in r for r in recs)

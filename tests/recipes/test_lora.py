@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoforge.data.prepare import prepare_dataset
+from conftest import prepare_tiny
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.model.lora import LoraConfig
 from nanoforge.weights.load import load_model
@@ -23,12 +23,9 @@ FAST = {"tensorboard": False, "log_every": 1, "eval_every": 0, "precision": "fp3
 
 @pytest.fixture(scope="module")
 def base_and_data(tmp_path_factory, tiny_tokenizer):
-    from conftest import tiny_corpus
     root = tmp_path_factory.mktemp("lora")
-    files = tiny_corpus(root)
-    pre, chat = files[:1], files[1:2]
-    prepare_dataset("pretrain", pre, tiny_tokenizer, root / "pre", val_fraction=0.1, workers=1, log=lambda *a: None)
-    prepare_dataset("sft", chat, tiny_tokenizer, root / "sft", val_fraction=0.1, workers=1, log=lambda *a: None)
+    prepare_tiny(root / "pre", tiny_tokenizer)
+    prepare_tiny(root / "sft", tiny_tokenizer, "sft")
     pretrain([str(root / "pre")], root / "base", preset="tiny", overrides={**FAST, "max_steps": 5, "seq_len": 128},
              quiet=True)
     return root

@@ -1,6 +1,5 @@
 """`nanoforge ppo`: the stage on the one loop (what it logs, exact resume mid-rollout, early stopping on approximate
 KL, muon refused), a PPO run read back as its policy by the loader and the CLI, and that it learns (arithmetic)."""
-import dataclasses
 import json
 import os
 import subprocess
@@ -10,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoforge.core.config import build_config
+from conftest import metrics_of, save_random_run
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.weights.load import CRITIC_PREFIX, init_weights, load_model
 from nanoforge.model.gpt import GPT
@@ -32,34 +31,12 @@ FAST = {"precision": "fp32", "tensorboard": False, "save_every": 0, "device": "c
 @pytest.fixture(scope="module")
 def base_run(tmp_path_factory, tiny_tokenizer):
     """A random tiny model saved as a run (its config, tokenizer and one checkpoint): an --init."""
-    out = tmp_path_factory.mktemp("ppo_base") / "base"
-    mcfg, _ = build_config("tiny", None, {"vocab_size": tiny_tokenizer.vocab_size, "max_seq_len": 256})
-    torch.manual_seed(0)
-    tiny_tokenizer.save(out / "tokenizer")
-    ckpt.save_checkpoint(out, 0, GPT(mcfg).state_dict_for_save(), {},
-                         {"config": {"model": dataclasses.asdict(mcfg), "train": {"seq_len": 128}}})
-    return out
-
-
-@pytest.fixture(scope="module")
-def prompts_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ppo_prompts") / "prompts.jsonl"
-    with open(path, "w") as f:
-        for a in range(12):
-            f.write(json.dumps({"conversations": [{"role": "user", "content": f"{a}+{a + 1}="}],
-                                "answer": str(2 * a + 1)}) + "\n")
-    # a reward that varies for a random model: the reply's length in characters
-    (path.parent / "myreward.py").write_text("def chars(completion, record):\n    return len(completion) / 10\n")
-    return path
+    return save_random_run(tmp_path_factory.mktemp("ppo_base") / "base", tiny_tokenizer, max_seq_len=256)
 
 
 def _options(prompts_file, **kw):
     return PPOOptions(**{"num_generations": 2, "prompts_per_step": 2, "max_new_tokens": 6,
-                         "reward": f"math,{prompts_file.parent / 'myreward.py'}:chars", **kw})
-
-
-def _metrics(run):
-    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+                         "reward": f"math,{prompts_file.parent / 'myreward.py'}:tenth_chars", **kw})
 
 
 def test_rollout_batch_aligns_masks_and_gives_ratio_one(base_run, prompts_file):
@@ -91,7 +68,7 @@ def test_the_stage_runs_logs_and_writes_a_run_the_loader_reads_as_its_policy(bas
     run = tmp_path / "run"
     ppo(str(base_run), str(prompts_file), run, _options(prompts_file, ppo_epochs=2),
         overrides={**FAST, "max_steps": 4, "lr": 1e-3, "sample_every": 4}, quiet=True)
-    recs = [r for r in _metrics(run) if "reward_mean" in r]
+    recs = [r for r in metrics_of(run) if "reward_mean" in r]
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     for key in ("reward_mean", "reward_std", "kl_ref", "clip_fraction", "value_clip_fraction",
                 "explained_variance", "approx_kl", "policy_loss", "value_loss", "reply_len", "truncated"):
@@ -140,7 +117,7 @@ def test_the_command_line_starts_and_continues_a_run_with_resume_auto(base_run, 
                               text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert f"ppo finished at step {steps}" in proc.stdout
-    assert [r["step"] for r in _metrics(tmp_path / "run")] == [1, 2]
+    assert [r["step"] for r in metrics_of(tmp_path / "run")] == [1, 2]
 
 
 @pytest.mark.slow
@@ -152,7 +129,7 @@ def test_same_seed_same_weights_and_a_killed_run_resumes_bit_exactly(base_run, p
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     line = [sys.executable, "-m", "nanoforge", "ppo", "--init", str(base_run), "--data", str(prompts_file),
             "--num-generations", "2", "--prompts-per-step", "2", "--max-new-tokens", "6", "--beta", "0.1",
-            "--reward", f"math,{prompts_file.parent / 'myreward.py'}:chars", "--ppo-epochs", "2", "--lr", "1e-3",
+            "--reward", f"math,{prompts_file.parent / 'myreward.py'}:tenth_chars", "--ppo-epochs", "2", "--lr", "1e-3",
             "--precision", "fp32", "--device", "cpu", "--tensorboard", "false", "--save-every", "3",
             "--keep-last", "5", "--max-steps", "6", "--quiet"]
     nf = lambda out, *more, **kw: subprocess.run(line + ["--out", str(tmp_path / out), *more], cwd=ROOT,
@@ -170,8 +147,8 @@ def test_same_seed_same_weights_and_a_killed_run_resumes_bit_exactly(base_run, p
     a, b = weights("whole", 6), weights("half", 6)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     keys = ("reward_mean", "approx_kl", "explained_variance", "value_loss")
-    assert [[r[k] for k in keys] for r in _metrics(tmp_path / "whole")] == \
-           [[r[k] for k in keys] for r in _metrics(tmp_path / "half")]
+    assert [[r[k] for k in keys] for r in metrics_of(tmp_path / "whole")] == \
+           [[r[k] for k in keys] for r in metrics_of(tmp_path / "half")]
 
 
 def test_a_tiny_target_kl_stops_every_rollout_after_its_first_epoch(base_run, prompts_file, tmp_path):
@@ -179,18 +156,18 @@ def test_a_tiny_target_kl_stops_every_rollout_after_its_first_epoch(base_run, pr
     that sampled, so every step samples a new rollout; without --target-kl the epochs go 0, 1, 2."""
     ppo(str(base_run), str(prompts_file), tmp_path / "stop", _options(prompts_file, ppo_epochs=3, target_kl=1e-12),
         overrides={**FAST, "max_steps": 4, "lr": 1e-3, "save_every": 2}, quiet=True)
-    stop = _metrics(tmp_path / "stop")
+    stop = metrics_of(tmp_path / "stop")
     assert [r["ppo_epoch"] for r in stop] == [0, 0, 0, 0]
     assert [r["early_stops"] for r in stop] == [0, 1, 2, 3]
     state = json.loads((tmp_path / "stop" / "checkpoints" / "step_000004" / "state.json").read_text())
     assert state["data"]["rollouts"] == 4 and state["data"]["prompts"]["cursor"] == 8
     ppo(str(base_run), str(prompts_file), tmp_path / "go", _options(prompts_file, ppo_epochs=3),
         overrides={**FAST, "max_steps": 4, "lr": 1e-3}, quiet=True)
-    assert [r["ppo_epoch"] for r in _metrics(tmp_path / "go")] == [0, 1, 2, 0]
+    assert [r["ppo_epoch"] for r in metrics_of(tmp_path / "go")] == [0, 1, 2, 0]
     # a large target never stops
     ppo(str(base_run), str(prompts_file), tmp_path / "far", _options(prompts_file, ppo_epochs=3, target_kl=10.0),
         overrides={**FAST, "max_steps": 3, "lr": 1e-3}, quiet=True)
-    assert [r["ppo_epoch"] for r in _metrics(tmp_path / "far")] == [0, 1, 2]
+    assert [r["ppo_epoch"] for r in metrics_of(tmp_path / "far")] == [0, 1, 2]
 
 
 def test_bad_inputs_are_clear_errors(base_run, prompts_file, tmp_path):
@@ -236,13 +213,13 @@ def test_two_processes_roll_out_their_own_prompts_and_stop_early_together(base_r
         env.pop(key, None)
     args = ["ppo", "--init", str(base_run), "--data", str(prompts_file), "--num-generations", "2",
             "--prompts-per-step", "2", "--max-new-tokens", "6", "--ppo-epochs", "3", "--target-kl", "1e-12",
-            "--reward", f"math,{prompts_file.parent / 'myreward.py'}:chars", "--precision", "fp32", "--device",
+            "--reward", f"math,{prompts_file.parent / 'myreward.py'}:tenth_chars", "--precision", "fp32", "--device",
             "cpu", "--tensorboard", "false", "--lr", "1e-3", "--quiet", "--out", str(tmp_path / "ddp"),
             "--max-steps", "2", "--save-every", "2"]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "-m",
                 "nanoforge"]
     proc = subprocess.run(launcher + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert [r["ppo_epoch"] for r in _metrics(tmp_path / "ddp")] == [0, 0]
+    assert [r["ppo_epoch"] for r in metrics_of(tmp_path / "ddp")] == [0, 0]
     state = json.loads((tmp_path / "ddp" / "checkpoints" / "step_000002" / "state.json").read_text())
     assert state["data"]["prompts"]["cursor"] == 8 and state["data"]["rollouts"] == 2  # 2 x 2 prompts x 2 ranks

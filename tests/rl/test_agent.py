@@ -31,12 +31,7 @@ ANSWER = "The answer is 84."
 GREEDY = SamplingConfig(temperature=0, max_new_tokens=64)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models decode on one thread
 
 
 class ScriptedAgentGPT(GPT):

@@ -3,6 +3,7 @@ client and with raw HTTP. Replies are checked against `complete()` run here on t
 server that sampled differently, counted tokens wrongly or mixed up concurrent requests would fail."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -112,7 +113,7 @@ def client(server):
 
 def server_cfg(**fields) -> SamplingConfig:
     """The sampling the server uses: `nanoforge chat`'s defaults, with the request's fields on top."""
-    return SamplingConfig(**{**vars(chat_defaults.SamplingOptions()), **fields})
+    return dataclasses.replace(chat_defaults.CHAT_SAMPLING, **fields)
 
 
 def chat_stop_ids(tok) -> list[int]:

@@ -4,6 +4,7 @@ OpenAI's shape), and 50 concurrent streaming clients against a real uvicorn proc
 or gets a clean 503, memory stays bounded, the server still answers afterwards)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -22,7 +23,7 @@ from hypothesis import strategies as st  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
 from nanoforge.infer import defaults as chat_defaults  # noqa: E402
-from nanoforge.infer.generate import SamplingConfig, complete  # noqa: E402
+from nanoforge.infer.generate import complete  # noqa: E402
 
 from test_generate import make_tiny_run, random_model  # noqa: E402
 
@@ -108,7 +109,7 @@ def test_a_reply_past_the_request_timeout_ends_with_length(slowed):
     slow = model.forward
     del model.forward  # the premise, unslowed: left alone, this reply runs long
     stop_ids = [t for t in (tok.eos_id, tok.im_end_id, tok.im_start_id) if t is not None]
-    cfg = SamplingConfig(**{**vars(chat_defaults.SamplingOptions()), "temperature": 0, "max_new_tokens": 80})
+    cfg = dataclasses.replace(chat_defaults.CHAT_SAMPLING, temperature=0, max_new_tokens=80)
     for question in ("hi", "hello", "tell me more", "why?", "go on", "and then?"):  # a random model's reply
         messages = [{"role": "user", "content": question}]                        # length depends on the prompt
         prompt_ids, _ = tok.render_chat(messages, add_generation_prompt=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from nanoforge.data.prepare import prepare_dataset
+from conftest import prepare_tiny
 from nanoforge.weights import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,12 +27,7 @@ B = 2  # per-process batch; the single-process reference runs 2 * B
 
 @pytest.fixture(scope="module")
 def pretrain_dir(tmp_path_factory, tiny_tokenizer):
-    from conftest import tiny_corpus
-    work = tmp_path_factory.mktemp("dist_prep")
-    files = tiny_corpus(work)[:1]
-    prepare_dataset("pretrain", files, tiny_tokenizer, work / "pre", val_fraction=0.02, workers=1,
-                    log=lambda *a: None)
-    return work / "pre"
+    return prepare_tiny(tmp_path_factory.mktemp("dist_prep") / "pre", tiny_tokenizer, val_fraction=0.02)
 
 
 def run(args, nproc=1, timeout=120):

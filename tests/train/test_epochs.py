@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import prepare_tiny
 from nanoforge.core.config import ConfigError, build_config
 from nanoforge.data.batches import PretrainBatches, SFTBatches
-from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import TokenShards
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.recipes.pretrain import pretrain
@@ -21,12 +21,9 @@ FAST = {"tensorboard": False, "log_every": 1, "eval_every": 0, "precision": "fp3
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory, tiny_tokenizer):
-    from conftest import tiny_corpus
     root = tmp_path_factory.mktemp("epochs")
-    files = tiny_corpus(root)
-    pre, chat = files[:1], files[1:2]
-    prepare_dataset("pretrain", pre, tiny_tokenizer, root / "pre", val_fraction=0.0, workers=1, log=lambda *a: None)
-    prepare_dataset("sft", chat, tiny_tokenizer, root / "sft", val_fraction=0.0, workers=1, log=lambda *a: None)
+    prepare_tiny(root / "pre", tiny_tokenizer, val_fraction=0.0)
+    prepare_tiny(root / "sft", tiny_tokenizer, "sft", val_fraction=0.0)
     return root
 
 

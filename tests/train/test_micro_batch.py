@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import prepare_tiny
 from nanoforge.core.config import build_config
 from nanoforge.core.config import ConfigError
-from nanoforge.data.prepare import prepare_dataset
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.train.microbatch import divisors_doubling, fit_micro_batch
 from nanoforge.weights import checkpoint as ckpt
@@ -84,12 +84,7 @@ def test_probe_sizes_double_and_divide_the_global_batch():
 
 @pytest.fixture(scope="module")
 def pretrain_dir(tmp_path_factory, tiny_tokenizer):
-    from conftest import tiny_corpus
-    work = tmp_path_factory.mktemp("microbatch")
-    files = tiny_corpus(work)[:1]
-    prepare_dataset("pretrain", files, tiny_tokenizer, work / "pre", val_fraction=0.1, workers=1,
-                    log=lambda *a: None)
-    return work / "pre"
+    return prepare_tiny(tmp_path_factory.mktemp("microbatch") / "pre", tiny_tokenizer)
 
 
 def test_auto_micro_batch_trains_like_the_fixed_global_batch(pretrain_dir, tmp_path):

@@ -6,6 +6,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
+from conftest import prepare_tiny
 from nanoforge.chat.template import without_generation_markers
 from nanoforge.core.config import ModelConfig
 from nanoforge.core.errors import NanoforgeError
@@ -26,14 +27,10 @@ CHAT = [{"role": "system", "content": "You are terse."},
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, tiny_tokenizer):
     """A real tiny run: prepared data and a few fp32 pretraining steps."""
-    from conftest import tiny_corpus
-    from nanoforge.data.prepare import prepare_dataset
     from nanoforge.recipes.pretrain import pretrain
 
     root = tmp_path_factory.mktemp("export_run")
-    files = tiny_corpus(root)[:1]
-    prepare_dataset("pretrain", files, tiny_tokenizer, root / "data", val_fraction=0.1, workers=1,
-                    log=lambda *a: None)
+    prepare_tiny(root / "data", tiny_tokenizer)
     pretrain([str(root / "data")], root / "run", preset="tiny", quiet=True,
              overrides={"max_steps": 12, "tensorboard": False, "eval_every": 0, "seq_len": 32,
                         "precision": "fp32", "warmup_steps": 2})
