@@ -184,14 +184,18 @@ def test_multi_turn_resume_is_bit_exact(tool_run_dir, tmp_path):
 
 
 def test_a_random_model_runs_two_steps(base_run, tmp_path):
-    """The whole path on a model that never calls a tool: every trajectory one truncated reply."""
+    """The whole path on a model that never calls a tool: every trajectory one reply, unfinished where it runs
+    to max_new_tokens. Which replies sample the end of their turn first depends on torch's sampler, not only
+    on the seed (torch.multinomial draws other tokens on 2.6 than on 2.13), so the test holds for any draw."""
     data = _agent_prompts(tmp_path / "agent.jsonl", QUESTIONS[:4])
     grpo(str(base_run), str(data), tmp_path / "rl", _tool_options(max_new_tokens=6, max_turns=2),
          overrides={**FAST, "max_steps": 2, "lr": 1e-3}, quiet=True)
     recs = metrics_of(tmp_path / "rl")
     assert [r["step"] for r in recs] == [1, 2]
-    assert all(r["turns"] == 1.0 and r["truncated"] == 1.0 and r["unfinished"] == 1.0 for r in recs)
-    assert all(r["reward_mean"] == pytest.approx(-0.5) and r["reply_len"] == 6.0 for r in recs)
+    assert all(r["turns"] == 1.0 and r["tool_calls"] == 0.0 and r["unfinished"] == r["truncated"] for r in recs)
+    assert all(r["reward_mean"] == pytest.approx(-0.5 * r["unfinished"]) for r in recs)
+    assert all(r["reply_len"] <= 6.0 and (r["reply_len"] == 6.0) == (r["truncated"] == 1.0) for r in recs)
+    assert recs[0]["truncated"] > 0  # 6 tokens of a random model mostly run out
 
 
 def test_bad_inputs_are_clear_errors(base_run, tmp_path):
