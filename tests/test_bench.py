@@ -36,6 +36,10 @@ def test_bench_table_has_every_field(bench_run):
     # the precision it used and why: the CPU's model and whether it computes bf16 natively (a warning if not)
     assert precision_note("bf16", torch.device("cpu")) in text.splitlines()
     assert f"this CPU ({cpu_info()[0]}) has " in text
+    split = re.search(r"Split of one more step .*: matmuls ([\d,]+) ms \((\d+)%\) at ([\d,]+) GFLOP/s, (\d+)% of the "
+                      r"peak, attention ([\d,]+) ms \((\d+)%\), the rest ([\d,]+) ms \((\d+)%\)\.", text)
+    assert split, text
+    assert 98 <= sum(int(split.group(i)) for i in (2, 6, 8)) <= 102  # the three shares are of one total
 
 
 def test_bench_json_numbers_are_positive_and_the_split_adds_up(bench_run):
@@ -54,6 +58,9 @@ def test_bench_json_numbers_are_positive_and_the_split_adds_up(bench_run):
         for phase in ("data_ms", "fwd_bwd_ms", "optim_ms"):
             assert 0 <= r[phase] <= r["step_ms"] * (1 + 1e-9), (kind, phase, r[phase], r["step_ms"])
         assert r["fwd_bwd_ms"] > 0 and r["optim_ms"] > 0, kind
+    # the profiled step's split: every kind of work is there (a tiny model's matmuls, SDPA, and the rest)
+    for key in ("matmul_ms", "attention_ms", "rest_ms", "matmul_flops_per_s"):
+        assert res["ours"][key] > 0, key
     assert res["ours"]["precision"] == "bf16" and res["naive"]["precision"] == "fp32"
     assert "measured CPU matmul peak" in res["ours"]["peak_source"]
 

@@ -25,18 +25,20 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 from nanoforge.core.config import TRAIN_FIELDS, config_dicts
-from nanoforge.core.device import build_run_config, precision_note, resolve_device
+from nanoforge.core.device import autocast_context, build_run_config, precision_note, resolve_device
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.core.fsutil import write_text_atomic
 from nanoforge.model.gpt import GPT
 from nanoforge.chat.tokenizer import load_tokenizer
 from nanoforge.train import metrics
 from nanoforge.train.loop import Stage, train
-from nanoforge.train.metrics import observed_peak, peak_memory_bytes
+from nanoforge.train.metrics import observed_peak, op_split, peak_memory_bytes
 from nanoforge.train.microbatch import fit_micro_batch
 from nanoforge.train.objectives import causal_lm_loss
+from nanoforge.train.optim import build_optimizer
 from nanoforge.recipes.common import lm_batches
 
 
@@ -119,7 +121,35 @@ def bench_ours(mcfg, tcfg, steps: int, warmup: int, data: str | None = None) -> 
     for phase in ("data_ms", "fwd_bwd_ms", "optim_ms"):  # the loop logs them at every progress line
         out[phase] = statistics.median(r[phase] for r in timed)
     out["final_loss"] = timed[-1]["loss"]
-    return out
+    return {**out, **profiled_split(model, mcfg, tcfg, device)}
+
+
+def profiled_split(model, mcfg, tcfg, device: torch.device) -> dict[str, float]:
+    """One more step of the benched model, eager, under torch.profiler (after one unprofiled step): its time in
+    matmuls, attention and the rest (train/metrics.op_split), with the matmuls' own FLOP rate."""
+    source = RandomTokens(mcfg.vocab_size, tcfg.batch_size, tcfg.seq_len, seed=tcfg.seed + 1)
+    optimizer = build_optimizer(model, tcfg, device)
+
+    def step() -> None:
+        batch = {k: v.to(device) for k, v in source.next_batch().items()}
+        with autocast_context(device, tcfg.precision):
+            loss_sum, n, _ = causal_lm_loss(model, batch)
+        (loss_sum.float() / n).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+
+    model.train()
+    step()
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        step()
+    split = op_split(prof, device_time=cuda)
+    cfg = model.cfg  # the 6N part of the FLOPs is the matmuls'; attention's 12 L h s is in attention
+    matmul_flops = (model.flops_per_token(tcfg.seq_len) - 12.0 * cfg.n_layers * cfg.d_model * tcfg.seq_len)
+    split["matmul_flops_per_s"] = matmul_flops * tcfg.batch_size * tcfg.seq_len / max(split["matmul_ms"], 1e-9) * 1e3
+    return split
 
 
 def naive_loop(model: torch.nn.Module, source, steps: int, device: torch.device, on_step=None) -> torch.nn.Module:
@@ -256,9 +286,22 @@ def format_bench(res: dict[str, Any]) -> str:
              f"MFU: FLOPs per token by the PaLM convention 6N + 12 L h s = {ours['flops_per_token'] / 1e6:.0f} "
              f"MFLOP; peak: {ours['peak_source']}"
              + (f"; naive fp32 against {naive['peak_source']}" if naive else "") + ".",
+             split_line(ours),
              "Peak memory: " + ("CUDA allocator peak" if ours["device"] not in ("cpu",) else
                                 "peak resident memory of the measuring process") + "; each loop in its own process."]
     return "\n".join(lines)
+
+
+def split_line(ours: dict[str, Any]) -> str:
+    """Where a step goes: matmuls (and their rate against the peak), attention, the rest."""
+    parts = {"matmuls": ours["matmul_ms"], "attention": ours["attention_ms"], "the rest": ours["rest_ms"]}
+    total = sum(parts.values()) or 1.0
+    rate = ours["matmul_flops_per_s"]
+    peak = f", {100 * rate / ours['peak_flops']:.0f}% of the peak" if ours.get("peak_flops") else ""
+    cells = [f"{name} {ms:,.0f} ms ({100 * ms / total:.0f}%)" for name, ms in parts.items()]
+    cells[0] += f" at {rate / 1e9:,.0f} GFLOP/s{peak}"
+    return ("Split of one more step (eager, under torch.profiler; its total is not the median step): "
+            + ", ".join(cells) + ".")
 
 
 def write_json(res: dict[str, Any], path: str | Path) -> None:

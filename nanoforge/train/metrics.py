@@ -143,6 +143,21 @@ def measure_cpu_matmul_flops(precision: str, seconds: float = 2.0, max_n: int = 
     return 2 * n**3 / best
 
 
+MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
+
+
+def op_split(prof, device_time: bool = False) -> dict[str, float]:
+    """A profiled step's time by kind, ms: the matmuls (self time of mm/addmm/bmm), attention (the SDPA kernels',
+    forward and backward) and the rest (element-wise work, norms, RoPE, casts, the loss, the optimizer). CPU time,
+    or with `device_time` the GPU's (a CPU-side figure of a CUDA op is only its launch)."""
+    times = {"matmul_ms": 0.0, "attention_ms": 0.0, "rest_ms": 0.0}
+    for ev in prof.key_averages():
+        t = (ev.self_device_time_total if device_time else ev.self_cpu_time_total) / 1000
+        attention = "scaled_dot_product" in ev.key or "flash_attention" in ev.key or "efficient_attention" in ev.key
+        times["matmul_ms" if ev.key in MATMUL_OPS else "attention_ms" if attention else "rest_ms"] += t
+    return times
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
