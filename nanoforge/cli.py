@@ -11,7 +11,8 @@ from nanoforge.core.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, LoraConfi
 from nanoforge.data.options import PrepareOptions
 from nanoforge.eval.options import EvalOptions
 from nanoforge.infer.defaults import CHAT_SAMPLING, ChatOptions, DeviceOptions
-from nanoforge.recipes.options import DistillOptions, DPOOptions, PPOOptions, RLOptions
+from nanoforge.recipes.options import DistillOptions, DPOOptions
+from nanoforge.rl.options import PPOOptions, RLOptions
 from nanoforge.serve.options import ServeOptions
 
 

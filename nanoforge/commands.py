@@ -15,7 +15,8 @@ from nanoforge.data.options import PrepareOptions
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.eval.options import EvalOptions
 from nanoforge.infer.defaults import CHAT_SAMPLING, ChatOptions, DeviceOptions
-from nanoforge.recipes.options import DistillOptions, DPOOptions, PPOOptions, RLOptions
+from nanoforge.recipes.options import DistillOptions, DPOOptions
+from nanoforge.rl.options import PPOOptions, RLOptions
 from nanoforge.serve.options import ServeOptions
 from nanoforge.train.autoresume import AUTO, resolve_resume
 from nanoforge.train.distributed import is_main, leave

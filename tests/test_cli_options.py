@@ -13,7 +13,8 @@ from nanoforge.core.config import LoraConfig
 from nanoforge.data.options import PrepareOptions
 from nanoforge.eval.options import EvalOptions
 from nanoforge.infer.defaults import CHAT_SAMPLING, ChatOptions, DeviceOptions
-from nanoforge.recipes.options import DistillOptions, DPOOptions, PPOOptions, RLOptions
+from nanoforge.recipes.options import DistillOptions, DPOOptions
+from nanoforge.rl.options import PPOOptions, RLOptions
 from nanoforge.serve.options import ServeOptions
 
 SNAPSHOT = Path(__file__).with_name("cli_options.json")

@@ -29,7 +29,7 @@ from nanoforge.train.loop import Stage
 from nanoforge.train.rundir import (PreparedRun, copy_tokenizer, fresh_run_guard, given_fields, resolve_run_options,
                                     resumed_run, write_run_config)
 from nanoforge.recipes.common import initial_gpt, make_sampler, sample_prompts, train_and_report
-from nanoforge.recipes.options import RLOptions
+from nanoforge.rl.options import RLOptions
 
 # Training defaults under --config and the flags. RL moves a model that already answers: small steps (1e-6..1e-5
 # for real models; MiniMind's GRPO uses 3e-7 with a cosine schedule), constant, every step logged (a step is a

@@ -14,7 +14,8 @@ from nanoforge.core.device import resolve_device
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.rl.critic import PolicyWithValue
 from nanoforge.recipes.grpo import chosen_rewards, frozen_reference, reward_function, rl_setup
-from nanoforge.rl.ppo_update import PPOConfig, ppo_count
+from nanoforge.rl.options import PPOOptions
+from nanoforge.rl.ppo_update import ppo_count
 from nanoforge.rl.ppo_batches import PPOBatches, ppo_objective
 from nanoforge.rl.prompts import PromptIterator
 from nanoforge.rl.rollout import RolloutConfig, check_prompts
@@ -22,7 +23,6 @@ from nanoforge.train.distributed import setup, world
 from nanoforge.train.loop import Stage
 from nanoforge.train.rundir import fresh_run_guard, resolve_run_options
 from nanoforge.recipes.common import initial_gpt, make_sampler, sample_prompts, train_and_report
-from nanoforge.recipes.options import PPOOptions
 
 
 FLAGS = {f.name: "--" + f.name.replace("_", "-") for f in fields(PPOOptions)}
@@ -51,7 +51,8 @@ def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions
     out = Path(out)
     o = resolve_options(out, options or PPOOptions(), resume, given)
     rewards = chosen_rewards(o)
-    cfg_ppo = PPOConfig(**{f.name: o[f.name] for f in fields(PPOConfig) if f.name in o})  # the rest: PPOConfig's
+    cfg_ppo = PPOOptions(**{f.name: o[f.name] for f in fields(PPOOptions) if f.name in o})  # the resolved options
+    cfg_ppo.validate()
     run = rl_setup("ppo", init, data, out, config_file, dict(overrides or {}), resume, o)
     mcfg, tcfg, tok, records = run.mcfg, run.tcfg, run.tokenizer, run.data
     if tcfg.optimizer == "muon":
@@ -73,7 +74,7 @@ def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions
     tcfg.batch_size = batches.micro_rows
     sampler = make_sampler(run.run_dir, tcfg, tok, prompts, chat=True)
     stage = Stage("ppo", batches, ppo_objective(cfg_ppo), None, None, run.info,
-                  count_fn=lambda batch: ppo_count(batch, cfg_ppo.norm),
+                  count_fn=ppo_count,
                   sampler=(lambda m, step, log: sampler(m.policy, step, log)) if sampler else None)
     if not quiet:
         print(f"ppo: {len(records)} prompts, {o['prompts_per_step']} x {o['num_generations']} replies per rollout"

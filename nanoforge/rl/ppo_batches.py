@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from nanoforge.core.device import autocast_context, eval_mode
 from nanoforge.rl.losses import approx_kl
-from nanoforge.rl.ppo_update import PPOConfig, forward_ppo, ppo_batch, ppo_loss, should_stop_early, token_logprobs
+from nanoforge.rl.options import PPOOptions
+from nanoforge.rl.ppo_update import forward_ppo, ppo_batch, ppo_loss, should_stop_early, token_logprobs
 from nanoforge.rl.prompts import PromptIterator
 from nanoforge.rl.rollout import Batch, RewardFn, RolloutConfig, sample_scored
 from nanoforge.rl.grpo_batches import RolloutBatches
@@ -33,7 +34,7 @@ class PPOBatches(RolloutBatches):
     micro-batch call % grad_accum of it, resumable mid-rollout) whose rollouts are ppo_rollout's, and whose
     remaining epochs are skipped when --target-kl says the policy has moved too far."""
 
-    def __init__(self, model, tokenizer, prompts: PromptIterator, cfg: RolloutConfig, ppo: PPOConfig,
+    def __init__(self, model, tokenizer, prompts: PromptIterator, cfg: RolloutConfig, ppo: PPOOptions,
                  reward_fn: RewardFn, seed: int, ppo_epochs: int = 2, grad_accum: int = 1, reference=None):
         def sample(model, tokenizer, records, cfg, reward_fn, seed, reference, micro_rows):
             return ppo_rollout(model, tokenizer, records, cfg, ppo, reward_fn, seed, reference, micro_rows)
@@ -100,7 +101,7 @@ def old_outputs(model, input_ids: torch.Tensor, temperature: float, precision: s
     return torch.cat(logps), torch.cat(values)
 
 
-def ppo_rollout(model, tokenizer, records, cfg: RolloutConfig, ppo: PPOConfig, reward_fn: RewardFn, seed: int,
+def ppo_rollout(model, tokenizer, records, cfg: RolloutConfig, ppo: PPOOptions, reward_fn: RewardFn, seed: int,
                 reference=None, micro_rows: int | None = None) -> Batch:
     """A rollout as rl/ppo_update.py's batch: P prompts x G replies sampled by model.policy, scored by reward_fn, the
     old log-probs and values of the combined model, the reference's log-probs when beta > 0, then ppo_batch
@@ -118,7 +119,7 @@ def ppo_rollout(model, tokenizer, records, cfg: RolloutConfig, ppo: PPOConfig, r
     return batch
 
 
-def ppo_objective(cfg: PPOConfig):
+def ppo_objective(cfg: PPOOptions):
     """Stage.loss_fn: rl/ppo_update.py ppo_loss on a micro-batch; the rollout's stat_* figures ride along as extras."""
     def loss_fn(model, batch: Batch):
         total, count, extras = ppo_loss(model, batch, cfg)

@@ -16,42 +16,18 @@ One batch of rollouts is trained in two parts:
      extras). Before each further epoch rl/ppo_batches.py asks `should_stop_early(approx_kl, target_kl)`."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoforge.core.errors import NanoforgeError
-from nanoforge.rl.losses import NORMS, approx_kl, gae, loss_count, masked_mean, policy_loss, value_loss
+from nanoforge.rl.losses import approx_kl, gae, loss_count, masked_mean, policy_loss, value_loss
+from nanoforge.rl.options import PPOOptions
 from nanoforge.train.objectives import with_aux_loss
 from nanoforge.train.stage import Batch
 
 
-@dataclass
-class PPOConfig:
-    epsilon: float = 0.2  # the policy ratio's clip, [1 - eps, 1 + eps]
-    vf_coef: float = 0.5  # weight of the value loss in the one loss
-    value_clip: float = 0.2  # how far a value may move from its old one before its loss stops pushing
-    beta: float = 0.05  # the per-token KL penalty folded into the rewards; 0 (or no reference) leaves it out
-    gamma: float = 1.0  # discount: 1, a reply is one episode with a reward at its end
-    lam: float = 0.95  # GAE's lambda
-    temperature: float = 1.0  # the sampling temperature, at which every log-prob is taken
-    whiten: bool = True  # advantages to zero mean, unit std over the batch's masked tokens
-    norm: str = "token"  # loss normalisation (rl/losses.normalise): over all masked tokens of the step
-    target_kl: float | None = None  # stop a batch's epochs once approx_kl passes this; None never stops
-
-    def __post_init__(self):
-        for name in ("epsilon", "value_clip", "temperature"):
-            if not getattr(self, name) > 0:
-                raise NanoforgeError(f"ppo {name}={getattr(self, name)!r} must be > 0")
-        if not (self.vf_coef >= 0 and self.beta >= 0 and 0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
-            raise NanoforgeError(f"ppo needs vf_coef >= 0, beta >= 0, gamma and lam in [0, 1]; got vf_coef="
-                                 f"{self.vf_coef}, beta={self.beta}, gamma={self.gamma}, lam={self.lam}")
-        if self.norm not in NORMS:
-            raise NanoforgeError(f"ppo norm {self.norm!r} is not one of {', '.join(NORMS)}")
-        if self.target_kl is not None and not self.target_kl > 0:
-            raise NanoforgeError(f"ppo target_kl={self.target_kl!r} must be > 0 (or None: never stop early)")
+# PPO's loss normalisation (rl/losses.normalise): over all masked tokens of the step
+PPO_NORM = "token"
 
 
 # ------------------------------------------------------------------------------------- model outputs per token
@@ -115,17 +91,18 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tens
 
 @torch.no_grad()
 def ppo_batch(input_ids: torch.Tensor, mask: torch.Tensor, old_logp: torch.Tensor, old_values: torch.Tensor,
-              scores: torch.Tensor, cfg: PPOConfig, ref_logp: torch.Tensor | None = None,
-              attention_mask: torch.Tensor | None = None) -> tuple[Batch, dict[str, float]]:
+              scores: torch.Tensor, cfg: PPOOptions, ref_logp: torch.Tensor | None = None,
+              attention_mask: torch.Tensor | None = None, whitened: bool = True) -> tuple[Batch, dict[str, float]]:
     """A batch of rollouts -> what `ppo_loss` trains on, and the batch's statistics to log.
 
     rewards (shaped_rewards) -> GAE(gamma, lam) with the OLD values (rl.losses.gae): advantages and
-    returns R_t = A_t + V_old_t. The advantages are whitened over the batch's masked tokens when cfg.whiten;
+    returns R_t = A_t + V_old_t. The advantages are whitened over the batch's masked tokens (unless
+    `whitened` is False);
     the returns (the critic's targets) are not. All (B, T) tensors are per token (module docstring)."""
     m = mask.bool()
     rewards = shaped_rewards(scores, m, old_logp, ref_logp, cfg.beta)
     advantages, returns = gae(rewards, old_values, m, cfg.gamma, cfg.lam)
-    if cfg.whiten:
+    if whitened:
         advantages = whiten(advantages, m)
     batch = {"input_ids": input_ids, "mask": m, "old_logp": old_logp.float(), "old_values": old_values.float(),
              "advantages": advantages, "returns": returns}
@@ -141,20 +118,20 @@ def ppo_batch(input_ids: torch.Tensor, mask: torch.Tensor, old_logp: torch.Tenso
 # ------------------------------------------------------------------------------------------------------ the loss
 
 
-def ppo_loss(model: nn.Module, batch: Batch, cfg: PPOConfig):
+def ppo_loss(model: nn.Module, batch: Batch, cfg: PPOOptions):
     """The loss of one PPO update on a `ppo_batch` batch, for the one loop: (sum, count, extras).
 
         loss = policy_loss(clipped surrogate, per-token advantages, epsilon) + vf_coef value_loss(clip)
 
-    both normalised by cfg.norm over the same masked tokens, so their sums add under one count. No KL term:
+    both normalised by PPO_NORM over the same masked tokens, so their sums add under one count. No KL term:
     the KL to the reference is already in the rewards. extras: approx_kl (old || current), clip_fraction,
     value_clip_fraction, explained_variance, policy_loss and value_loss (each per its count), ratio."""
     m = batch["mask"].bool()
     logp, values = forward_ppo(model, batch["input_ids"], cfg.temperature, batch.get("attention_mask"))
     p_sum, count, p_extras = policy_loss(logp, batch["old_logp"], batch["advantages"], m, loss="grpo",
-                                         epsilon=cfg.epsilon, norm=cfg.norm)
+                                         epsilon=cfg.epsilon, norm=PPO_NORM)
     v_sum, _, v_extras = value_loss(values, batch["old_values"], batch["returns"], m, clip=cfg.value_clip,
-                                    norm=cfg.norm)
+                                    norm=PPO_NORM)
     loss_sum, count, aux = with_aux_loss(model, p_sum + cfg.vf_coef * v_sum, count)
     n = count.clamp(min=1)
     return loss_sum, count, {**p_extras, **v_extras, **aux, "approx_kl": approx_kl(logp.detach(), batch["old_logp"], m),
@@ -162,7 +139,7 @@ def ppo_loss(model: nn.Module, batch: Batch, cfg: PPOConfig):
                              "policy_loss": p_sum.detach() / n, "value_loss": v_sum.detach() / n}
 
 
-def ppo_count(batch: Batch, norm: str = "token") -> torch.Tensor:
+def ppo_count(batch: Batch, norm: str = PPO_NORM) -> torch.Tensor:
     """The stage's count_fn: what a step's loss is divided by (rl.losses.loss_count over the batch's mask)."""
     return loss_count(batch["mask"], norm)
 

@@ -14,7 +14,8 @@ from nanoforge.core.errors import NanoforgeError
 from nanoforge.weights.load import CRITIC_PREFIX, init_weights, load_model
 from nanoforge.model.gpt import GPT
 from nanoforge.rl import critic
-from nanoforge.rl.ppo_update import PPOConfig, forward_ppo
+from nanoforge.rl.options import PPOOptions
+from nanoforge.rl.ppo_update import forward_ppo
 from nanoforge.recipes.ppo import PPOOptions, ppo
 from nanoforge.rl.ppo_batches import ppo_rollout
 from nanoforge.rl.prompts import read_prompts
@@ -47,7 +48,7 @@ def test_rollout_batch_aligns_masks_and_gives_ratio_one(base_run, prompts_file):
     model = critic.PolicyWithValue.from_policy(policy)
     ref = load_model(base_run)[0]
     cfg = RolloutConfig(num_generations=2, temperature=0.9, max_new_tokens=6)
-    batch = ppo_rollout(model, tok, read_prompts(prompts_file)[:2], cfg, PPOConfig(temperature=0.9, beta=0.1),
+    batch = ppo_rollout(model, tok, read_prompts(prompts_file)[:2], cfg, PPOOptions(temperature=0.9, beta=0.1),
                         combine(parse_rewards("math,length")), seed=1, reference=ref)
     ids, mask = batch["input_ids"], batch["mask"]
     assert ids.shape == mask.shape == batch["old_logp"].shape == batch["returns"].shape and ids.shape[0] == 4

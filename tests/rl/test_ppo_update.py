@@ -10,7 +10,8 @@ from nanoforge.core.errors import NanoforgeError
 from nanoforge.model.gpt import GPT
 from nanoforge.model.interface import TrainableModel
 from nanoforge.rl.critic import CRITIC_PREFIX, PolicyWithValue, ValueModel, policy_weights
-from nanoforge.rl.ppo_update import (PPOConfig, forward_ppo, place_scores, ppo_batch, ppo_count, ppo_loss, shaped_rewards,
+from nanoforge.rl.options import PPOOptions
+from nanoforge.rl.ppo_update import (forward_ppo, place_scores, ppo_batch, ppo_count, ppo_loss, shaped_rewards,
                               should_stop_early, token_logprobs, whiten)
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.train.loop import train
@@ -92,7 +93,7 @@ def test_policy_with_value_saves_and_loads_both_halves_strictly(tie):
 def test_policy_with_value_trains_saves_and_resumes_through_the_one_loop(tmp_path):
     """The real train() on a fixed PPO batch: the loop accepts the model, both halves move, and a resumed run
     equals an uninterrupted one bit for bit (the checkpoint round-trips policy and critic)."""
-    batch = _toy_batch(PolicyWithValue.from_policy(tiny_gpt()), PPOConfig())[0]
+    batch = _toy_batch(PolicyWithValue.from_policy(tiny_gpt()), PPOOptions())[0]
 
     class Fixed:
         def next_batch(self):
@@ -104,7 +105,7 @@ def test_policy_with_value_trains_saves_and_resumes_through_the_one_loop(tmp_pat
         def load_state_dict(self, state):
             pass
 
-    cfg = PPOConfig()
+    cfg = PPOOptions()
 
     def run(out, steps, resume=False):
         model = PolicyWithValue.from_policy(tiny_gpt())
@@ -113,7 +114,7 @@ def test_policy_with_value_trains_saves_and_resumes_through_the_one_loop(tmp_pat
                                                "lr": 1e-3, "warmup_steps": 0, "schedule": "constant",
                                                "precision": "fp32", "device": "cpu", "tensorboard": False,
                                                "save_every": 2, "log_every": 1, "eval_every": 0})
-        stage = Stage("ppo", Fixed(), lambda m, b: ppo_loss(m, b, cfg), count_fn=lambda b: ppo_count(b, cfg.norm))
+        stage = Stage("ppo", Fixed(), lambda m, b: ppo_loss(m, b, cfg), count_fn=ppo_count)
         train(stage, model, mcfg, tcfg, out, resume=resume, quiet=True)
         return model
 
@@ -160,9 +161,9 @@ def test_gae_through_ppo_batch_matches_a_hand_computed_case():
     old_logp = torch.tensor([[0.0, -1.0, -1.0, -1.0, 0.0]])
     ref_logp = torch.tensor([[0.0, -1.0, -1.2, -1.0, 0.0]])  # token 2's log-ratio 0.2 -> reward -0.1
     values = torch.tensor([[9.0, 0.5, 0.4, 0.8, 9.0]])  # unmasked values never enter
-    cfg = PPOConfig(beta=0.5, gamma=1.0, lam=0.95, whiten=False)
+    cfg = PPOOptions(beta=0.5, gamma=1.0, lam=0.95)
     batch, stats = ppo_batch(torch.zeros(1, 5, dtype=torch.long), mask, old_logp, values, torch.tensor([1.0]),
-                             cfg, ref_logp=ref_logp)
+                             cfg, ref_logp=ref_logp, whitened=False)
     # r = (0, -0.1, 1); deltas: d3 = 1 - 0.8 = 0.2, d2 = -0.1 + 0.8 - 0.4 = 0.3, d1 = 0 + 0.4 - 0.5 = -0.1
     a3 = 0.2
     a2 = 0.3 + 0.95 * a3
@@ -183,9 +184,9 @@ def test_whitened_advantages_have_zero_mean_and_unit_std_over_masked_tokens_only
     # through ppo_batch: whitening is on by default, and the returns are not whitened
     vals = torch.randn(3, 8, generator=g)
     batch, _ = ppo_batch(torch.zeros(3, 8, dtype=torch.long), mask, torch.zeros(3, 8), vals,
-                         torch.tensor([1.0, 5.0, -2.0]), PPOConfig())
+                         torch.tensor([1.0, 5.0, -2.0]), PPOOptions())
     raw, _ = ppo_batch(torch.zeros(3, 8, dtype=torch.long), mask, torch.zeros(3, 8), vals,
-                       torch.tensor([1.0, 5.0, -2.0]), PPOConfig(whiten=False))
+                       torch.tensor([1.0, 5.0, -2.0]), PPOOptions(), whitened=False)
     torch.testing.assert_close(batch["advantages"], whiten(raw["advantages"], mask))
     torch.testing.assert_close(batch["returns"], raw["returns"])
 
@@ -210,7 +211,7 @@ def test_logprobs_and_values_are_aligned_with_the_tokens_they_belong_to():
 
 def test_fresh_batch_loss_has_ratio_one_no_clipping_and_counts_masked_tokens():
     model = PolicyWithValue.from_policy(tiny_gpt())
-    cfg = PPOConfig()
+    cfg = PPOOptions()
     batch, _ = _toy_batch(model, cfg)
     loss_sum, count, extras = ppo_loss(model, batch, cfg)
     assert count == batch["mask"].sum() == ppo_count(batch)
@@ -225,7 +226,7 @@ def test_early_stop_triggers_only_when_approx_kl_exceeds_the_target():
     assert not should_stop_early(0.01, 0.02) and not should_stop_early(0.02, 0.02)
     assert not should_stop_early(10.0, None)
     with pytest.raises(NanoforgeError, match="target_kl"):
-        PPOConfig(target_kl=0.0)
+        PPOOptions(target_kl=0.0).validate()
 
 
 def test_ppo_updates_raise_the_rewarded_reply_and_pull_values_toward_the_returns():
@@ -234,7 +235,7 @@ def test_ppo_updates_raise_the_rewarded_reply_and_pull_values_toward_the_returns
     log-prob rises, the other's falls, and the critic's error against the batch's returns shrinks. A sign
     error in the advantages, the ratio or the value loss drives one of them the other way."""
     model = PolicyWithValue.from_policy(tiny_gpt(1))
-    cfg = PPOConfig(beta=0.0)
+    cfg = PPOOptions(beta=0.0)
     ref = tiny_gpt(1)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     first = None
@@ -267,7 +268,7 @@ def test_ppo_updates_raise_the_rewarded_reply_and_pull_values_toward_the_returns
     assert values1[0][later[0]].min() > 0.5 and values1[1][later[1]].max() < -0.5
 
 
-def _toy_batch(model: PolicyWithValue, cfg: PPOConfig, ref: GPT | None = None):
+def _toy_batch(model: PolicyWithValue, cfg: PPOOptions, ref: GPT | None = None):
     """Two rollouts of prompt [1, 2, 3]: reply [5, 6, 7] scored +1, reply [8, 9] (then padding) scored -1."""
     ids = torch.tensor([[1, 2, 3, 5, 6, 7], [1, 2, 3, 8, 9, 0]])
     mask = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 0]], dtype=torch.bool)
