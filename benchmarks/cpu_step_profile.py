@@ -15,10 +15,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from nanoforge.core.config import build_config
-from nanoforge.core.device import autocast_context, keep_freed_memory
+from nanoforge.core.device import keep_freed_memory
 from nanoforge.model.gpt import GPT
-from nanoforge.train.objectives import causal_lm_loss
-from nanoforge.train.optim import build_optimizer
+from nanoforge.recipes.bench import loop_step
 
 
 def main() -> None:
@@ -35,18 +34,8 @@ def main() -> None:
     overrides = {"batch_size": args.batch_size, "seq_len": args.seq_len, "precision": args.precision}
     mcfg, tcfg = build_config("mini", None, {**overrides, "device": "cpu"})
     torch.manual_seed(0)
-    model, device = GPT(mcfg).train(), torch.device("cpu")
-    optimizer = build_optimizer(model, tcfg, device)
-    gen = torch.Generator().manual_seed(0)
-
-    def step() -> None:
-        ids = torch.randint(0, mcfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
-        with autocast_context(device, args.precision):
-            loss_sum, n, _ = causal_lm_loss(model, {"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
-        (loss_sum.float() / n).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    model = GPT(mcfg).train()
+    step = loop_step(model, mcfg, tcfg, torch.device("cpu"))
 
     for _ in range(2):
         step()

@@ -83,29 +83,16 @@ def side_minimind(args) -> dict:
 def side_ours(args) -> dict:
     """nanoforge's model and step, as train/loop.py runs it (without its logging, guards and data path)."""
     from nanoforge.core.config import build_config
-    from nanoforge.core.device import autocast_context, keep_freed_memory
+    from nanoforge.core.device import keep_freed_memory
     from nanoforge.model.gpt import GPT
-    from nanoforge.train.objectives import causal_lm_loss
-    from nanoforge.train.optim import build_optimizer
+    from nanoforge.recipes.bench import loop_step
 
     keep_freed_memory()  # as the loop does on a CPU
     mcfg, tcfg = build_config(SHAPES[args.model]["preset"], None, {"batch_size": args.batch_size, "device": "cpu",
                                                                   "seq_len": args.seq_len, "precision": args.precision})
     torch.manual_seed(0)
-    model, device = GPT(mcfg).train(), torch.device("cpu")
-    opt = build_optimizer(model, tcfg, device)
-    gen = torch.Generator().manual_seed(0)
-
-    def step():
-        ids = torch.randint(0, mcfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
-        with autocast_context(device, args.precision):
-            loss_sum, n, _ = causal_lm_loss(model, {"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
-        (loss_sum.float() / n).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    out = time_steps(step, args.steps, args.warmup, args.profile)
+    model = GPT(mcfg).train()
+    out = time_steps(loop_step(model, mcfg, tcfg, torch.device("cpu")), args.steps, args.warmup, args.profile)
     return {**out, "tokens_per_step": args.batch_size * args.seq_len, "params": model.num_params()}
 
 

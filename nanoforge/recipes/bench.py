@@ -124,9 +124,10 @@ def bench_ours(mcfg, tcfg, steps: int, warmup: int, data: str | None = None) -> 
     return {**out, **profiled_split(model, mcfg, tcfg, device)}
 
 
-def profiled_split(model, mcfg, tcfg, device: torch.device) -> dict[str, float]:
-    """One more step of the benched model, eager, under torch.profiler (after one unprofiled step): its time in
-    matmuls, attention and the rest (train/metrics.op_split), with the matmuls' own FLOP rate."""
+def loop_step(model, mcfg, tcfg, device: torch.device):
+    """One training step of the loop's pieces on seeded random tokens, as a function: autocast at tcfg.precision,
+    causal_lm_loss, backward, clip 1.0, the loop's optimizer (train/optim.py), zero_grad (for profiles and
+    benchmarks/step_vs_minimind.py; the loop's own logging, guards and data path left out)."""
     source = RandomTokens(mcfg.vocab_size, tcfg.batch_size, tcfg.seq_len, seed=tcfg.seed + 1)
     optimizer = build_optimizer(model, tcfg, device)
 
@@ -139,7 +140,13 @@ def profiled_split(model, mcfg, tcfg, device: torch.device) -> dict[str, float]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
+    return step
 
+
+def profiled_split(model, mcfg, tcfg, device: torch.device) -> dict[str, float]:
+    """One more step of the benched model, eager, under torch.profiler (after one unprofiled step): its time in
+    matmuls, attention and the rest (train/metrics.op_split), with the matmuls' own FLOP rate."""
+    step = loop_step(model, mcfg, tcfg, device)
     model.train()
     step()
     cuda = device.type == "cuda"
