@@ -21,7 +21,7 @@ from nanoforge.rl.losses import ADVANTAGES, LOSSES, NORMS
 from nanoforge.rl.prompts import PromptIterator, read_prompts
 from nanoforge.rl.reward_model import load_reward_model
 from nanoforge.rl.rewards import RewardFn, check_records, combine, parse_rewards, parse_weights
-from nanoforge.rl.rollout import RolloutConfig, check_prompts, rollout
+from nanoforge.rl.rollout import check_prompts, rollout
 from nanoforge.rl.grpo_batches import RolloutBatches, policy_count, policy_objective
 from nanoforge.chat.tokenizer import load_tokenizer
 from nanoforge.train.distributed import setup, world
@@ -156,19 +156,19 @@ def grpo(init: str | None, data: str | None, out: str | Path, options: RLOptions
     device = setup(resolve_device(tcfg.device))  # under torchrun: this rank's device
     w = world()
     iterator = PromptIterator(records, o["prompts_per_step"], tcfg.seed, w.rank, w.world_size)
-    cfg = RolloutConfig(**{f.name: o[f.name] for f in fields(RolloutConfig) if f.name in o}, precision=tcfg.precision)
-    cfg.validate()
+    opts = RLOptions(**{f.name: o[f.name] for f in fields(RLOptions) if f.name in o})  # the resolved options
+    opts.validate()
     reference = frozen_reference(mcfg, tcfg, run.init, device) if o["beta"] > 0 else None
     model = initial_gpt(mcfg, tcfg, run.init, resume)
     tools = parse_tool_names(o.get("tools"))
     if tools:  # multi-turn: rl/agent.py's rollouts and reward
-        check_agent_prompts(tok, records, tools, cfg.think, model.model.rotary_emb.n_positions)
+        check_agent_prompts(tok, records, tools, opts.think, model.model.rotary_emb.n_positions)
         rollout_fn, reward = partial(agent_rollout, tools=tools, max_turns=o["max_turns"]), None
     else:
-        check_prompts(tok, records, cfg.think, model.model.rotary_emb.n_positions)
+        check_prompts(tok, records, opts.think, model.model.rotary_emb.n_positions)
         rollout_fn, reward = rollout, reward_function(o, rewards, device)
-    batches = RolloutBatches(model, tok, iterator, cfg, reward, tcfg.seed, o["ppo_epochs"], tcfg.grad_accum,
-                             reference, rollout_fn)
+    batches = RolloutBatches(model, tok, iterator, opts, reward, tcfg.seed, o["ppo_epochs"], tcfg.grad_accum,
+                             reference, rollout_fn, tcfg.precision)
     tcfg.batch_size = batches.micro_rows  # for the header: replies per micro-batch
     loss = policy_objective(o["loss"], o["epsilon"], o.get("epsilon_high"), o["beta"], o["loss_norm"], o["temperature"],
                             batches)

@@ -18,7 +18,7 @@ from nanoforge.rl.options import PPOOptions
 from nanoforge.rl.ppo_update import ppo_count
 from nanoforge.rl.ppo_batches import PPOBatches, ppo_objective
 from nanoforge.rl.prompts import PromptIterator
-from nanoforge.rl.rollout import RolloutConfig, check_prompts
+from nanoforge.rl.rollout import check_prompts
 from nanoforge.train.distributed import setup, world
 from nanoforge.train.loop import Stage
 from nanoforge.train.rundir import fresh_run_guard, resolve_run_options
@@ -62,15 +62,12 @@ def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions
     device = setup(resolve_device(tcfg.device))
     w = world()
     iterator = PromptIterator(records, o["prompts_per_step"], tcfg.seed, w.rank, w.world_size)
-    # the group advantage of RolloutConfig is GRPO's and unused here: PPO's advantages come from GAE
-    cfg = RolloutConfig(**{f.name: o[f.name] for f in fields(RolloutConfig) if f.name in o}, advantage="mean",
-                        precision=tcfg.precision)
     reference = frozen_reference(mcfg, tcfg, run.init, device) if cfg_ppo.beta > 0 else None
     model = (PolicyWithValue.from_config(mcfg) if resume  # the loop loads the checkpoint's policy and critic
              else PolicyWithValue.from_policy(initial_gpt(mcfg, tcfg, run.init, resume)))
-    check_prompts(tok, records, cfg.think, model.policy.model.rotary_emb.n_positions)
-    batches = PPOBatches(model, tok, iterator, cfg, cfg_ppo, reward_function(o, rewards, device), tcfg.seed,
-                         o["ppo_epochs"], tcfg.grad_accum, reference)
+    check_prompts(tok, records, cfg_ppo.think, model.policy.model.rotary_emb.n_positions)
+    batches = PPOBatches(model, tok, iterator, cfg_ppo, reward_function(o, rewards, device), tcfg.seed,
+                         o["ppo_epochs"], tcfg.grad_accum, reference, tcfg.precision)
     tcfg.batch_size = batches.micro_rows
     sampler = make_sampler(run.run_dir, tcfg, tok, prompts, chat=True)
     stage = Stage("ppo", batches, ppo_objective(cfg_ppo), None, None, run.info,

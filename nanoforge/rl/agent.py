@@ -51,7 +51,8 @@ from nanoforge.chat.replies import Reply, parse_reply
 from nanoforge.chat.tools import tool_messages, tool_schemas
 from nanoforge.rl.prompts import PromptRecord
 from nanoforge.rl.rewards import AgentTurns, agent_reward_parts
-from nanoforge.rl.rollout import Batch, RolloutConfig, check_fits, policy_batch
+from nanoforge.rl.options import RLOptions
+from nanoforge.rl.rollout import Batch, check_fits, policy_batch
 from nanoforge.chat.calculator import BUILTIN_TOOLS
 
 
@@ -202,8 +203,8 @@ def pack_trajectories(trajectories: Sequence[Trajectory], pad_id: int) -> tuple[
     return ids, mask
 
 
-def agent_rollout(model, tokenizer, records: Sequence[PromptRecord], cfg: RolloutConfig, reward_fn, seed: int,
-                  reference=None, micro_rows: int | None = None, *, tools: Sequence[str],
+def agent_rollout(model, tokenizer, records: Sequence[PromptRecord], opts: RLOptions, reward_fn, seed: int,
+                  reference=None, micro_rows: int | None = None, precision: str = "fp32", *, tools: Sequence[str],
                   max_turns: int) -> Batch:
     """rl/rollout.py `rollout` for `grpo --tools`: each record rolled out num_generations times by
     agent_rollouts (every trajectory of the step in one batch per round), rewarded by the agent reward alone
@@ -211,20 +212,20 @@ def agent_rollout(model, tokenizer, records: Sequence[PromptRecord], cfg: Rollou
     packed ids in the loss's micro-batch chunks; the old ones are the first update's)."""
     if reward_fn is not None:
         raise NanoforgeError("--tools: the agent reward is the reward; --reward and --reward-model do not apply")
-    G = cfg.num_generations
-    prompts = [agent_prompt(tokenizer, r, tools, cfg.think) for r in records]
+    G = opts.num_generations
+    prompts = [agent_prompt(tokenizer, r, tools, opts.think) for r in records]
     for ids, record in zip(prompts, records):
         check_fits(ids, record, model.model.rotary_emb.n_positions)
-    sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=seed)
+    sampling = SamplingConfig(temperature=opts.temperature, max_new_tokens=opts.max_new_tokens, seed=seed)
     start = time.perf_counter()
     trajectories = agent_rollouts(model, tokenizer, [p for p in prompts for _ in range(G)],
-                                  [r for r in records for _ in range(G)], tools, sampling, max_turns, cfg.think,
-                                  precision=cfg.precision)
+                                  [r for r in records for _ in range(G)], tools, sampling, max_turns, opts.think,
+                                  precision=precision)
     seconds = time.perf_counter() - start
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)  # (B,)
     input_ids, loss_mask = pack_trajectories(trajectories, tokenizer.pad_id if tokenizer.pad_id is not None else 0)
-    return policy_batch(reference, input_ids, loss_mask, rewards, cfg, micro_rows,
-                        agent_stats(trajectories, seconds))
+    return policy_batch(reference, input_ids, loss_mask, rewards, opts, micro_rows,
+                        agent_stats(trajectories, seconds), precision)
 
 
 def agent_stats(trajectories: Sequence[Trajectory], seconds: float) -> dict[str, float]:

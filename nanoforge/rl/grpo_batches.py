@@ -21,7 +21,8 @@ from nanoforge.core.errors import NanoforgeError
 from nanoforge.rl.losses import loss_count, policy_loss
 from nanoforge.rl.prompts import PromptIterator
 from nanoforge.model.prefix import prefix_token_logps
-from nanoforge.rl.rollout import Batch, RewardFn, RolloutConfig, rollout, rows
+from nanoforge.rl.options import PPOOptions, RLOptions
+from nanoforge.rl.rollout import Batch, RewardFn, rollout, rows
 
 
 def rollout_seed(seed: int, index: int, rank: int) -> int:
@@ -33,18 +34,20 @@ def rollout_seed(seed: int, index: int, rank: int) -> int:
 class RolloutBatches:
     """BatchSource of the RL stages: next_batch() returns micro-batch (call % grad_accum) of the current rollout,
     sampling a new rollout every ppo_epochs x grad_accum calls. The model is the plain (unwrapped) policy.
-    rollout_fn samples a rollout batch, rl/rollout.py `rollout` or (grpo --tools) rl/agent.py `agent_rollout`."""
+    rollout_fn samples a rollout batch, rl/rollout.py `rollout` or (grpo --tools) rl/agent.py `agent_rollout`, in
+    `precision`; opts: the stage's options (their sampling fields)."""
 
-    def __init__(self, model, tokenizer, prompts: PromptIterator, cfg: RolloutConfig, reward_fn: RewardFn | None,
-                 seed: int, ppo_epochs: int = 1, grad_accum: int = 1, reference=None, rollout_fn=rollout):
-        rows_per_rollout = prompts.prompts_per_step * cfg.num_generations
+    def __init__(self, model, tokenizer, prompts: PromptIterator, opts: RLOptions | PPOOptions,
+                 reward_fn: RewardFn | None, seed: int, ppo_epochs: int = 1, grad_accum: int = 1, reference=None,
+                 rollout_fn=rollout, precision: str = "fp32"):
+        rows_per_rollout = prompts.prompts_per_step * opts.num_generations
         if rows_per_rollout % grad_accum:
             raise NanoforgeError(f"--grad-accum {grad_accum} must divide the {rows_per_rollout} replies of a rollout "
                                  f"(--prompts-per-step {prompts.prompts_per_step} x --num-generations "
-                                 f"{cfg.num_generations})")
-        self.model, self.tokenizer, self.prompts, self.cfg = model, tokenizer, prompts, cfg
+                                 f"{opts.num_generations})")
+        self.model, self.tokenizer, self.prompts, self.opts = model, tokenizer, prompts, opts
         self.reward_fn, self.seed, self.reference, self.rollout_fn = reward_fn, int(seed), reference, rollout_fn
-        self.ppo_epochs, self.grad_accum = ppo_epochs, grad_accum
+        self.ppo_epochs, self.grad_accum, self.precision = ppo_epochs, grad_accum, precision
         self.micro_rows = rows_per_rollout // grad_accum
         self.calls = 0  # next_batch calls so far
         self.rollouts = 0  # rollouts sampled so far
@@ -56,7 +59,7 @@ class RolloutBatches:
     def sequences_per_epoch(self) -> int:
         """For --epochs (recipes/common.py steps_from_epochs, which divides by the replies of a step): every prompt
         once, G replies each, trained on ppo_epochs times."""
-        return len(self.prompts.records) * self.cfg.num_generations * self.ppo_epochs
+        return len(self.prompts.records) * self.opts.num_generations * self.ppo_epochs
 
     @property
     def cycle(self) -> int:
@@ -73,8 +76,8 @@ class RolloutBatches:
     def _sample(self) -> None:
         records = self.prompts.next_prompts()
         seed = rollout_seed(self.seed, self.rollouts, self.prompts.rank)
-        self.current = self.rollout_fn(self.model, self.tokenizer, records, self.cfg, self.reward_fn, seed,
-                                       self.reference, self.micro_rows)
+        self.current = self.rollout_fn(self.model, self.tokenizer, records, self.opts, self.reward_fn, seed,
+                                       self.reference, self.micro_rows, self.precision)
         self.rollouts += 1
         self.every_rank = [self.current]
         if "old_logp" in self.current:  # ppo's; grpo's come with its first update (keep_old_logps)

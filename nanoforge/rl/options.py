@@ -53,6 +53,11 @@ class RLOptions:
                                "need \"gt\"; no --reward)")
     max_turns: int = option(3, "[1, inf)", metavar="N", help="with --tools: replies per trajectory")
 
+    def validate(self) -> None:
+        if self.num_generations < 2:
+            raise NanoforgeError(f"--num-generations {self.num_generations}: a group needs at least 2 replies "
+                                 "(its advantages are relative to the group's mean)")
+
 
 @dataclass
 class PPOOptions:

@@ -24,7 +24,7 @@ from nanoforge.rl.losses import approx_kl
 from nanoforge.rl.options import PPOOptions
 from nanoforge.rl.ppo_update import forward_ppo, ppo_batch, ppo_loss, should_stop_early, token_logprobs
 from nanoforge.rl.prompts import PromptIterator
-from nanoforge.rl.rollout import Batch, RewardFn, RolloutConfig, sample_scored
+from nanoforge.rl.rollout import Batch, RewardFn, sample_scored
 from nanoforge.rl.grpo_batches import RolloutBatches
 from nanoforge.train import distributed
 
@@ -34,12 +34,10 @@ class PPOBatches(RolloutBatches):
     micro-batch call % grad_accum of it, resumable mid-rollout) whose rollouts are ppo_rollout's, and whose
     remaining epochs are skipped when --target-kl says the policy has moved too far."""
 
-    def __init__(self, model, tokenizer, prompts: PromptIterator, cfg: RolloutConfig, ppo: PPOOptions,
-                 reward_fn: RewardFn, seed: int, ppo_epochs: int = 2, grad_accum: int = 1, reference=None):
-        def sample(model, tokenizer, records, cfg, reward_fn, seed, reference, micro_rows):
-            return ppo_rollout(model, tokenizer, records, cfg, ppo, reward_fn, seed, reference, micro_rows)
-
-        super().__init__(model, tokenizer, prompts, cfg, reward_fn, seed, ppo_epochs, grad_accum, reference, sample)
+    def __init__(self, model, tokenizer, prompts: PromptIterator, ppo: PPOOptions, reward_fn: RewardFn, seed: int,
+                 ppo_epochs: int = 2, grad_accum: int = 1, reference=None, precision: str = "fp32"):
+        super().__init__(model, tokenizer, prompts, ppo, reward_fn, seed, ppo_epochs, grad_accum, reference,
+                         ppo_rollout, precision)
         self.ppo = ppo
         self.early_stops = 0  # rollouts whose epochs --target-kl cut short
 
@@ -60,7 +58,7 @@ class PPOBatches(RolloutBatches):
         if self.ppo.target_kl is None:
             return False
         batch = self.current
-        logp = gpt_logprobs(self.model.policy, batch["input_ids"], self.cfg.temperature, self.cfg.precision,
+        logp = gpt_logprobs(self.model.policy, batch["input_ids"], self.ppo.temperature, self.precision,
                             self.micro_rows)
         kl = approx_kl(logp, batch["old_logp"], batch["mask"]).reshape(1).float()
         if self.prompts.world_size > 1:
@@ -101,16 +99,16 @@ def old_outputs(model, input_ids: torch.Tensor, temperature: float, precision: s
     return torch.cat(logps), torch.cat(values)
 
 
-def ppo_rollout(model, tokenizer, records, cfg: RolloutConfig, ppo: PPOOptions, reward_fn: RewardFn, seed: int,
-                reference=None, micro_rows: int | None = None) -> Batch:
+def ppo_rollout(model, tokenizer, records, ppo: PPOOptions, reward_fn: RewardFn, seed: int, reference=None,
+                micro_rows: int | None = None, precision: str = "fp32") -> Batch:
     """A rollout as rl/ppo_update.py's batch: P prompts x G replies sampled by model.policy, scored by reward_fn, the
     old log-probs and values of the combined model, the reference's log-probs when beta > 0, then ppo_batch
     (shaped rewards, GAE, whitening); its figures as stat_* scalars for the log."""
-    input_ids, loss_mask, scores, reply_stats = sample_scored(model.policy, tokenizer, records, cfg, reward_fn, seed)
+    input_ids, loss_mask, scores, reply_stats = sample_scored(model.policy, tokenizer, records, ppo, reward_fn, seed, precision)
     mask = F.pad(loss_mask, (1, 0)).bool()  # per token (rl/ppo_update.py's alignment): 1 on the reply's tokens
     chunk = micro_rows or len(input_ids)
-    old_logp, old_values = old_outputs(model, input_ids, cfg.temperature, cfg.precision, chunk)
-    ref_logp = (gpt_logprobs(reference, input_ids, cfg.temperature, cfg.precision, chunk)
+    old_logp, old_values = old_outputs(model, input_ids, ppo.temperature, precision, chunk)
+    ref_logp = (gpt_logprobs(reference, input_ids, ppo.temperature, precision, chunk)
                 if reference is not None and ppo.beta > 0 else None)
     batch, stats = ppo_batch(input_ids, mask, old_logp, old_values, scores, ppo, ref_logp)
     stats.update({"reward_mean": scores.mean().item(),

@@ -19,7 +19,6 @@ or a repetition penalty the ratio would no longer start at 1."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -31,26 +30,11 @@ from nanoforge.chat.replies import THINK_OPEN
 from nanoforge.rl.losses import group_advantages
 from nanoforge.model.prefix import prefix_token_logps
 from nanoforge.rl.prompts import PromptRecord
+from nanoforge.rl.options import PPOOptions, RLOptions
 
 Batch = dict[str, torch.Tensor]
 # fn(completion text, reward record) -> (total reward, {reward name: value}); rl/rewards.py combine()
 RewardFn = Callable[[str, dict], tuple[float, dict[str, float]]]
-
-
-@dataclass
-class RolloutConfig:
-    """How a step's rollouts are sampled and scored."""
-    num_generations: int = 6  # G replies per prompt (MiniMind: 6)
-    temperature: float = 0.8  # sampling temperature; the trained log-probs are at this temperature too
-    max_new_tokens: int = 256
-    think: bool = False  # open the think block in the generation prompt (MiniMind-3's template)
-    advantage: str = "zscore"
-    precision: str = "fp32"
-
-    def validate(self) -> None:
-        if self.num_generations < 2:
-            raise NanoforgeError(f"--num-generations {self.num_generations}: a group needs at least 2 replies "
-                                 "(its advantages are relative to the group's mean)")
 
 
 def render_prompt(tokenizer, record: PromptRecord, think: bool) -> tuple[list[int], bool]:
@@ -76,13 +60,14 @@ def check_fits(prompt: list[int], record: PromptRecord, context: int) -> None:
                              f"at most {context}, which leaves no room for a reply; shorten or drop this prompt")
 
 
-def sample_replies(model, tokenizer, prompts: Sequence[list[int]], cfg: RolloutConfig, seed: int) -> list[Completion]:
+def sample_replies(model, tokenizer, prompts: Sequence[list[int]], opts: RLOptions | PPOOptions, seed: int,
+                   precision: str) -> list[Completion]:
     """One reply per prompt id list, all rows in one batch, stopping at <|im_end|>; drawn from softmax(logits / T)
     with a private generator seeded with `seed` (so a rollout is reproducible from its seed alone)."""
     if tokenizer.im_end_id is None:
         raise NanoforgeError("RL needs a chat tokenizer with <|im_end|>, the token that ends a reply")
-    sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=seed)
-    return complete(model, tokenizer, prompts, sampling, stop_ids=[tokenizer.im_end_id], precision=cfg.precision)
+    sampling = SamplingConfig(temperature=opts.temperature, max_new_tokens=opts.max_new_tokens, seed=seed)
+    return complete(model, tokenizer, prompts, sampling, stop_ids=[tokenizer.im_end_id], precision=precision)
 
 
 @torch.no_grad()
@@ -126,30 +111,30 @@ def score(replies: Sequence[Completion], records: Sequence[dict], reward_fn: Rew
     return torch.tensor(totals, dtype=torch.float32), {k: v / len(replies) for k, v in parts_sum.items()}
 
 
-def rollout(model, tokenizer, records: Sequence[PromptRecord], cfg: RolloutConfig, reward_fn: RewardFn, seed: int,
-            reference=None, micro_rows: int | None = None) -> Batch:
+def rollout(model, tokenizer, records: Sequence[PromptRecord], opts: RLOptions, reward_fn: RewardFn, seed: int,
+            reference=None, micro_rows: int | None = None, precision: str = "fp32") -> Batch:
     """A step's rollout batch (see the module docstring) for `records`, each sampled num_generations times;
     micro_rows: the rows of the micro-batches the loss will take (all by default)."""
-    input_ids, loss_mask, rewards, stats = sample_scored(model, tokenizer, records, cfg, reward_fn, seed)
-    return policy_batch(reference, input_ids, loss_mask, rewards, cfg, micro_rows, stats)
+    input_ids, loss_mask, rewards, stats = sample_scored(model, tokenizer, records, opts, reward_fn, seed, precision)
+    return policy_batch(reference, input_ids, loss_mask, rewards, opts, micro_rows, stats, precision)
 
 
-def sample_scored(policy, tokenizer, records: Sequence[PromptRecord], cfg: RolloutConfig, reward_fn: RewardFn,
-                  seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
+def sample_scored(policy, tokenizer, records: Sequence[PromptRecord], opts: RLOptions | PPOOptions,
+                  reward_fn: RewardFn, seed: int, precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
     """What every single-turn rollout (grpo's, ppo's) starts with: each record rendered, checked against the
     context and sampled num_generations times by `policy`, the replies scored and packed. Returns (input_ids,
     loss_mask, rewards (B,), the replies' figures and the mean of each reward's part, for the log)."""
-    G = cfg.num_generations
-    rendered = [render_prompt(tokenizer, r, cfg.think) for r in records]
+    G = opts.num_generations
+    rendered = [render_prompt(tokenizer, r, opts.think) for r in records]
     for (ids, _), record in zip(rendered, records):
         check_fits(ids, record, policy.model.rotary_emb.n_positions)
     prompts = [ids for ids, _ in rendered for _ in range(G)]
     start = time.perf_counter()
-    replies = sample_replies(policy, tokenizer, prompts, cfg, seed)
+    replies = sample_replies(policy, tokenizer, prompts, opts, seed, precision)
     seconds = time.perf_counter() - start
     reward_records = [{**r.reward_record(), "thinking_open": open_} for r, (_, open_) in zip(records, rendered)
                       for _ in range(G)]
-    rewards, parts = score(replies, reward_records, reward_fn, cfg.max_new_tokens)
+    rewards, parts = score(replies, reward_records, reward_fn, opts.max_new_tokens)
     input_ids, loss_mask = pack(prompts, replies, tokenizer.pad_id if tokenizer.pad_id is not None else 0)
     new_tokens = sum(len(r.token_ids) + (r.stop_id is not None) for r in replies)
     return input_ids, loss_mask, rewards, {
@@ -159,14 +144,14 @@ def sample_scored(policy, tokenizer, records: Sequence[PromptRecord], cfg: Rollo
 
 
 def policy_batch(reference, input_ids: torch.Tensor, loss_mask: torch.Tensor, rewards: torch.Tensor,
-                 cfg: RolloutConfig, micro_rows: int | None, stats: dict[str, float]) -> Batch:
+                 opts: RLOptions, micro_rows: int | None, stats: dict[str, float], precision: str) -> Batch:
     """The rollout batch of packed rows (rollout's, rl/agent.py's): the reference's log-probs (beta > 0) in the
     loss's micro-batch chunks, group advantages of the rewards, and the reward figures and `stats` as stat_* scalars."""
-    grouped = rewards.view(-1, cfg.num_generations)  # (P, G)
+    grouped = rewards.view(-1, opts.num_generations)  # (P, G)
     batch = {"input_ids": input_ids, "loss_mask": loss_mask,
-             "advantages": group_advantages(grouped, cfg.advantage).view(-1), "rewards": rewards}  # (B,)
+             "advantages": group_advantages(grouped, opts.advantage).view(-1), "rewards": rewards}  # (B,)
     if reference is not None:
-        batch["ref_logp"] = frozen_logps(reference, input_ids, loss_mask, cfg.temperature, cfg.precision, micro_rows)
+        batch["ref_logp"] = frozen_logps(reference, input_ids, loss_mask, opts.temperature, precision, micro_rows)
     stats = {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
              "zero_var_groups": (grouped.amax(1) == grouped.amin(1)).float().mean().item(), **stats}
     batch.update({f"stat_{k}": torch.tensor(v, dtype=torch.float32) for k, v in stats.items()})

@@ -17,7 +17,7 @@ from nanoforge.rl.losses import policy_loss
 from nanoforge.rl.rewards import combine, parse_rewards
 from nanoforge.rl.prompts import PromptIterator, read_prompts
 from nanoforge.model.prefix import prefix_token_logps
-from nanoforge.rl.rollout import RolloutConfig, frozen_logps, pack, rollout
+from nanoforge.rl.rollout import frozen_logps, pack, rollout
 from nanoforge.rl.grpo_batches import RolloutBatches, decode_batch, encode_batch, policy_objective
 from nanoforge.weights import checkpoint as ckpt
 
@@ -45,7 +45,7 @@ def _rollout(base_run, prompts_file, tiny_tokenizer, G=3, reference=True):
     model, tok, _ = load_model(base_run)
     ref = load_model(base_run)[0] if reference else None
     records = read_prompts(prompts_file)[:2]
-    cfg = RolloutConfig(num_generations=G, temperature=0.9, max_new_tokens=6)
+    cfg = RLOptions(num_generations=G, temperature=0.9, max_new_tokens=6)
     batch = rollout(model, tok, records, cfg, combine(parse_rewards("math,length")), seed=1, reference=ref)
     return model, tok, batch
 
@@ -87,7 +87,7 @@ def test_the_first_updates_log_probs_are_the_old_ones_a_separate_forward_gives(b
     and the second update trains against them."""
     from nanoforge.weights.load import load_model
     model, tok, _ = load_model(base_run)
-    cfg = RolloutConfig(num_generations=3, temperature=0.9, max_new_tokens=6)
+    cfg = RLOptions(num_generations=3, temperature=0.9, max_new_tokens=6)
     batches = RolloutBatches(model, tok, PromptIterator(read_prompts(prompts_file), 2, seed=0), cfg,
                              combine(parse_rewards("math,length")), seed=1, ppo_epochs=2, grad_accum=2)
     loss = policy_objective("grpo", 0.2, None, 0.0, "sequence", 0.9, batches)

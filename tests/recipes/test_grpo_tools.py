@@ -18,7 +18,6 @@ from nanoforge.recipes.grpo import RLOptions, grpo
 from nanoforge.rl.losses import policy_loss
 from nanoforge.rl.prompts import PromptIterator
 from nanoforge.model.prefix import prefix_token_logps
-from nanoforge.rl.rollout import RolloutConfig
 from nanoforge.rl.grpo_batches import RolloutBatches, policy_objective
 from nanoforge.chat.calculator import evaluate
 from nanoforge.weights import checkpoint as ckpt
@@ -55,7 +54,7 @@ def test_a_scripted_step_equals_the_hand_built_batch(tiny_tokenizer):
     answer_prompt, looping_prompt = (agent_prompt(tok, r, TOOLS, False) for r in (answer_rec, looping_rec))
     call, answer = reply(tok, CALL), reply(tok, "The answer is 84.")
     model = scripted_model(tok, {tuple(answer_prompt): [call, answer], tuple(looping_prompt): [call, call, call]})
-    cfg = RolloutConfig(num_generations=2, temperature=0.8, max_new_tokens=64, advantage="zscore")
+    cfg = RLOptions(num_generations=2, temperature=0.8, max_new_tokens=64, advantage="zscore")
     records = [answer_rec, looping_rec]
     batches = RolloutBatches(model, tok, PromptIterator(records, 2, seed=0), cfg, None, seed=0, grad_accum=2,
                              reference=model, rollout_fn=partial(agent_rollout, tools=TOOLS, max_turns=2))
@@ -111,7 +110,7 @@ def test_a_step_whose_trajectories_all_lack_room_trains_nothing_and_stays_finite
     rec = record("What is 12*7?", "84")
     prompt = agent_prompt(tok, rec, TOOLS, False)
     model = scripted_model(tok, {}, max_seq_len=len(prompt) + 7)
-    cfg = RolloutConfig(num_generations=2, temperature=1.0, max_new_tokens=8)
+    cfg = RLOptions(num_generations=2, temperature=1.0, max_new_tokens=8)
     batch = agent_rollout(model, tok, [rec], cfg, None, seed=3, reference=model, tools=TOOLS, max_turns=2)
     assert batch["input_ids"].tolist() == [prompt, prompt] and batch["loss_mask"].sum().item() == 0
     assert batch["rewards"].tolist() == [-0.5, -0.5] and batch["stat_unfinished"].item() == 1.0

@@ -20,7 +20,6 @@ from nanoforge.recipes.ppo import PPOOptions, ppo
 from nanoforge.rl.ppo_batches import ppo_rollout
 from nanoforge.rl.prompts import read_prompts
 from nanoforge.rl.rewards import combine, parse_rewards
-from nanoforge.rl.rollout import RolloutConfig
 from nanoforge.rl.grpo_batches import decode_batch, encode_batch
 from nanoforge.weights import checkpoint as ckpt
 
@@ -47,9 +46,9 @@ def test_rollout_batch_aligns_masks_and_gives_ratio_one(base_run, prompts_file):
     policy, tok, _ = load_model(base_run)
     model = critic.PolicyWithValue.from_policy(policy)
     ref = load_model(base_run)[0]
-    cfg = RolloutConfig(num_generations=2, temperature=0.9, max_new_tokens=6)
-    batch = ppo_rollout(model, tok, read_prompts(prompts_file)[:2], cfg, PPOOptions(temperature=0.9, beta=0.1),
-                        combine(parse_rewards("math,length")), seed=1, reference=ref)
+    options = PPOOptions(num_generations=2, temperature=0.9, max_new_tokens=6, beta=0.1)
+    batch = ppo_rollout(model, tok, read_prompts(prompts_file)[:2], options, combine(parse_rewards("math,length")),
+                        seed=1, reference=ref)
     ids, mask = batch["input_ids"], batch["mask"]
     assert ids.shape == mask.shape == batch["old_logp"].shape == batch["returns"].shape and ids.shape[0] == 4
     for row, m in zip(ids, mask):
