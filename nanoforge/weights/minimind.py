@@ -50,8 +50,8 @@ def pth_tokenizer_dir(pth: str | os.PathLike) -> Path:
     for candidate in (pth.parent, pth.parent.parent / "model"):
         if (candidate / "tokenizer.json").is_file():
             return candidate
-    raise NanoforgeError(f"{pth}: a MiniMind .pth holds no tokenizer; pass --tokenizer DIR (MiniMind's model/ "
-                         "folder, or ../shared/data/minimind-tokenizer)")
+    raise NanoforgeError(f"{pth}: a MiniMind .pth holds no tokenizer; pass --tokenizer DIR (the model/ folder "
+                         "of a MiniMind checkout, github.com/jingyaogong/minimind)")
 
 
 def read_pth(path: str | os.PathLike) -> dict[str, torch.Tensor]:
