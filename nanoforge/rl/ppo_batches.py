@@ -104,7 +104,8 @@ def ppo_rollout(model, tokenizer, records, ppo: PPOOptions, reward_fn: RewardFn,
     """A rollout as rl/ppo_update.py's batch: P prompts x G replies sampled by model.policy, scored by reward_fn, the
     old log-probs and values of the combined model, the reference's log-probs when beta > 0, then ppo_batch
     (shaped rewards, GAE, whitening); its figures as stat_* scalars for the log."""
-    input_ids, loss_mask, scores, reply_stats = sample_scored(model.policy, tokenizer, records, ppo, reward_fn, seed, precision)
+    input_ids, loss_mask, scores, reply_stats = sample_scored(model.policy, tokenizer, records, ppo, reward_fn, seed,
+                                                              precision)
     mask = F.pad(loss_mask, (1, 0)).bool()  # per token (rl/ppo_update.py's alignment): 1 on the reply's tokens
     chunk = micro_rows or len(input_ids)
     old_logp, old_values = old_outputs(model, input_ids, ppo.temperature, precision, chunk)

@@ -120,7 +120,8 @@ def rollout(model, tokenizer, records: Sequence[PromptRecord], opts: RLOptions, 
 
 
 def sample_scored(policy, tokenizer, records: Sequence[PromptRecord], opts: RLOptions | PPOOptions,
-                  reward_fn: RewardFn, seed: int, precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
+                  reward_fn: RewardFn, seed: int,
+                  precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
     """What every single-turn rollout (grpo's, ppo's) starts with: each record rendered, checked against the
     context and sampled num_generations times by `policy`, the replies scored and packed. Returns (input_ids,
     loss_mask, rewards (B,), the replies' figures and the mean of each reward's part, for the log)."""
