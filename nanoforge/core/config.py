@@ -49,7 +49,8 @@ class ModelConfig:
     qk_norm: bool = option(False, help="RMSNorm on per-head q and k (Qwen3 style)")
     dropout: float = option(0.0, help="dropout on attention and residual branches while training")
     tie_embeddings: bool = option(True, help="the output head shares the input embedding's weights")
-    init_std: float = option(0.02, help="std of the normal initialisation (residual projections scaled by 1/sqrt(2 "
+    init_std: float = option(0.02,
+                             help="std of the normal initialisation (residual projections scaled by 1/sqrt(2 "
                              "n_layers))")
     n_experts: int = option(0, help="mixture of experts: 0 keeps the dense SwiGLU; otherwise each token goes to its "
                             "top experts_per_token")
@@ -108,8 +109,8 @@ class TrainConfig:
     schedule: str = option("cosine", help="cosine | wsd | onecycle | constant")
     warmup_steps: int = option(100, help="linear warmup from 0 to lr")
     decay_fraction: float = option(0.2, help="wsd: share of the steps spent decaying at the end")
-    weight_decay: float = option(0.1, help="AdamW decoupled weight decay (matrices only; not norms, biases or "
-                                 "embeddings)")
+    weight_decay: float = option(0.1,
+                                 help="AdamW decoupled weight decay (matrices only; not norms, biases or embeddings)")
     beta1: float = option(0.9, help="AdamW beta1")
     beta2: float = option(0.95, help="AdamW beta2")
     grad_clip: float = option(1.0, help="clip the global gradient norm to this; 0 disables clipping")

@@ -78,13 +78,13 @@ class ChunkTask:
     first_line: int
     data: bytes
     skip_invalid: bool
+    rows: list | None = None  # Parquet / datasets rows as records (data/columnar.py); first_line is a row number
     # plain text: the chunk is a piece of one of the file's documents (its head, or its held-out tail when
     # `text_val`); `text_end` says it is the last piece of that document
     plain_text: bool = False
     text_end: bool = True
     text_val: bool = False
     drop_empty_think: float = 0.0  # sft: the seeded share of records rendered without empty think blocks
-    rows: list | None = None  # Parquet / datasets rows as records (data/columnar.py); first_line is a row number
 
 
 def chunk_tasks(kind: str, sources: list[SourceStats], chunk_bytes: int, skip_invalid: bool,
@@ -94,14 +94,15 @@ def chunk_tasks(kind: str, sources: list[SourceStats], chunk_bytes: int, skip_in
         if is_columnar(source.path):
             source.size = hash_source(source.path, source.hasher)
             for first_row, rows in row_chunks(source.path, kind, text_column):
-                yield ChunkTask(kind, index, str(source.path), first_row, b"", skip_invalid,
-                                drop_empty_think=drop_empty_think, rows=rows)
+                yield ChunkTask(kind, index, str(source.path), first_row, b"", skip_invalid, rows,
+                                drop_empty_think=drop_empty_think)
             continue
         if is_plain_text(source.path):
             if kind != "pretrain":
                 raise DataError(f"plain text is pretraining data; {kind} needs JSONL records", source.path)
             for first_line, data, last, val in _text_chunks(source, chunk_bytes, val_fraction, split_pattern):
-                yield ChunkTask(kind, index, str(source.path), first_line, data, skip_invalid, True, last, val)
+                yield ChunkTask(kind, index, str(source.path), first_line, data, skip_invalid,
+                                plain_text=True, text_end=last, text_val=val)
             continue
         for first_line, data in range_line_chunks(source, chunk_bytes):
             yield ChunkTask(kind, index, str(source.path), first_line, data, skip_invalid,

@@ -56,18 +56,6 @@ class ValueModel(nn.Module):
         critic.trunk.load_state_dict(trunk, strict=True)  # copies: the two never share a tensor
         return critic
 
-    @property
-    def cfg(self) -> ModelConfig:
-        return self.trunk.cfg
-
-    @property
-    def activation_checkpointing(self) -> bool:
-        return self.trunk.activation_checkpointing
-
-    @activation_checkpointing.setter
-    def activation_checkpointing(self, on: bool) -> None:
-        self.trunk.activation_checkpointing = on
-
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.trunk(input_ids, attention_mask=attention_mask, segment_ids=segment_ids)  # (B, T, C)
@@ -75,7 +63,7 @@ class ValueModel(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> float:
         """GPT's convention (6 N + 12 L d T) with N = the trunk's non-embedding parameters plus the head."""
-        cfg = self.cfg
+        cfg = self.trunk.cfg
         n = sum(p.numel() for p in self.parameters()) - self.trunk.model.embed_tokens.weight.numel()
         if cfg.n_experts:  # only experts_per_token of the n_experts run for each token
             n -= cfg.n_layers * (cfg.n_experts - cfg.experts_per_token) * 3 * cfg.d_model * cfg.ffn_dim
@@ -121,8 +109,7 @@ class PolicyWithValue(nn.Module):
 
     @activation_checkpointing.setter
     def activation_checkpointing(self, on: bool) -> None:
-        self.policy.activation_checkpointing = on
-        self.critic.activation_checkpointing = on
+        self.policy.activation_checkpointing = self.critic.trunk.activation_checkpointing = on
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 segment_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

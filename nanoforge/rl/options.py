@@ -41,8 +41,8 @@ class RLOptions:
                             "replies, or over all tokens")
     temperature: float = option(0.8, "(0, inf)", help="sampling temperature; log-probs are trained at it too")
     max_new_tokens: int = option(256, "[1, inf)", help="reply length cap; a reply cut there has no stop token")
-    ppo_epochs: int = option(1, "[1, inf)", metavar="K", help="optimizer steps on each rollout, so the ratio and "
-                             "clipping act")
+    ppo_epochs: int = option(1, "[1, inf)", metavar="K",
+                             help="optimizer steps on each rollout, so the ratio and clipping act")
     reward: str | None = rl_option("reward")
     reward_weights: str | None = rl_option("reward_weights")
     reward_model: str | None = rl_option("reward_model")
