@@ -1,14 +1,14 @@
 """`nanoforge chat RUN`: talk to a model in the terminal, replies streamed as they are generated.
 
-The conversation is a list of messages rendered with the tokenizer's chat template, the same one SFT trained
-on, so the model sees exactly the format it learned. Piped input (`echo hi | nanoforge chat RUN`) is one
-message and one reply, for scripts.
+The conversation is a list of messages rendered with the tokenizer's chat template, the same one SFT trained on,
+so the model sees exactly the format it learned. Piped input (`echo hi | nanoforge chat RUN`) is one message and
+one reply, for scripts.
 
-With a template in MiniMind-3's format (tokenizers from `nanoforge tokenizer train`, MiniMind-3's own) each
-reply is parsed as it streams (chat/replies.py, the parser the server uses): reasoning is printed apart
-from the answer (`--think` opens it), and tool calls are shown as calls. With `--tools calculator` the tools
-are declared in the system turn, each call is run and its result fed back, until the model answers without a
-call (at most --max-tool-turns rounds per message)."""
+With a template in MiniMind-3's format (tokenizers from `nanoforge tokenizer train`, MiniMind-3's own) each reply
+is parsed as it streams (chat/replies.py, the parser the server uses): reasoning is printed apart from the answer
+(`--think` opens it), and tool calls are shown as calls. With `--tools calculator` the tools are declared in the
+system turn, each call is run and its result fed back, until the model answers without a call (at most
+--max-tool-turns rounds per message)."""
 from __future__ import annotations
 
 import contextlib
@@ -38,11 +38,10 @@ def chat_loop(model, tokenizer, cfg: SamplingConfig, system: str | None, input_s
               think: bool = False, max_tool_turns: int = ChatOptions.max_tool_turns) -> list[dict]:
     """Run a conversation on the given streams; return the messages it ended with.
 
-    Interactive: a `you> ` prompt per line, commands (see HELP), each reply streamed after `bot> `.
-    Otherwise: all of `input_stream` is one user message; its reply is printed and the loop returns.
-    `on_prompt` is called with the token ids of each rendered prompt before its reply is generated (tests
-    use it to see what the model was given). `tools`: names of built-in tools to offer and run; `think`: open
-    the think block of every reply."""
+    Interactive: a `you> ` prompt per line, commands (see HELP), each reply streamed after `bot> `. Otherwise all
+    of `input_stream` is one user message; its reply is printed and the loop returns. `on_prompt` gets the token
+    ids of each rendered prompt before its reply is generated (tests use it to see what the model was given).
+    `tools`: names of built-in tools to offer and run; `think`: open the think block of every reply."""
     session = _Session(model, tokenizer, cfg, system, output_stream, interactive, precision, on_prompt, list(tools),
                        think, max_tool_turns)
     if not interactive:
@@ -53,21 +52,19 @@ def chat_loop(model, tokenizer, cfg: SamplingConfig, system: str | None, input_s
         return session.messages
 
     session.write("nanoforge chat: type a message, /help for commands, /exit to leave\n")
-    try:
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C outside a reply (which it only cuts short) ends the chat
         while True:
             line = _read_line(input_stream, session, "you> ")
             if not line:  # end of input: Ctrl-D
-                session.write("\n")
-                return session.messages
+                break
             line = line.strip()
             if line.startswith("/"):
                 if not session.command(line):
                     return session.messages
             elif line:
                 session.reply(line, prefix="bot> ")
-    except KeyboardInterrupt:  # Ctrl-C anywhere but inside a reply (which it only cuts short) ends the chat
-        session.write("\n")
-        return session.messages
+    session.write("\n")
+    return session.messages
 
 
 def _read_line(input_stream: TextIO, session: "_Session", prompt: str) -> str:
@@ -91,8 +88,7 @@ class _Session:
                  precision: str, on_prompt: Callable[[list[int]], None] | None, tools: list[str], think: bool,
                  max_tool_turns: int):
         self.model, self.tokenizer, self.cfg, self.out, self.interactive = model, tokenizer, cfg, out, interactive
-        self.precision, self.on_prompt = precision, on_prompt
-        self.system = system or None
+        self.precision, self.on_prompt, self.system = precision, on_prompt, system or None
         self.messages: list[dict] = self._fresh()
         # <|im_start|> too: the user should not see the model write the next user message
         self.stop_ids = stop_ids(tokenizer)
@@ -102,7 +98,6 @@ class _Session:
         self.reply_room = min(cfg.max_new_tokens, context // 2)
         self.prompt_budget = context - self.reply_room
         self.said_dropping, self.turns = False, 0
-        # the named built-in tools offered and run, and thinking opened: both need MiniMind-3's template format
         if (tools or think) and not tokenizer.supports_tools:
             raise NanoforgeError(f"{'--tools' if tools else '--think'} needs a chat template with thinking and tool "
                                  "calls (MiniMind-3's format, written by `nanoforge tokenizer train`); this "
@@ -127,8 +122,7 @@ class _Session:
         elif name == "/system":
             self.system = arg.strip() or None
             self.messages = self._fresh()
-            self.write("(system prompt set; conversation cleared)\n" if self.system
-                       else "(system prompt removed; conversation cleared)\n")
+            self.write(f"(system prompt {'set' if self.system else 'removed'}; conversation cleared)\n")
         elif name == "/help":
             self.write(HELP + "\n")
         else:
@@ -221,9 +215,8 @@ class _Session:
 
 
 class _ReplyPrinter:
-    """Writes a reply's parsed events as they come: reasoning inside `(thinking) ... (end of thinking)`,
-    content as it is, each tool call on a line of its own as `[call NAME ARGUMENTS]`, a malformed one as a note.
-    Keeps the events (`events`) for the reply they make."""
+    """Writes a reply's parsed events as they come: reasoning inside `(thinking) ... (end of thinking)`, content as
+    it is, each tool call on a line of its own as `[call NAME ARGUMENTS]`, a malformed one as a note; keeps `events`."""
 
     def __init__(self, write: Callable[[str], None]):
         self.write, self.events, self.section = write, [], None

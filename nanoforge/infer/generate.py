@@ -2,14 +2,14 @@
 strings, and streaming that never shows half a character or a piece of a stop string.
 
 One decoding loop (`_token_steps`) serves everything: `generate` runs it for a batch and returns token ids,
-`complete` also returns the text cut at the first stop string, and `stream` yields one prompt's text as it
-is decoded (`sample_with_logprobs`, for RL, steps the same decoding state and also returns each sampled
-token's log-prob). Sampling follows the usual order (HF transformers' logits processors): repetition penalty on
-the raw logits, then temperature, top-k, top-p, and a draw from what is left.
+`complete` also returns the text cut at the first stop string, and `stream` yields one prompt's text as it is
+decoded (`sample_with_logprobs`, for RL, steps the same decoding state and also returns each sampled token's
+log-prob). Sampling follows HF transformers' logits processors' order: repetition penalty on the raw logits,
+then temperature, top-k, top-p, and a draw from what is left.
 
 Prompts of different lengths are left-padded into one batch so that every row's next token sits in the last
-column; the model's `attention_mask` hides the padding and keeps each row's RoPE positions those of the
-prompt alone, so a prompt gives the same tokens in a batch as on its own."""
+column; the model's `attention_mask` hides the padding and keeps each row's RoPE positions those of the prompt
+alone, so a prompt gives the same tokens in a batch as on its own."""
 from __future__ import annotations
 
 import contextlib
@@ -52,9 +52,8 @@ def generate(model, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, stop_
 def complete(model, tokenizer, prompts: Sequence[Sequence[int]], cfg: SamplingConfig,
              stop_ids: Sequence[int] | None = None, precision: str = "fp32") -> list[Completion]:
     """`generate`, plus each reply's text cut before the first stop string and why it ended."""
-    rows = _generate_rows(model, prompts, cfg, stop_ids, True, tokenizer, precision)
     return [Completion(cut_at_stop(tokenizer.decode(ids), cfg.stop_strings), ids, reason, stop)
-            for ids, reason, stop in rows]
+            for ids, reason, stop in _generate_rows(model, prompts, cfg, stop_ids, True, tokenizer, precision)]
 
 
 def stream(model, tokenizer, prompt_ids: Sequence[int], cfg: SamplingConfig,
@@ -76,9 +75,8 @@ def stream_completion(model, tokenizer, prompt_ids: Sequence[int], cfg: Sampling
 
     `keep_going()` is asked after each token: False ends the reply there with finish reason "length" (a
     request deadline); it may also raise to abandon the reply (a client that went away).
-
-    The text is re-decoded from all new tokens each step (as HF's TextStreamer does) rather than token by
-    token, because only whole byte sequences decode correctly; replies are short enough for that to be cheap."""
+    The text is re-decoded from all new tokens each step (as HF's TextStreamer does), because only whole byte
+    sequences decode correctly; replies are short enough for that to be cheap."""
     stop_set = set(stop_ids or ())
     emitted, ids, reason = "", [], "length"
     for (token,) in _token_steps(model, [prompt_ids], cfg, True, precision):
@@ -113,8 +111,7 @@ def sample_with_logprobs(model, prompts: Sequence[Sequence[int]], cfg: SamplingC
     row. A row that stopped ends with its stop token (kept: RL trains on it); one that did not was cut at
     max_new_tokens or the end of the context. The log-prob is log_softmax(logits / T) of the sampled token
     (T = 1 for greedy rows), the unfiltered tempered distribution; `generator` draws every token (None: the
-    decoding state's own, seeded from cfg.seed, else the global RNG). No repetition penalty: RL's log-probs
-    must be those of the distribution sampled from."""
+    decoding state's own, seeded from cfg.seed, else the global RNG)."""
     cfg.validate()
     if cfg.repetition_penalty != 1.0:
         raise NanoforgeError("sample_with_logprobs samples from the model's own distribution: "
@@ -291,8 +288,7 @@ class _DecodeState:
             if self.mask is not None:
                 self.mask = torch.cat([self.mask, torch.ones_like(self.pending)], dim=1)
             new = self.pending if self.cache is not None else self.ids
-        logits = self.model(new, cache=self.cache, attention_mask=self.mask)  # (B, T, V)
-        return logits[:, -1, :].float()
+        return self.model(new, cache=self.cache, attention_mask=self.mask)[:, -1, :].float()  # (B, T, V) -> (B, V)
 
 
 def _check_prompts(model, prompts) -> list[int]:
@@ -334,8 +330,7 @@ def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Gene
         logits = _keep_top_k(logits, cfg.top_k)
     if cfg.top_p < 1.0:
         logits = _keep_top_p(logits, cfg.top_p)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)[:, 0]
+    return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1, generator=generator)[:, 0]
 
 
 def _keep_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:

@@ -1,9 +1,8 @@
 """LoRA adapters (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", arXiv 2106.09685).
 
-A frozen projection W (out, in) learns only a low-rank update: y = W x + (alpha / r) * B A dropout(x), with
-A (r, in) and B (out, r). B starts at zero, so the adapted model is exactly the base model until the first
-step. Only A and B are trained, so AdamW's state shrinks 22x for rank 16 on every projection of the mini model
-(8.9 MiB instead of 197 MiB).
+A frozen projection W (out, in) learns only a low-rank update: y = W x + (alpha / r) * B A dropout(x), with A (r, in)
+and B (out, r). B starts at zero, so the adapted model is exactly the base model until the first step. Only A and B
+are trained, so AdamW's state shrinks 22x for rank 16 on every projection of the mini model (8.9 MiB, not 197 MiB).
 
 Names follow PEFT's layout without its adapter-name level, so a checkpoint reads like the model it adapts:
 
@@ -11,10 +10,9 @@ Names follow PEFT's layout without its adapter-name level, so a checkpoint reads
     model.layers.{i}.self_attn.q_proj.lora_A.weight   (r, in)
     model.layers.{i}.self_attn.q_proj.lora_B.weight   (out, r)
 
-`LoraLinear` registers the wrapped Linear's own weight Parameter as its `weight` (no nested `.base`), so
-`model.state_dict()` keeps every base key unchanged and `merge_lora` can hand back a plain GPT. `LoraModel`
-wraps a GPT so that the one loop saves and restores only the adapters, plus the base's path, sha256 and
-`weights_fingerprint` (weights/load.py records and checks them)."""
+`LoraLinear` reuses the wrapped Linear's weight Parameter (no nested `.base`), so every base key stays unchanged
+and `merge_lora` can hand back a plain GPT. `LoraModel` wraps a GPT so that the one loop saves and restores only
+the adapters, plus the base's path, sha256 and `weights_fingerprint` (weights/load.py records and checks them)."""
 from __future__ import annotations
 
 import hashlib
@@ -34,19 +32,15 @@ ADAPTER_KEYS = (".lora_A.", ".lora_B.")
 
 
 class LoraLinear(nn.Module):
-    """A frozen nn.Linear plus a trainable low-rank update: x -> W x + b + scaling * B(A(dropout(x))).
-
-    The wrapped Linear's `weight` (and `bias`) Parameters are registered here under the same names, so the
-    state dict key of the base weight does not change when a Linear is wrapped or unwrapped."""
+    """A frozen nn.Linear plus a trainable low-rank update: x -> W x + b + scaling * B(A(dropout(x))). The wrapped
+    Linear's `weight` (and `bias`) are registered under the same names, so the base weight's key does not change."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0):
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight  # the same Parameter object: (out, in)
         self.register_parameter("bias", base.bias)
-        for p in (self.weight, self.bias):
-            if p is not None:
-                p.requires_grad_(False)
+        base.requires_grad_(False)  # its weight and bias, now this module's too
         self.rank, self.scaling = rank, alpha / rank
         kw = dict(device=base.weight.device, dtype=base.weight.dtype)
         self.lora_A = nn.Linear(self.in_features, rank, bias=False, **kw)  # weight (r, in)
@@ -59,8 +53,7 @@ class LoraLinear(nn.Module):
         self.train(base.training)  # attached to a model in eval mode, the adapter's dropout must be off too
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)  # (..., out)
-        return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling  # (..., out)
+        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
     @torch.no_grad()
     def merged_linear(self) -> nn.Linear:
@@ -110,7 +103,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight and put plain nn.Linear back, in place. The result is an
     ordinary GPT (HF-loadable `state_dict_for_save()`), with every parameter trainable again."""
     gpt = _unwrap(model)
-    for _name, module in list(gpt.named_modules()):
+    for module in list(gpt.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, LoraLinear):
                 setattr(module, child_name, child.merged_linear())
@@ -150,11 +143,10 @@ def load_lora_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
 
 @torch.no_grad()
 def weights_fingerprint(weights: dict[str, torch.Tensor] | nn.Module, samples: int = 16) -> str:
-    """sha256 over the base tensors' names, shapes and `samples` evenly spaced values of each (as fp32).
-
-    Cheap (no full pass over the weights) yet any other base -- another run, another step, another shape --
-    differs in some sampled value. Adapter tensors and a tied lm_head copy are left out, so the same base
-    gives the same fingerprint whether it comes from a file, a GPT or a GPT with adapters attached."""
+    """sha256 over the base tensors' names, shapes and `samples` evenly spaced values of each (as fp32): cheap (no
+    full pass over the weights), yet any other base (another run, step or shape) differs in some sampled value.
+    Adapters and a tied lm_head copy are left out, so a base gives the same fingerprint from a file, a GPT or a GPT
+    with adapters attached."""
     if isinstance(weights, nn.Module):
         gpt = _unwrap(weights)
         weights = gpt.state_dict_for_save() if hasattr(gpt, "state_dict_for_save") else gpt.state_dict()
@@ -203,9 +195,8 @@ class LoraModel(nn.Module):
         return self.gpt.num_params(exclude_embeddings)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """The GPT's 6N convention less the frozen weights' gradient matmul: frozen matrices still cost 2N
-        forward and 2N for the input gradient, but no weight gradient; adapters cost the full 6 per param.
-        (The attention term has no weights and is unchanged.)"""
+        """The GPT's 6N less the frozen weights' weight-gradient matmul: frozen matrices still cost 2N forward and
+        2N for the input gradient; adapters the full 6 per param. (The attention term has no weights.)"""
         n_frozen = self.gpt.num_params(exclude_embeddings=True)
         if self.gpt.cfg.tie_embeddings:
             n_frozen += self.gpt.cfg.vocab_size * self.gpt.cfg.d_model
