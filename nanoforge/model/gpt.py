@@ -36,11 +36,9 @@ from nanoforge.model.moe import MLP, MoE
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (arXiv 1910.07467) with a learned per-channel gain and no bias.
-
-    Computed in float32 whatever the input dtype, as HF Llama does: in bf16 the mean of squares of a
-    512-wide vector loses most of its mantissa. The gain is applied after casting back, again as HF does,
-    so the two agree bit for bit in fp32 and to rounding in bf16."""
+    """Root-mean-square norm (arXiv 1910.07467) with a learned per-channel gain and no bias. Computed in float32
+    whatever the input dtype, as HF Llama does (in bf16 the mean of squares of a 512-wide vector loses most of its
+    mantissa); the gain is applied after casting back, so the two agree bit for bit in fp32, to rounding in bf16."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -62,11 +60,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """The rotation frequency of each channel pair, (head_dim/2,) float32, and the attention factor that
-    scales cos and sin. Plain RoPE when cfg.rope_scaling_factor == 1, else YaRN.
-
-    Mirrors HF transformers' `_compute_default_rope_parameters` and `_compute_yarn_parameters` (with
-    beta_fast=32, beta_slow=1, truncate=True) operation for operation, so that float32 results are equal."""
+    """The rotation frequency of each channel pair, (head_dim/2,) float32, and the attention factor that scales
+    cos and sin. Plain RoPE when cfg.rope_scaling_factor == 1, else YaRN, mirroring HF transformers'
+    `_compute_default_rope_parameters` and `_compute_yarn_parameters` (beta_fast=32, beta_slow=1,
+    truncate=True) operation for operation, so that float32 results are equal."""
     hd, base, factor = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_factor
     pos_freqs = base ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd)  # (hd/2,)
     if factor <= 1.0:
@@ -91,17 +88,14 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1.0 / pos_freqs) * extrapolation_weight
     # Interpolation flattens the attention logits' distribution; YaRN sharpens it back with this factor
     # on cos and sin (so on q.k, squared), fitted empirically in the paper (eq. 22).
-    attention_factor = 0.1 * math.log(factor) + 1.0
-    return inv_freq, attention_factor
+    return inv_freq, 0.1 * math.log(factor) + 1.0
 
 
 class RotaryEmbedding(nn.Module):
-    """cos and sin tables for every position the model can see, float32, (n_positions, head_dim).
-
-    The tables are non-persistent buffers: derived from the config, so never part of a checkpoint. They are
-    rebuilt after every `.to()`/`.cuda()`/`.half()`/`.to_empty()` (see `_apply`) so that they stay float32
-    and correct on the new device: `model.to(torch.bfloat16)` would otherwise round them to under three
-    significant digits, unlike HF's float32 tables, and a table built on the meta device has no values at all."""
+    """cos and sin tables for every position the model can see, float32, (n_positions, head_dim). Non-persistent
+    buffers (derived from the config), rebuilt after every `.to()`/`.cuda()`/`.half()`/`.to_empty()` (see `_apply`)
+    to stay float32 and correct on the new device: `model.to(torch.bfloat16)` would round them to under three
+    significant digits, unlike HF's, and a table built on the meta device has no values at all."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -115,8 +109,7 @@ class RotaryEmbedding(nn.Module):
     def reset(self, device: torch.device | None = None) -> None:
         device = device if device is not None else self.cos.device
         inv_freq, attention_factor = rope_inv_freq(self.cfg)
-        t = torch.arange(self.n_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # (P, hd/2)
+        freqs = torch.outer(torch.arange(self.n_positions, dtype=torch.float32), inv_freq)  # (P, hd/2)
         # HF's layout: the two halves of a head are the two coordinates of each rotated pair.
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, hd)
         self.cos = (emb.cos() * attention_factor).to(device)
@@ -136,8 +129,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate channel pairs (i, i + hd/2) of x (B, H, T, hd) by the angles in cos/sin, (T, hd) or
     (B, 1, T, hd). Done in x's dtype, as HF does (it casts the float32 tables to x's dtype)."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return x * cos + rotate_half(x) * sin
+    return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
 
 
 # ------------------------------------------------------------------------------------------------ Attention
@@ -189,9 +181,8 @@ class Attention(nn.Module):
             rep = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H, T, hd)
             gqa = False
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                           dropout_p=self.dropout if self.training else 0.0,
-                                           enable_gqa=gqa)  # (B, H, T, hd)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa,
+                                           dropout_p=self.dropout if self.training else 0.0)  # (B, H, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, C)
         return self.o_proj(y)
 
@@ -228,10 +219,8 @@ class Decoder(nn.Module):
 
 
 class GPT(nn.Module):
-    """A decoder-only language model; `forward(input_ids) -> logits`.
-
-    Generation passes a `KVCache` (from `new_cache`) so that each step only computes the new tokens, and an
-    `attention_mask` when prompts of different lengths are left-padded into one batch."""
+    """A decoder-only language model; `forward(input_ids) -> logits`. Generation passes a `KVCache` (from
+    `new_cache`) so that each step only computes the new tokens."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -264,34 +253,32 @@ class GPT(nn.Module):
             outputs += list(block.mlp.down_proj) if isinstance(block.mlp, MoE) else [block.mlp.down_proj]
             for proj in outputs:
                 nn.init.normal_(proj.weight, mean=0.0, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
-        # When tied, lm_head.weight is embed_tokens.weight: both were initialised by the loop above (twice,
-        # harmlessly). Keep the RoPE tables valid on whatever device the model now lives on.
+        # (A tied lm_head was initialised with the embedding, twice, harmlessly.) Keep RoPE valid on the new device.
         self.model.rotary_emb.reset()
 
     # ---------------------------------------------------------------------------------------------- forward
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None,
                 attention_mask: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None,
-                layout: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                layout: tuple[torch.Tensor, torch.Tensor] | None = None,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, vocab_size), in whatever dtype autocast gives (callers upcast).
 
         Without a cache the tokens are positions 0..T-1. With a cache they follow the `cache.length` tokens
         already cached, their keys and values are appended, and the cache advances by T.
-        `attention_mask` (B, cache.length + T), 1 for real tokens and 0 for left padding: padded keys are
-        never attended to and a token's position is the number of real tokens before it, so a left-padded
-        prompt gives the same logits as the prompt alone.
-        `segment_ids` (B, T), for rows packed with several documents (SFT): a token attends only to earlier
-        tokens of its own segment and its position restarts at 0 with each segment, so every packed
-        conversation is computed exactly as if it were alone in the row.
+        `attention_mask` (B, cache.length + T), 1 for real tokens and 0 for left padding: padded keys are never
+        attended to and a token's position counts only the real tokens before it (same logits as the prompt alone).
+        `segment_ids` (B, T), for rows packed with several documents (SFT): a token attends only to earlier tokens
+        of its own segment, its position restarting at 0 with each segment, as if each were alone in the row.
         `layout` (positions (B, T), allowed (B, T, T) True = may attend): any other arrangement, spelled out (RL's
-        rows sharing their prompt, model/prefix.py)."""
+        rows sharing their prompt, model/prefix.py). `keep` (B, T) bool: the LM head runs on these positions only
+        and the logits are (N, V), in row order (a loss skips the vocabulary matmul where it supervises nothing)."""
         B, T = input_ids.shape
-        start = 0
+        start = 0 if cache is None else cache.length
         if cache is not None:
             if cache.batch_size != B:
                 raise NanoforgeError(f"the KV cache was made for batch size {cache.batch_size}, got {B}")
             cache.check_room(T)
-            start = cache.length
             if start == 0 and B > 1 and segment_ids is None and layout is None:
                 shared = self._prefill_once(input_ids, cache, attention_mask)
                 if shared is not None:
@@ -319,7 +306,7 @@ class GPT(nn.Module):
         x = self.model.norm(x)
         if cache is not None:
             cache.advance(T)
-        return self.lm_head(x)  # (B, T, V)
+        return self.lm_head(x if keep is None else x[keep])  # (B, T, V), or (N, V) at the kept positions
 
     def _positions_and_mask(self, B: int, T: int, start: int, attention_mask: torch.Tensor | None,
                             device: torch.device):
@@ -393,26 +380,22 @@ class GPT(nn.Module):
         """Number of parameters, a tied embedding counted once. `exclude_embeddings` leaves out the token
         embedding table (and so, when tied, the output projection that shares it)."""
         n = sum(p.numel() for p in self.parameters())  # parameters() yields a shared tensor once
-        if exclude_embeddings:
-            n -= self.model.embed_tokens.weight.numel()
-        return n
+        return n - self.model.embed_tokens.weight.numel() if exclude_embeddings else n
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token at `seq_len`, by the PaLM / nanoGPT convention:
         6 * N + 12 * n_layers * d_model * seq_len.
 
-        N counts the parameters that take part in a matrix multiply for every token: all non-embedding
-        parameters plus the output projection (vocab_size * d_model), whether or not it is tied to the
-        embedding, since the lm_head matmul runs either way while the embedding lookup costs nothing. 6N is
-        2 (multiply-add) * 3 (forward, and backward for inputs and weights); the second term is attention's
-        QK^T and AV products at full (not causal-halved) length, the convention MFU figures use."""
+        N counts the parameters in a matrix multiply for every token: all non-embedding ones plus the output
+        projection (vocab_size * d_model), tied or not, since the lm_head matmul runs either way while the
+        embedding lookup costs nothing. 6N is 2 (multiply-add) * 3 (forward, and backward for inputs and weights);
+        the second term is attention's QK^T and AV at full (not causal-halved) length, as MFU figures count it."""
         cfg = self.cfg
         n = self.num_params(exclude_embeddings=True)
-        if self.cfg.tie_embeddings:
+        if cfg.tie_embeddings:
             n += cfg.vocab_size * cfg.d_model
-        if cfg.n_experts:  # only experts_per_token of the n_experts run for each token
-            per_expert = 3 * cfg.d_model * cfg.ffn_dim
-            n -= cfg.n_layers * (cfg.n_experts - cfg.experts_per_token) * per_expert
+        if cfg.n_experts:  # only experts_per_token of the n_experts (3 * d_model * ffn_dim each) run for each token
+            n -= cfg.n_layers * (cfg.n_experts - cfg.experts_per_token) * 3 * cfg.d_model * cfg.ffn_dim
         return 6.0 * n + 12.0 * cfg.n_layers * cfg.d_model * seq_len
 
     def aux_loss(self) -> torch.Tensor | None:

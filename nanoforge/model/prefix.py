@@ -71,11 +71,16 @@ def prefix_token_logps(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, 
     if not groups:  # nothing trained: a forward all the same, so the loss has a graph (and DDP its gradients)
         return out + 0 * model(input_ids[:, :1]).float().sum()
     if all(len(rows) == 1 for rows, _, _ in groups):  # nothing to share: the plain causal pass (SDPA's fused path)
-        logits = model(input_ids)[:, :-1].float() / temperature  # (B, T-1, V)
-        return -F.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")  # (B, T-1)
+        trained = loss_mask.bool()  # (B, L-1); the LM head runs at these positions only
+        logits = model(input_ids, keep=F.pad(trained, (0, 1))).float() / temperature  # (N, V)
+        out[trained] = -F.cross_entropy(logits, input_ids[:, 1:][trained], reduction="none")
+        return out
     ids, pos, allowed, picks = prefix_layout(input_ids.cpu(), groups)
     device = input_ids.device
-    logits = model(ids.to(device), layout=(pos.to(device), allowed.to(device)))  # (R, T, V)
     g, at, r, t = torch.tensor(picks, device=device).T
-    out[r, t] = -F.cross_entropy(logits[g, at].float() / temperature, input_ids[r, t + 1], reduction="none")
+    keep = torch.zeros(ids.shape, dtype=torch.bool, device=device)  # (R, T): the picked logits only
+    keep[g, at] = True
+    logits = model(ids.to(device), layout=(pos.to(device), allowed.to(device)), keep=keep)  # (N, V)
+    at_kept = keep.flatten().cumsum(0)[g * ids.shape[1] + at] - 1  # each pick's row of `logits`
+    out[r, t] = -F.cross_entropy(logits[at_kept].float() / temperature, input_ids[r, t + 1], reduction="none")
     return out

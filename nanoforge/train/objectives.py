@@ -12,12 +12,13 @@ from nanoforge.model.prefix import prefix_token_logps
 
 
 def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]):
-    """Next-token cross-entropy over the positions whose label is not IGNORE (pretraining and SFT)."""
-    logits = model(batch["input_ids"], segment_ids=batch.get("segment_ids"))  # (B, T, V)
-    labels = batch["labels"]  # (B, T)
+    """Next-token cross-entropy over the positions whose label is not IGNORE (pretraining and SFT); the LM head
+    runs at those positions only (an SFT row supervises its replies, not its prompts)."""
+    keep = batch["labels"] != IGNORE  # (B, T)
+    logits = model(batch["input_ids"], segment_ids=batch.get("segment_ids"), keep=keep)  # (N, V)
     # float32 for the softmax: bf16 logits lose the small differences the loss is made of
-    loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
-    return with_aux_loss(model, loss_sum, (labels != IGNORE).sum())
+    loss_sum = F.cross_entropy(logits.float(), batch["labels"][keep], reduction="sum")
+    return with_aux_loss(model, loss_sum, keep.sum())
 
 
 def with_aux_loss(model: nn.Module, loss_sum: torch.Tensor, n: torch.Tensor):
@@ -81,14 +82,11 @@ def make_distill_loss(teacher: nn.Module, temperature: float = 1.5, alpha: float
         raise ValueError("temperature must be > 0 and alpha in [0, 1]")
 
     def distill_loss(model: nn.Module, batch: dict[str, torch.Tensor]):
-        seg = batch.get("segment_ids")
-        logits = model(batch["input_ids"], segment_ids=seg).float()  # (B, T, V)
+        seg, keep = batch.get("segment_ids"), batch["labels"] != IGNORE  # keep: (B, T)
+        s = model(batch["input_ids"], segment_ids=seg, keep=keep).float()  # (N, V)
         with torch.no_grad():
-            teacher_logits = teacher(batch["input_ids"], segment_ids=seg).float()  # (B, T, V)
-        labels = batch["labels"]
-        keep = labels != IGNORE  # (B, T)
-        s, t = logits[keep], teacher_logits[keep]  # (N, V)
-        ce = F.cross_entropy(s, labels[keep], reduction="sum")
+            t = teacher(batch["input_ids"], segment_ids=seg, keep=keep).float()  # (N, V)
+        ce = F.cross_entropy(s, batch["labels"][keep], reduction="sum")
         kl = F.kl_div(F.log_softmax(s / temperature, -1), F.log_softmax(t / temperature, -1), log_target=True,
                       reduction="sum")
         denom = keep.sum().clamp(min=1)

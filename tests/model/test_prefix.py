@@ -44,8 +44,10 @@ def test_groups_are_runs_of_rows_with_the_same_prompt():
     ids, mask = torch.ones(2, 401, dtype=torch.long), torch.zeros(2, 400)
     mask[:, 1:] = 1.0
     assert [(rows, prefix) for rows, prefix, _ in group_rows(ids, mask)] == [([0], 2), ([1], 2)]
-    model = tiny_model()  # nothing shared: the plain pass, exactly
-    assert torch.equal(prefix_token_logps(model, ids[:, :60], mask[:, :59], 1.0), row_by_row(model, ids[:, :60], 1.0))
+    model = tiny_model()  # nothing shared: the plain pass, its LM head at the trained targets only
+    ids, mask = ids[:, :60], mask[:, :59]
+    plain, alone, m = prefix_token_logps(model, ids, mask, 1.0), row_by_row(model, ids, 1.0), mask.bool()
+    assert torch.allclose(plain[m], alone[m], atol=1e-6) and torch.equal(plain[~m], torch.zeros(2))
 
 
 def test_log_probs_and_gradients_equal_each_row_computed_alone():

@@ -193,14 +193,16 @@ def test_bad_inputs_are_clear_errors(base_run, prompts_file, tmp_path):
 @pytest.mark.slow
 def test_ppo_raises_the_reward_of_a_model_that_is_wrong_half_the_time(tmp_path):
     """benchmarks/grpo_arithmetic.py --algo ppo made small (sums of digits below 8): each prompt SFT'd both
-    right and with a systematic slip; PPO must raise the rollouts' mean reward clearly (the last ten steps'
-    over the first five; a sign error in the advantages or a misaligned mask makes it fall instead)."""
+    right and with a systematic slip; PPO must raise the rollouts' mean reward clearly (a sign error in the
+    advantages or a misaligned mask makes it fall instead). Each rollout is trained twice (--ppo-epochs 2), so
+    the curve holds each mean twice: the first five rollouts (steps 1-10, 160 replies) against the last ten
+    (steps 21-40, 320 replies)."""
     from grpo_arithmetic import reward_curve, run_ppo, sft_model, write_data
     sft_file, prompts, _ = write_data(tmp_path, add_max=8, mul_max=0)
     run = sft_model(tmp_path, sft_file, steps=200)
     run_ppo(run, prompts, tmp_path / "rl", steps=40, prompts=32)
     curve = reward_curve(tmp_path / "rl")
-    first, last = sum(curve[:5]) / 5, sum(curve[-10:]) / 10
+    first, last = sum(curve[:10]) / 10, sum(curve[-20:]) / 20
     assert len(curve) == 40 and last > first + 0.15, curve
 
 

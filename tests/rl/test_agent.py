@@ -46,9 +46,9 @@ class ScriptedAgentGPT(GPT):
         self.scripts, self.turn_start, self.unstoppable = scripts, list(turn_start), list(unstoppable)
         self.rows: list[dict] = []
 
-    def forward(self, input_ids, cache=None, attention_mask=None, layout=None):
+    def forward(self, input_ids, cache=None, attention_mask=None, layout=None, keep=None):
         if layout is not None:  # the log-probs of finished rollouts (model/prefix.py): the model's own, unscripted
-            return super().forward(input_ids, layout=layout)
+            return super().forward(input_ids, layout=layout, keep=keep)
         start = cache.length if cache is not None else 0
         logits = super().forward(input_ids, cache=cache, attention_mask=attention_mask)  # (B, T, V)
         if start == 0:
@@ -62,7 +62,7 @@ class ScriptedAgentGPT(GPT):
                     logits[b, t, target] += 1e4
                 elif row["starts"]:
                     logits[b, t, self.unstoppable] -= 1e4
-        return logits
+        return logits if keep is None else logits[keep]  # (B, T, V), or (N, V) at the kept positions
 
     def _next(self, row: dict, token: int) -> int | None:
         ids = row["ids"]
