@@ -106,10 +106,8 @@ class Tokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Encode many texts with the Rust batch encoder (multi-threaded unless TOKENIZERS_PARALLELISM=false)."""
-        texts = list(texts)
         fast = getattr(self._tok, "encode_batch_fast", None)  # tokenizers >= 0.21: skips offset tracking
-        encodings = (fast or self._tok.encode_batch)(texts, add_special_tokens=False)
-        return [e.ids for e in encodings]
+        return [e.ids for e in (fast or self._tok.encode_batch)(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -171,7 +169,6 @@ class Tokenizer:
 
     @functools.cached_property
     def _template_names(self) -> dict:
-        """The special-token names HF passes to templates (bos_token, eos_token, ...); computed once."""
         config = self.hf_config()
         return {k: config[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token", "additional_special_tokens")}
 
@@ -251,10 +248,9 @@ class Tokenizer:
             try:
                 plain.encode_special_tokens = True
             except AttributeError:  # tokenizers < 0.15 cannot split special tokens
-                raise ChatTemplateError(
-                    "a message contains special-token text (e.g. <|im_end|>), and this version of the "
-                    "`tokenizers` package cannot encode it as plain text; upgrade it (pip install -U tokenizers)"
-                ) from None
+                raise ChatTemplateError("a message contains special-token text (e.g. <|im_end|>), and this version "
+                                        "of the `tokenizers` package cannot encode it as plain text; upgrade it "
+                                        "(pip install -U tokenizers)") from None
             self._plain_tok = plain
         return self._plain_tok
 
@@ -311,8 +307,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         raise NanoforgeError(f"{file}: not a valid tokenizer.json ({e})") from None
     config_file = file.parent / "tokenizer_config.json"
     config = read_json(config_file, "tokenizer_config.json") if config_file.is_file() else {}
-    template = _read_chat_template(file.parent, config)
-    return Tokenizer(inner, chat_template=template, config=config)
+    return Tokenizer(inner, chat_template=_read_chat_template(file.parent, config), config=config)
 
 
 def _read_chat_template(directory: Path, config: dict) -> str | None:
@@ -332,8 +327,7 @@ def _read_chat_template(directory: Path, config: dict) -> str | None:
 
 def train_bpe(texts: Iterable[str], vocab_size: int = 6400, out_dir: str | os.PathLike | None = None,
               min_frequency: int = 2) -> Tokenizer:
-    """Train a byte-level BPE tokenizer on a stream of texts (data/sources.py's train_tokenizer reads them from
-    files).
+    """Train a byte-level BPE tokenizer on a stream of texts (data/sources.py's train_tokenizer reads files).
 
     The texts are streamed through `train_from_iterator`, so their size is limited by disk, not memory.
     The special tokens take ids 0..15; the 256 byte symbols are all in the initial alphabet, so any text

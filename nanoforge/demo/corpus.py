@@ -8,8 +8,7 @@
                  {"conversations": [{"role": "user", "content": "How do I call textwrap.fill?"},
                                     {"role": "assistant", "content": "textwrap.fill(text, width=70, **kwargs)"}]}
 
-and the questions asked at the end: some from the SFT set (IN_SET), some about things no SFT conversation
-mentions (HELD_OUT, their docstrings are in pretraining only)."""
+and the questions asked at the end (IN_SET, HELD_OUT)."""
 from __future__ import annotations
 
 import ast
@@ -178,8 +177,7 @@ def qa_pairs(entry: DocEntry) -> dict[str, tuple[str, str]]:
     """The questions about one entry, by kind, each with its answer: "what" answered by the docstring's first
     sentence, and for a function with a short signature, "call" ("How do I call X?") answered by it."""
     out = {}
-    answer = first_sentence(entry.doc)
-    if answer:
+    if answer := first_sentence(entry.doc):
         out["what"] = (_WHAT[entry.kind].format(entry.name), answer)
     if entry.kind == "function" and 2 < len(entry.signature) <= MAX_SIGNATURE_CHARS:
         out["call"] = (f"How do I call {entry.name}?", entry.name + entry.signature)
@@ -188,13 +186,11 @@ def qa_pairs(entry: DocEntry) -> dict[str, tuple[str, str]]:
 
 def build_demo_corpus(out_dir: str | os.PathLike, sft_size: int = 1000,
                       modules: tuple[str, ...] = DEMO_MODULES) -> tuple[Path, Path, list[dict]]:
-    """Write pretrain.jsonl and sft.jsonl into out_dir; return their paths and the questions to ask at the end.
-
-    Each question is {"name", "kind", "question", "expected", "held_out", "keywords"} (keywords: what a reply
-    that knows the thing names, see held_out_hit). The SFT set is the asked IN_SET pairs plus a fixed choice
-    of others, sft_size in all, none about a HELD_OUT name. The asked names' documents and conversations come
-    first in their files: `prepare` sends records 49, 99, ... to validation, and these must be trained on.
-    The output is identical on every run on the same machine (sorted walk, no randomness)."""
+    """Write pretrain.jsonl and sft.jsonl into out_dir; return their paths and the questions to ask at the end
+    (asked_questions). The SFT set is the asked IN_SET pairs plus a fixed choice of others, sft_size in all,
+    none about a HELD_OUT name. The asked names' documents and conversations come first in their files:
+    `prepare` sends records 49, 99, ... to validation, and these must be trained on. The output is identical
+    on every run on the same machine (sorted walk, no randomness)."""
     entries = collect_docs(modules)
     if not entries:
         raise NanoforgeError(f"found no documentation in {sysconfig.get_paths()['stdlib']}; the demo needs the "
@@ -204,8 +200,7 @@ def build_demo_corpus(out_dir: str | os.PathLike, sft_size: int = 1000,
     asked = [by_name[q["name"]] for q in questions]
     held_names = {q["name"] for q in questions if q["held_out"]}
     chosen = [(q["question"], q["expected"]) for q in questions if not q["held_out"]]
-    others = [pair for e in entries if e.name not in held_names for pair in qa_pairs(e).values()
-              if pair not in chosen]
+    others = [pair for e in entries if e.name not in held_names for pair in qa_pairs(e).values() if pair not in chosen]
     others.sort(key=lambda pair: zlib.crc32(pair[0].encode("utf-8")))  # a fixed, well-mixed choice
     chosen += others[:max(0, sft_size - len(chosen))]
 
@@ -220,8 +215,9 @@ def build_demo_corpus(out_dir: str | os.PathLike, sft_size: int = 1000,
 
 
 def asked_questions(by_name: dict[str, DocEntry]) -> list[dict]:
-    """IN_SET then HELD_OUT as {"name", "kind", "question", "expected", "held_out", "keywords"}. A Python
-    whose docstring of a name changed shape (no first sentence, say) asks one question fewer."""
+    """IN_SET then HELD_OUT as {"name", "kind", "question", "expected", "held_out", "keywords"} (keywords: what
+    a reply that knows the thing names, see held_out_hit). A Python whose docstring of a name changed shape (no
+    first sentence, say) asks one question fewer."""
     questions = []
     for (name, kind), held_out in [(q, False) for q in IN_SET] + [(q, True) for q in HELD_OUT]:
         pair = qa_pairs(by_name[name]).get(kind) if name in by_name else None

@@ -3,14 +3,9 @@ the docstrings of standard-library modules (demo/corpus.py), as pretraining docu
 
 What a model of about a million parameters learns in three minutes of two CPU cores shapes all of it: the
 corpus is small (about 450 KB), so pretraining reads it several times over; an answer is one sentence (the
-docstring's first) or a signature; and the SFT set is a thousand of them, trained on for many epochs, so
-they are memorised. At the end the model is asked questions from its SFT set, scored by exact match, and
-questions about things no SFT conversation mentions (their docstrings are in pretraining only), scored by
-whether the reply names the module or an argument, next to the same score of the replies paired with the
-wrong questions (what chance gives).
-
-Then: train a tokenizer, prepare both sets, pretrain, fine-tune, ask the questions, score, write the report.
-The training steps are sized from a measured step time so the whole run fits `minutes` on the machine at hand."""
+docstring's first) or a signature; and the SFT set is a thousand of them, trained on until memorised. The
+questions asked at the end are scored by score_replies. The training steps are sized from a measured step
+time so the whole run fits `minutes` on the machine at hand."""
 from __future__ import annotations
 
 import math
@@ -46,19 +41,17 @@ from nanoforge.recipes.sft import sft
 # -------------------------------------------------------------------------------------------------- scoring
 
 def held_out_hit(reply: str, keywords: list[str]) -> bool:
-    """Whether the reply names one of the keywords as a word of its own, in any case ("JSON" names json).
-    A "what" question's keywords are the module and the arguments; a "call" question's only the arguments,
-    since its reply starts by repeating the name from the question. One-letter and private arguments ("s",
-    "_nil") are not keywords: they name nothing."""
+    """Whether the reply names one of the keywords as a word of its own, in any case ("JSON" names json). A
+    "call" question's keywords leave out the module, since its reply starts by repeating the name from the
+    question; one-letter and private arguments ("s", "_nil") are left out too: they name nothing."""
     return any(re.search(rf"(?<!\w){re.escape(k)}(?!\w)", reply, re.IGNORECASE) for k in keywords)
 
 
 def score_replies(samples: list[dict]) -> dict:
-    """in_set: replies equal to the expected answer (the first sentence or the signature, exactly).
-    held_out: replies that name a keyword of their question (held_out_hit), and held_out_exact.
-    chance: what held_out would be for replies that know nothing about their question, i.e. its expected
-    value over random pairings of the replies with the questions: for each held-out question, the share of
-    the other questions' replies that hit its keywords, summed."""
+    """in_set: replies equal to the expected answer. held_out: replies that name a keyword of their question
+    (held_out_hit), and held_out_exact. chance: what held_out would be for replies that know nothing about
+    their question, its mean over random pairings of replies and questions: for each held-out question, the
+    share of the other questions' replies that hit its keywords, summed."""
     in_set = [s for s in samples if not s["held_out"]]
     held = [s for s in samples if s["held_out"]]
     chance = sum(sum(held_out_hit(o["reply"], s["keywords"]) for o in samples if o is not s) / (len(samples) - 1)
@@ -69,8 +62,6 @@ def score_replies(samples: list[dict]) -> dict:
 
 
 def score_line(score: dict) -> str:
-    """`in-set 9/13 exact first sentence or signature; held-out 5/6 name the module or an argument (chance
-    1.2/6), 1/6 exact`"""
     return (f"in-set {score['in_set']}/{score['in_set_n']} exact first sentence or signature; held-out "
             f"{score['held_out']}/{score['held_out_n']} name the module or an argument (chance "
             f"{score['chance']:.1f}/{score['held_out_n']}), {score['held_out_exact']}/{score['held_out_n']} exact")
@@ -91,9 +82,8 @@ VAL_FRACTION = 0.02  # of documents and of conversations (every 50th; the asked 
 # rest. SFT on a well-pretrained model is quick to memorise its answers (its training loss is below 0.3 within
 # 50 steps), while the names and signatures it asks for have to be read many times in pretraining first.
 PRETRAIN_SHARE = 0.65
-# A step inside the training loop costs more than the bare step measure_step_seconds times: batches read from
-# the shards, gradient clipping, logging, the start-up of the stage. Measured here: 660 pretraining steps in
-# 79 s, 0.120 s each, against 0.100 s bare.
+# A step inside the training loop costs more than the bare step measure_step_seconds times: batches read from the
+# shards, gradient clipping, logging, the stage's start-up (measured: 660 steps in 79 s, 0.120 s each, 0.100 bare).
 LOOP_OVERHEAD = 1.25
 # Seconds kept back from the budget for what follows training: loading, the chat replies, the report, and
 # each stage's start-up (TensorBoard, the MFU matmul probe, the final checkpoint). Measured: ~20 s here.
@@ -147,26 +137,29 @@ def fresh_work_dir(work_dir: Path, quiet: bool) -> None:
     (work_dir / DEMO_MARKER).write_text("made by `nanoforge demo`; the next demo run wipes this directory\n")
 
 
-def measure_step_seconds(mcfg, tcfg, precision: str, steps: int = 5, warmup: int = 2) -> float:
-    """Seconds per optimizer step of this model shape on this machine: the fastest of `steps` after `warmup`
-    untimed ones (the first steps allocate and pick kernels). The fastest, not the median: another program
-    busy for a moment is noise, and sizing the run to it would shrink the model's training for nothing (a run
-    slowed down for real is caught after pretraining, where SFT takes whatever time is left)."""
-    device = torch.device("cpu")
-    model = GPT(mcfg)
-    optimizer = build_optimizer(model, tcfg, device)
-    ids = torch.randint(0, mcfg.vocab_size, (tcfg.batch_size, tcfg.seq_len))
-    batch = {"input_ids": ids, "labels": ids}
-    times = []
-    for _ in range(warmup + steps):
-        t0 = time.perf_counter()
-        with autocast_context(device, precision):
-            loss_sum, n, _ = causal_lm_loss(model, batch)
-        (loss_sum.float() / n).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-    return min(times[warmup:])
+def measure_step_seconds(mcfg, tcfg, precision: str, threads: int, steps: int = 5, warmup: int = 2) -> float:
+    """Seconds per optimizer step of this model shape on `threads` threads (restored after) on this machine:
+    the fastest of `steps` after `warmup` untimed ones (which allocate and pick kernels). The fastest, not the
+    median: another program busy for a moment is noise (a slowdown for real is caught after pretraining)."""
+    device, before = torch.device("cpu"), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = GPT(mcfg)
+        optimizer = build_optimizer(model, tcfg, device)
+        ids = torch.randint(0, mcfg.vocab_size, (tcfg.batch_size, tcfg.seq_len))
+        batch = {"input_ids": ids, "labels": ids}
+        times = []
+        for _ in range(warmup + steps):
+            t0 = time.perf_counter()
+            with autocast_context(device, precision):
+                loss_sum, n, _ = causal_lm_loss(model, batch)
+            (loss_sum.float() / n).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - t0)
+        return min(times[warmup:])
+    finally:
+        torch.set_num_threads(before)
 
 
 @dataclass
@@ -202,20 +195,11 @@ def fastest_setting(mcfg, tcfg, precisions: tuple[str, ...], thread_options: tup
     other programs keep the cores busy, since two threads then wait for each other at every operation (on this
     2-core machine with other programs running: 2.5 s per step on two threads, 0.26-0.5 s on one); all of
     them win on a quiet machine (0.11 s against 0.18 s)."""
-    timings = {(p, n): _step_seconds_with_threads(mcfg, tcfg, p, n) for p in precisions for n in thread_options}
+    timings = {(p, n): measure_step_seconds(mcfg, tcfg, p, n) for p in precisions for n in thread_options}
     precision, threads = min(timings, key=timings.get)
     note = (", ".join(f"{t:.2f} s/step in {p} on {_threads(n)}" for (p, n), t in timings.items())
             + f" -> {precision} on {_threads(threads)}")
     return precision, threads, timings[precision, threads], note
-
-
-def _step_seconds_with_threads(mcfg, tcfg, precision: str, threads: int) -> float:
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return measure_step_seconds(mcfg, tcfg, precision)
-    finally:
-        torch.set_num_threads(before)
 
 
 def _threads(n: int) -> str:
@@ -224,24 +208,6 @@ def _threads(n: int) -> str:
 
 def _round_steps(steps: float, most: float) -> int:
     return int(max(MIN_STEPS, min(most, steps) // 10 * 10))
-
-
-def initial_val_loss(data_dir: Path, mcfg, tcfg, precision: str) -> float:
-    """Validation loss of the weights pretraining starts from (same seed, so the same initial weights): the
-    "before" that pretraining's validation losses are measured against."""
-    torch.manual_seed(tcfg.seed)
-    model = GPT(mcfg)
-    batches = EvalBatches(TokenShards(data_dir, "val"), tcfg.batch_size, tcfg.seq_len, tcfg.eval_batches)
-    return evaluate(model, batches, causal_lm_loss, torch.device("cpu"), precision)[0]
-
-
-def sft_val_loss_before(pre_run: Path, data_dir: Path, tcfg, precision: str) -> float:
-    """Loss on the held-out conversations' answers of the pretrained model, before any fine-tuning: the
-    "before" of SFT's validation losses (the same batches the SFT stage evaluates on)."""
-    model, tokenizer, _ = load_model(pre_run)
-    val = SFTBatches(TokenShards(data_dir, "val"), tcfg.batch_size, tcfg.seq_len, shuffle=False,
-                     pad_id=tokenizer.pad_id)
-    return evaluate(model, val.eval_batches(tcfg.eval_batches), causal_lm_loss, torch.device("cpu"), precision)[0]
 
 
 def ask(run_dir: Path, questions: list[dict], max_new_tokens: int) -> list[dict]:
@@ -269,8 +235,7 @@ def _print_replies(samples: list[dict], quiet: bool) -> None:
 
 
 def _losses(run_dir: Path, start: float) -> dict:
-    """The run's validation loss before (`start`), at the end and at its lowest (with the step), and its last
-    logged training loss, from metrics.jsonl."""
+    """Validation loss before (`start`), at the end and at its lowest (with the step); last training loss."""
     run = read_run(run_dir)
     best = min(run.val, key=lambda r: r["val_loss"])
     return {"start": start, "end": run.val[-1]["val_loss"], "best": (best["val_loss"], best["step"]),
@@ -284,12 +249,8 @@ def _loss_note(losses: dict) -> str:
 
 def run_demo(work_dir: str | os.PathLike = "runs/demo", minutes: float = 5.0, quiet: bool = False,
              scale: str = "full") -> Path:
-    """`nanoforge demo`: corpus -> tokenizer -> prepare -> pretrain -> SFT -> questions and score -> report.
-
-    work_dir is wiped first if an earlier demo made it (a marker file says so); any other non-empty
-    directory is an error. `minutes` is the budget for the whole run: the training steps are sized from a
-    measured step time to fit it. scale="test" shrinks everything to run in well under a minute. Returns the
-    path of report.md."""
+    """Corpus -> tokenizer -> prepare -> pretrain -> SFT -> questions and score -> report, in a fresh work_dir
+    (fresh_work_dir), sized to fit `minutes`; scale="test" runs in well under a minute. Returns report.md."""
     if scale not in SCALES:
         raise NanoforgeError(f"unknown demo scale {scale!r}; choose one of {', '.join(SCALES)}")
     deadline = time.perf_counter() + minutes * 60
@@ -307,8 +268,8 @@ def _run_stages(work_dir: Path, s: dict, deadline: float, quiet: bool) -> Path:
     clock.stage("corpus", f"building the corpus from the docstrings of {len(DEMO_MODULES)} standard-library "
                           f"modules of Python {sys.version.split()[0]} ({', '.join(DEMO_MODULES[:6])}, ...)")
     pretrain_jsonl, sft_jsonl, questions = build_demo_corpus(work_dir / "corpus", s["sft_size"])
-    facts = {"docs": _count_lines(pretrain_jsonl), "kb": pretrain_jsonl.stat().st_size / 1e3,
-             "convs": _count_lines(sft_jsonl)}
+    documents = pretrain_jsonl.read_bytes()  # one record per line
+    facts = {"docs": documents.count(b"\n"), "kb": len(documents) / 1e3, "convs": sft_jsonl.read_bytes().count(b"\n")}
     clock.done(f"{facts['docs']} documents ({facts['kb']:.0f} KB), {facts['convs']} question/answer conversations")
 
     clock.stage("tokenizer", f"training a {s['vocab_size']}-token byte-level BPE tokenizer on the documents")
@@ -358,7 +319,10 @@ def _prepare_stage(clock: _Clock, work_dir: Path, s: dict, tokenizer, deadline: 
 
 def _pretrain_stage(clock: _Clock, work_dir: Path, s: dict, mcfg, tcfg, plan: Plan, facts: dict, quiet: bool) -> Path:
     pre_data, pre_run = work_dir / "data" / "pretrain", work_dir / "pretrain"
-    start = initial_val_loss(pre_data, mcfg, tcfg, plan.precision)
+    # the validation loss of the weights pretraining starts from (same seed): the "before" of its validation losses
+    val = EvalBatches(TokenShards(pre_data, "val"), tcfg.batch_size, tcfg.seq_len, tcfg.eval_batches)
+    torch.manual_seed(tcfg.seed)
+    start = evaluate(GPT(mcfg), val, causal_lm_loss, torch.device("cpu"), plan.precision)[0]
     epochs = plan.pretrain_steps * tcfg.batch_size * tcfg.seq_len / TokenShards(pre_data, "train").num_tokens
     facts["pre_epochs"] = epochs
     clock.stage("pretrain", f"pretraining a {facts['params'] / 1e6:.2f}M-parameter GPT ({s['preset']} preset, "
@@ -376,7 +340,11 @@ def _sft_stage(clock: _Clock, work_dir: Path, s: dict, pre_run: Path, mcfg, tcfg
                facts: dict, quiet: bool) -> Path:
     """Fine-tune with pretraining's optimizer, schedule and batch shape, for the time that is left."""
     sft_data, sft_run = work_dir / "data" / "sft", work_dir / "sft"
-    start = sft_val_loss_before(pre_run, sft_data, tcfg, plan.precision)
+    # the pretrained model's loss on the held-out answers (the batches SFT evaluates on): SFT's "before"
+    model, tokenizer, _ = load_model(pre_run)
+    val = SFTBatches(TokenShards(sft_data, "val"), tcfg.batch_size, tcfg.seq_len, shuffle=False,
+                     pad_id=tokenizer.pad_id)
+    start = evaluate(model, val.eval_batches(tcfg.eval_batches), causal_lm_loss, torch.device("cpu"), plan.precision)[0]
     steps = s["sft_steps"]
     rows = SFTBatches(TokenShards(sft_data, "train"), tcfg.batch_size, tcfg.seq_len).sequences_per_epoch
     measured = ""
@@ -430,8 +398,3 @@ def _write_demo_report(work_dir: Path, runs: list[Path], samples: list[dict], mc
                f"- Stage times: " + ", ".join(f"{k} {v:.0f} s" for k, v in clock.timings.items()) +
                f"; total {format_duration(clock.elapsed())}.")
     return write_report(runs, work_dir / "report.md", samples=samples, title="nanoforge demo", preamble=summary)
-
-
-def _count_lines(path: Path) -> int:
-    with open(path, "rb") as f:
-        return sum(1 for _ in f)

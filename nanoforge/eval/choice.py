@@ -36,8 +36,7 @@ class Question:
 
 
 def _answer_index(value, n_choices: int, path, line: int, letters_only: bool, name: str = "answer") -> int:
-    """An answer given as a 0-based index (JSONL only) or a letter A, B, ... -> index; else a DataError
-    naming the field `name`."""
+    """An answer as a 0-based index (JSONL only) or a letter A, B, ... -> index; else a DataError naming `name`."""
     if isinstance(value, bool):
         value = None
     if isinstance(value, int) and not letters_only:
@@ -101,15 +100,13 @@ def read_choices_csv(path) -> list[Question]:
                 raise DataError("is empty (expected a header row: id,question,A,B,C,D,answer)", path, 1)
             names = [h.strip().lower() for h in header]
             need = ["question", "a", "b", "c", "d", "answer"]
-            missing = [n for n in need if n not in names]
-            if missing:
+            if missing := [n for n in need if n not in names]:
                 raise DataError(f"header {header} lacks column(s) {', '.join(missing)}; expected "
                                 "id,question,A,B,C,D,answer", path, 1, "header")
             col = {n: names.index(n) for n in need}
             start = reader.line_num + 1
             for row in reader:
-                line = start
-                start = reader.line_num + 1
+                line, start = start, reader.line_num + 1
                 if not row or all(not c.strip() for c in row):
                     continue
                 if len(row) != len(header):
@@ -174,15 +171,14 @@ def load_benchmark(bench_path, fmt: str = "auto", dev_path=None) -> tuple[list[Q
 
 
 def build_prompt(question: str, shots: Sequence[Question] = ()) -> str:
-    """Plain-text continuation prompt (no chat template: the format a base model can complete):
+    """Plain-text continuation prompt (no chat template: the format a base model can complete), which the
+    option being scored follows as " <option text>":
 
         Question: <shot question>
         Answer: <shot's correct option>
 
         Question: <question>
-        Answer:
-
-    The option being scored follows as " <option text>"."""
+        Answer:"""
     parts = [f"Question: {s.question}\nAnswer: {s.choices[s.answer]}" for s in shots]
     parts.append(f"Question: {question}\nAnswer:")
     return "\n\n".join(parts)
@@ -197,6 +193,17 @@ def pick_shots(q: Question, dev: Sequence[Question], shots: int) -> list[Questio
     return (same or [d for d in dev if d.question != q.question])[:shots]
 
 
+def padded_batch(rows: list, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, labels), both (B, T), of (input ids, label ids) rows right-padded to the longest with 0 and IGNORE."""
+    T = max(len(x) for x, _ in rows)
+    inputs = torch.zeros(len(rows), T, dtype=torch.long)
+    labels = torch.full((len(rows), T), IGNORE, dtype=torch.long)
+    for r, (x, y) in enumerate(rows):
+        inputs[r, :len(x)] = torch.as_tensor(x)
+        labels[r, :len(y)] = torch.as_tensor(y)
+    return inputs.to(device), labels.to(device)
+
+
 def _option_logprobs(model, sequences: list[tuple[list[int], list[int]]], batch_size: int, device,
                      precision: str, progress: Progress) -> list[float]:
     """Sum of log p(option tokens | context) for each (context ids, option ids). Sequences longer than the
@@ -206,20 +213,12 @@ def _option_logprobs(model, sequences: list[tuple[list[int], list[int]]], batch_
     for ctx, opt in sequences:
         opt = opt[:window - 1]
         ctx = ctx[-(window - len(opt)):]
-        prepared.append((ctx + opt, len(ctx)))
+        prepared.append((ctx + opt[:-1], [IGNORE] * (len(ctx) - 1) + opt))  # only the option's tokens are scored
     order = sorted(range(len(prepared)), key=lambda i: -len(prepared[i][0]))  # similar lengths together
     out = [0.0] * len(prepared)
     for b in range(0, len(order), batch_size):
         idx = order[b:b + batch_size]
-        T = len(prepared[idx[0]][0]) - 1
-        inputs = torch.zeros(len(idx), T, dtype=torch.long)
-        labels = torch.full((len(idx), T), IGNORE, dtype=torch.long)
-        for r, i in enumerate(idx):
-            ids, n_ctx = prepared[i]
-            seq = torch.tensor(ids, dtype=torch.long)
-            inputs[r, :len(ids) - 1] = seq[:-1]
-            labels[r, n_ctx - 1:len(ids) - 1] = seq[n_ctx:]  # only the option's tokens are scored
-        inputs, labels = inputs.to(device), labels.to(device)
+        inputs, labels = padded_batch([prepared[i] for i in idx], device)
         with torch.no_grad(), autocast_context(device, precision):
             logits = model(inputs)  # (B, T, V)
         logp = torch.log_softmax(logits.float(), dim=-1)  # (B, T, V)
@@ -255,22 +254,19 @@ def _summary(items: list[dict]) -> dict:
 def evaluate_choices(run, bench_path, fmt: str = "auto", shots: int = 0, dev_path=None, batch_size: int = 16,
                      limit: int | None = None, precision: str = "fp32", device: str = "auto",
                      progress: bool = True, log: Callable[[str], None] = print, return_items: bool = False) -> dict:
-    """Accuracy of `run` on a multiple-choice benchmark, per subject and overall, with 95% Wilson intervals.
-
-    Each option is scored by its log-likelihood after `build_prompt(question, shots)`; two decision rules
-    are reported: "acc" (the primary one) picks the highest log-likelihood per UTF-8 byte of the option
-    text, "acc_sum" the highest total. Per byte, because a total favours short options (every extra token
-    costs probability) and bytes, unlike tokens, do not depend on the tokenizer (lm-evaluation-harness's
-    acc_norm). shots > 0 prepends that many solved examples of the same subject from the dev split (C-Eval/
-    CMMLU dev/, or `dev_path`). limit keeps the first N questions (a quick look). `run` may be a loaded
-    (model, tokenizer) pair."""
+    """Accuracy of `run` (or a loaded (model, tokenizer) pair) on a multiple-choice benchmark, per subject and
+    overall, with 95% Wilson intervals. Each option is scored by its log-likelihood after `build_prompt(question,
+    shots)`: "acc" (the primary rule) picks the highest per UTF-8 byte of the option text, "acc_sum" the highest
+    total. Per byte, because a total favours short options (every extra token costs probability) and bytes,
+    unlike tokens, do not depend on the tokenizer (lm-evaluation-harness's acc_norm). shots > 0 prepends that
+    many solved examples of the same subject from the dev split (C-Eval/CMMLU dev/, or `dev_path`). limit keeps
+    the first N questions (a quick look)."""
     precision = resolve_precision(precision, device)  # a bad one fails before the model loads
     questions, dev = load_benchmark(bench_path, fmt, dev_path)
     if shots and not dev:
         raise NanoforgeError(f"--shots {shots} needs solved examples: a dev/ folder beside the benchmark's "
                              f"questions, or --dev FILE")
-    if limit is not None:
-        questions = questions[:limit]
+    questions = questions[:limit]  # limit None: all
     model, tokenizer, dev_device, ckpt = load_run(run, device)
 
     prompts = [build_prompt(q.question, pick_shots(q, dev, shots)) for q in questions]

@@ -8,9 +8,8 @@ Five questions, one function each:
     evaluate_toolcall (eval/toolcall.py) does it call tools right?            parse/valid/match rates, answers
     generate_samples (infer/samples.py)  what does it actually write?         a few completions, samples.jsonl
 
-Bits per byte (bpb) is the total negative log-likelihood in bits divided by the UTF-8 bytes of the text it
-was measured on. Unlike loss per token it does not depend on the tokenizer, so two models with different
-vocabularies can be compared on the same file (the measure of Gao et al. 2020, "The Pile", arXiv 2101.00027)."""
+Bits per byte (bpb), the total NLL in bits over the text's UTF-8 bytes, does not depend on the tokenizer as loss per
+token does: models with different vocabularies compare on one file (Gao et al. 2020, "The Pile", arXiv 2101.00027)."""
 from __future__ import annotations
 
 import contextlib
@@ -34,7 +33,7 @@ from nanoforge.data.shards import TokenShards, check_tokenizer, read_manifest
 from nanoforge.data.sources import data_kind, prepared_dir
 from nanoforge.core.device import autocast_context, eval_mode, precision_note, resolve_precision
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.eval.choice import evaluate_choices
+from nanoforge.eval.choice import evaluate_choices, padded_batch
 from nanoforge.eval.common import Progress, format_table, load_run
 from nanoforge.eval.options import EvalOptions
 from nanoforge.eval.gsm8k import evaluate_gsm8k, read_gsm8k
@@ -61,11 +60,9 @@ def own_validation_data(run) -> Path | None:
 
 def token_byte_lengths(tokenizer) -> np.ndarray | None:
     """UTF-8 bytes each token id stands for, (vocab,) int64; 0 for special tokens. None if the tokenizer is
-    not byte-level BPE (then a token's bytes are not a property of the token alone).
-
-    In byte-level BPE (GPT-2's scheme) every character of a token's string is one byte of the text mapped to
-    a printable character, so the byte length is the string length. Summed over the tokens of a text this
-    gives exactly the text's UTF-8 bytes, which is what bpb divides by."""
+    not byte-level BPE (then a token's bytes are not a property of the token alone). In byte-level BPE (GPT-2's
+    scheme) every character of a token's string is one byte of the text mapped to a printable character, so the
+    byte length is the string length: summed over a text's tokens, exactly the UTF-8 bytes bpb divides by."""
     from tokenizers import decoders, pre_tokenizers
 
     inner = tokenizer.backend
@@ -122,20 +119,13 @@ def _rows_sft(shards, seq_len: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
 
 def _score_rows(model, rows: Iterable[tuple[np.ndarray, np.ndarray]], batch_size: int, device, precision: str,
                 byte_table: np.ndarray | None, max_tokens: int | None, progress: Progress, totals: _Totals) -> bool:
-    """Add the next-token NLL over all labelled positions of `rows` to `totals` (right-padded into batches;
-    padding comes after the real tokens, so causal attention never sees it) until totals.tokens reaches
-    max_tokens. Returns whether max_tokens cut the data short."""
+    """Add the next-token NLL over all labelled positions of `rows` (right-padded into batches: causal attention
+    never sees the padding) to `totals` until totals.tokens reaches max_tokens; whether max_tokens cut it short."""
     batch: list[tuple[np.ndarray, np.ndarray]] = []
     truncated = False
 
     def flush():
-        T = max(len(x) for x, _ in batch)
-        inputs = torch.zeros(len(batch), T, dtype=torch.long)
-        labels = torch.full((len(batch), T), IGNORE, dtype=torch.long)
-        for r, (x, y) in enumerate(batch):
-            inputs[r, :len(x)] = torch.from_numpy(x)
-            labels[r, :len(y)] = torch.from_numpy(y)
-        inputs, labels = inputs.to(device), labels.to(device)
+        inputs, labels = padded_batch(batch, device)
         with torch.no_grad(), autocast_context(device, precision):
             logits = model(inputs)  # (B, T, V)
         # float32 softmax: bf16 logits lose the small differences the loss is made of
@@ -172,17 +162,14 @@ def _score_rows(model, rows: Iterable[tuple[np.ndarray, np.ndarray]], batch_size
 def evaluate_data(run, data_paths, batch_size: int = 8, seq_len: int | None = None, max_tokens: int | None = None,
                   precision: str = "fp32", device: str = "auto", progress: bool = True, split: str = "all",
                   log: Callable[[str], None] = print) -> dict:
-    """Loss, perplexity and bits per byte of `run` on JSONL files (pretrain or SFT) or a prepared directory.
-
-    Raw JSONL is tokenized with the run's own tokenizer into a temporary prepared directory (val_fraction
-    0: every record counts). Pretraining data: every token is scored once, in non-overlapping windows of
-    seq_len (default: the model's max_seq_len, at most 2048) over the packed stream, as training validation does; bpb
-    divides by the exact UTF-8 bytes of the texts (end-of-text tokens are scored, like any token, but have no
-    bytes). SFT data: only assistant tokens (replies and their <|im_end|>) are scored, each conversation on
-    its own; bpb divides by the bytes of those replies, counted from the tokens, which is exact for
-    byte-level BPE (and left out for other tokenizers). A prepared directory is scored over `split`
-    ("all", "train" or "val"). `run` may also be a loaded (model, tokenizer) pair. Prints a table through
-    `log` and returns the numbers."""
+    """Loss, perplexity and bits per byte of `run` (or a loaded (model, tokenizer) pair) on JSONL files (pretrain
+    or SFT, tokenized with the run's own tokenizer, every record counting) or on `split` ("all", "train" or
+    "val") of a prepared directory. Pretraining data: every token is scored once, in non-overlapping windows of
+    seq_len (default: the model's max_seq_len, at most 2048) over the packed stream, as training validation
+    does; bpb divides by the exact UTF-8 bytes of the texts (end-of-text tokens are scored, like any token, but
+    have no bytes). SFT data: only assistant tokens (replies and their <|im_end|>) are scored, each conversation
+    on its own; bpb divides by the bytes of those replies, counted from the tokens, which is exact for
+    byte-level BPE (and left out for other tokenizers). Prints a table through `log` and returns the numbers."""
     precision = resolve_precision(precision, device)  # a bad one fails before the model loads
     if split not in ("all", "train", "val"):
         raise NanoforgeError(f"split {split!r} must be all, train or val")
@@ -240,8 +227,7 @@ def _prepare_raw(paths, tokenizer, out: Path, log) -> Path:
 
 def _score_splits(model, eos_id, data_dir: Path, kind: str, splits: list[str], seq_len: int, batch_size: int,
                   device, precision: str, byte_table, max_tokens: int | None, bar: Progress) -> tuple[_Totals, bool]:
-    """The totals over `splits` of a prepared directory, one after the other until max_tokens (if given) are
-    scored; and whether max_tokens cut the data short."""
+    """The totals over `splits`, one after the other until max_tokens (if given), and whether they cut it short."""
     totals, truncated = _Totals(), False
     for s in splits:
         shards = TokenShards(data_dir, s)

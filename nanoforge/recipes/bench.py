@@ -5,12 +5,11 @@ split between data, forward+backward and optimizer, for any preset, precision an
 How the figures are made (each printed with the table):
 - "ours" runs `train/loop.py:train()` itself on seeded random tokens (or --data) in a temporary run directory;
   tokens/s and the data/fwd_bwd/optim split are medians of the logged steps after `warmup` (sync_timing on).
-- MFU = flops_per_token * tokens/s / peak, FLOPs by the PaLM convention 6N + 12 L h s (model.flops_per_token);
-  the peak is the datasheet entry of train/metrics.py's GPU table on CUDA, and on CPU the best measured
-  1024 x 1024 matmul rate in the run's precision.
+- MFU = flops_per_token * tokens/s / peak, FLOPs by the PaLM convention 6N + 12 L h s (model.flops_per_token); the
+  peak is the datasheet entry of train/metrics.py's GPU table on CUDA, on CPU the best measured 1024 x 1024
+  matmul rate in the run's precision.
 - Each configuration runs in its own process, so its peak memory is its own: the CUDA allocator's peak on a GPU,
-  the process's peak resident memory (ru_maxrss) on CPU.
-"""
+  the process's peak resident memory (ru_maxrss) on CPU."""
 from __future__ import annotations
 
 import json
@@ -154,7 +153,7 @@ def profiled_split(model, mcfg, tcfg, device: torch.device) -> dict[str, float]:
         step()
     split = op_split(prof, device_time=cuda)
     cfg = model.cfg  # the 6N part of the FLOPs is the matmuls'; attention's 12 L h s is in attention
-    matmul_flops = (model.flops_per_token(tcfg.seq_len) - 12.0 * cfg.n_layers * cfg.d_model * tcfg.seq_len)
+    matmul_flops = model.flops_per_token(tcfg.seq_len) - 12.0 * cfg.n_layers * cfg.d_model * tcfg.seq_len
     split["matmul_flops_per_s"] = matmul_flops * tcfg.batch_size * tcfg.seq_len / max(split["matmul_ms"], 1e-9) * 1e3
     return split
 
@@ -259,8 +258,7 @@ def _run_child(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def format_bench(res: dict[str, Any]) -> str:
-    t = res["config"]["train"]
-    m = res["config"]["model"]
+    t, m = res["config"]["train"], res["config"]["model"]
     ours, naive = res["ours"], res.get("naive")
     cols = [("nanoforge", ours)] + ([("naive fp32", naive)] if naive else [])
 

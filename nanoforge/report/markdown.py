@@ -6,9 +6,8 @@ logged step), `config.toml` (the config as used), `samples.jsonl` (text generate
 (tokens seen). A report never loads weights, so it can be written while a run is still going, or long after,
 on a machine without them. Every training command writes RUN/report.md when it finishes
 (`write_run_report`); `nanoforge report RUN [RUN...] --out FILE.md` writes one on demand and compares runs.
-
-matplotlib is optional (the `report` extra). Without it the report is written all the same, with a line
-saying how to get the plots: a missing plotting library must never cost anyone their numbers."""
+matplotlib is optional (the `report` extra): without it the report is written all the same, with a line
+saying how to get the plots, as a missing plotting library must never cost anyone their numbers."""
 from __future__ import annotations
 
 import json
@@ -177,8 +176,7 @@ def summarize(run: RunMetrics) -> list[tuple[str, str]]:
     rows = [(label, str(info[key])) for key, label in (("stage", "stage"), ("init", "initialised from"))
             if info.get(key)]
     if model:
-        params = count_params(model)
-        if params is not None:
+        if (params := count_params(model)) is not None:
             rows.append(("parameters", _millions(params)))
         rows.append(("shape", f"d_model {model.get('d_model')}, {model.get('n_layers')} layers, "
                               f"{model.get('n_heads')} heads ({model.get('n_kv_heads')} KV), "
@@ -249,15 +247,13 @@ def data_rows(run: RunMetrics) -> list[tuple[str, str]]:
         return rows + [("manifest", "not readable here (the data directory has moved or was deleted)")]
     rows.append(("kind", str(manifest.get("kind"))))
     for split in ("train", "val"):
-        s = manifest.get("splits", {}).get(split)
-        if s:
+        if s := manifest.get("splits", {}).get(split):
             rows.append((split, f"{s.get('tokens', 0):,} tokens, {s.get('docs', 0):,} documents, "
                                 f"{s.get('bytes', 0):,} bytes"))
     for src in manifest.get("sources", []):
         rows.append(("source", f"{Path(src.get('path', '?')).name}: {src.get('records', '?'):,} records, "
                                f"{src.get('bytes', 0):,} bytes"))
-    tok = manifest.get("tokenizer", {})
-    if tok:
+    if tok := manifest.get("tokenizer", {}):
         rows.append(("tokenizer", f"vocab {tok.get('vocab_size')}, sha256 {str(tok.get('sha256', ''))[:12]}"))
     return rows
 
@@ -295,8 +291,7 @@ def _run_section(run: RunMetrics, out_path: Path, Figure, png_name: str) -> list
     if Figure is not None and (run.train or run.val):
         png = plot_runs([run], out_path.with_name(png_name), Figure, run.name)
         lines += [f"![{run.name}: loss, learning rate, grad norm, tokens/s, memory, bits per byte]({png.name})", ""]
-    final = final_metrics(run)
-    if final:
+    if final := final_metrics(run):
         lines += ["### Final metrics", "", "| metric | value | step |", "|---|---|---|"]
         lines += [f"| {key} | {fmt_number(value)} | {step} |" for key, value, step in final] + [""]
     lines += ["### Time", ""] + _table(time_rows(run))

@@ -4,20 +4,14 @@ Endpoints: `GET /v1/models`, `POST /v1/chat/completions` and `POST /v1/completio
 server-sent events when `"stream": true`), `GET /health`, and the page at `GET /`. The official `openai`
 clients work against it with `base_url="http://127.0.0.1:8000/v1"`. Chat takes OpenAI's `tools` and
 `tool_choice`, tool messages and `chat_template_kwargs: {"enable_thinking": true}`, and answers with
-`reasoning_content` and `tool_calls` (serve/chat_request.py, serve/chat_reply.py). For the web page, which
-cannot run Python, `GET /v1/nanoforge/tools` lists the built-in tools and `POST /v1/nanoforge/tools/run`
-runs one.
-
-Requests are read and checked, and replies written, in OpenAI's wire format by serve/protocol.py and the two
-chat modules; every error is JSON in OpenAI's shape with a 4xx status for anything the request got wrong.
+`reasoning_content` and `tool_calls` (serve/chat_request.py, serve/chat_reply.py; the wire format is
+serve/protocol.py's). For the web page, which cannot run Python, `GET /v1/nanoforge/tools` lists the built-in
+tools and `POST /v1/nanoforge/tools/run` runs one. Every error is JSON in OpenAI's shape, 4xx for a bad request.
 
 Concurrency: the model and its KV cache are not thread-safe, so requests are *queued*, not batched: one
-worker thread (a single-worker executor, FIFO) generates one reply at a time. The event loop only parses
-requests and relays text: a streaming reply's pieces are handed from the worker to the loop through an
-asyncio queue (`loop.call_soon_threadsafe`), so `/health` and new requests are answered while a reply is being
-generated. A client that disconnects mid-stream sets a flag the worker reads between tokens, which ends
-that generation early and frees the worker for the next request. (Batching requests together would raise
-throughput; `generate` supports batches, but interleaving streams of different lengths is left for later.)
+worker thread (a single-worker executor, FIFO) generates one reply at a time and hands a stream's pieces to
+the event loop through an asyncio queue, so `/health` and new requests are answered meanwhile. A client that
+disconnects mid-stream sets a flag the worker reads between tokens, which ends that generation early.
 
 Sampling defaults are those of `nanoforge chat` (temperature 0.7, top_p 0.9, plus the non-OpenAI fields
 `top_k` 50 and `repetition_penalty` 1.1, which requests may also set): a small model loops without them."""
@@ -222,7 +216,6 @@ def _add_error_handlers(app) -> None:
 
 
 def _add_model_routes(app, worker: _Worker, model_name: str, api_key: str | None) -> None:
-    """/health, the chat page at /, and /v1/models."""
     page = PAGE.read_text(encoding="utf-8")
     card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "nanoforge"}
 
@@ -250,7 +243,6 @@ def _add_model_routes(app, worker: _Worker, model_name: str, api_key: str | None
 
 def _add_generation_routes(app, worker: _Worker, tokenizer, limits: Limits, model_name: str,
                            api_key: str | None, max_body_bytes: int) -> None:
-    """POST /v1/chat/completions and /v1/completions."""
     chat_stop_ids = stop_ids(tokenizer)  # as in `nanoforge chat`
     text_stop_ids = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
 
@@ -283,10 +275,9 @@ def _add_generation_routes(app, worker: _Worker, tokenizer, limits: Limits, mode
 
 
 def _add_tool_routes(app, api_key: str | None, max_body_bytes: int) -> None:
-    """The built-in tools for the web page, which cannot run Python: GET /v1/nanoforge/tools (their schemas)
-    and POST /v1/nanoforge/tools/run {"name", "arguments"} -> {"content": the result}. Only the built-in
-    tools (chat/calculator.py: no eval, bounded work) run; anything else is answered "Error: ...", as a
-    tool result the model can read."""
+    """GET /v1/nanoforge/tools (the built-in tools' schemas), POST /v1/nanoforge/tools/run {"name", "arguments"}
+    -> {"content": the result}. Only the built-in tools (chat/calculator.py: no eval, bounded work) run; anything
+    else is answered "Error: ...", as a tool result the model can read."""
     @app.get("/v1/nanoforge/tools")
     async def tools(request: Request):
         protocol.check_api_key(request.headers.get("authorization", ""), api_key)
@@ -382,8 +373,7 @@ def _check_can_listen(host: str, port: int) -> None:
 
 def run_server(run_dir, options: ServeOptions, device: str = "auto", precision: str = "auto",
                max_tokens_cap: int | None = None) -> None:
-    """`nanoforge serve RUN`: load the run's latest checkpoint and serve it, named after the run directory, with
-    uvicorn until Ctrl-C."""
+    """`nanoforge serve RUN`: serve the run's latest checkpoint, named after the run directory, until Ctrl-C."""
     host, port, api_key = options.host, options.port, options.api_key
     _check_can_listen(host, port)  # before minutes of loading, and before saying "serving"
     model, tokenizer, _, precision = load_for_inference(run_dir, device, precision, announce=True)

@@ -91,11 +91,8 @@ def _tool(i: int, tool) -> dict:
         raise bad_request(f"{where}.function.name must be 1 to 64 letters, digits, _ or -, got "
                           f"{json.dumps(name)[:60]}", param=f"{where}.function.name")
     out = {"name": name}
-    description = function.get("description")
-    if description is not None:
-        if not isinstance(description, str):
-            raise bad_request(f"{where}.function.description must be a string", param=f"{where}.function.description")
-        out["description"] = check_unicode(description, f"{where}.function.description")
+    if function.get("description") is not None:
+        out["description"] = _string(function["description"], f"{where}.function.description")
     parameters = function.get("parameters")
     if parameters is not None:
         if not isinstance(parameters, dict):
@@ -161,13 +158,15 @@ def _message(i: int, message) -> dict:
     if calls is not None:
         out["tool_calls"] = _tool_calls(i, calls)
     out["content"] = None if message.get("content") is None and calls else _content(message, i)
-    reasoning = message.get("reasoning_content")
-    if reasoning is not None:
-        if not isinstance(reasoning, str):
-            field = f"messages[{i}].reasoning_content"
-            raise bad_request(f"{field} must be a string", param=field)
-        out["reasoning_content"] = check_unicode(reasoning, f"messages[{i}].reasoning_content")
+    if message.get("reasoning_content") is not None:
+        out["reasoning_content"] = _string(message["reasoning_content"], f"messages[{i}].reasoning_content")
     return out
+
+
+def _string(value, param: str) -> str:
+    if not isinstance(value, str):
+        raise bad_request(f"{param} must be a string", param=param)
+    return check_unicode(value, param)
 
 
 def _content(message: dict, i: int) -> str:
