@@ -52,8 +52,7 @@ def check_messages(messages: Any, name: str, tools: bool = False) -> None:
     if not isinstance(messages, list):
         raise RecordError(f"must be a list of messages, got {_type_name(messages)}", f'"{name}"')
     if not messages:
-        raise RecordError("is an empty conversation; it needs at least a user and an assistant message",
-                          f'"{name}"')
+        raise RecordError("is an empty conversation; it needs at least a user and an assistant message", f'"{name}"')
     declared = _declared_tools(messages, name) if tools else None
     calls = answered = 0  # tool calls of the last assistant message, and tool messages answering them
     for i, message in enumerate(messages):
@@ -167,8 +166,7 @@ def parsed_tools(tools: Any, field: str) -> list:
     """`tools`: a list of tool schema objects, or a JSON string of one, parsed."""
     tools = _json_field(tools, field)
     if not isinstance(tools, list):
-        raise RecordError(f"must be a list of tool schemas (or a JSON string of one), got {_type_name(tools)}",
-                          field)
+        raise RecordError(f"must be a list of tool schemas (or a JSON string of one), got {_type_name(tools)}", field)
     for j, tool in enumerate(tools):
         if not isinstance(tool, dict):
             raise RecordError(f"must be a tool schema object, got {_type_name(tool)}", f"{field}[{j}]")

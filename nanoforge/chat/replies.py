@@ -1,27 +1,24 @@
 """A model's reply text -> reasoning, content and tool calls, in MiniMind-3's format (chat/template.py's
-THINKING_TOOLS_TEMPLATE), whole (`parse_reply`) or as it streams (`StreamParser`). One parser: `parse_reply`
-feeds the whole text to a `StreamParser`, so both always agree.
+THINKING_TOOLS_TEMPLATE), whole (`parse_reply`, which feeds a `StreamParser`, so both agree) or as it streams.
 
-The reply is what the model writes after the generation prompt, without the closing <|im_end|> (a stop token,
-never part of the text). The template writes an assistant turn as
+The reply is what the model writes after the generation prompt, without the closing <|im_end|>. The template
+writes an assistant turn as
 
     <think>\\n{reasoning}\\n</think>\\n\\n{content}[\\n]<tool_call>\\n{json}\\n</tool_call>[\\n<tool_call>...]
 
 and the rules below undo exactly that, so a parsed reply rendered back through the template gives the text:
-  - reasoning: with `thinking_open` (the prompt ended with `<think>\\n`) the reply starts inside the think
-    block and the reasoning runs to the first `</think>`; otherwise a `<think>...</think>` block at the head of
-    the reply (after newlines) is the reasoning. Its leading and trailing newlines are dropped (the template
-    strips them). No think block -> reasoning None; an unclosed one runs to the end of the reply.
-  - content: the text after the think block with its leading newlines dropped and every tool-call block
-    taken out, together with ONE '\\n' right before each block (the template's separator). Text after a
-    block stays as written. Think tags after the head, and a stray `</tool_call>`, are plain content.
-  - tool calls: the JSON object inside each `<tool_call>...</tool_call>`: `{"name": str, "arguments": object
-    or a JSON string of one}` (missing arguments mean `{}`). `arguments` is given as a JSON string (as OpenAI
-    sends it): the text the model wrote when that parses to the same object, else a fresh `json.dumps`.
-  - a malformed block (not JSON, no name, arguments not an object, or unclosed at the end of the reply) is
-    reported as an error and is NOT content: text inside tool-call tags is never shown as prose.
-Call ids are `{id_prefix}{index}`, index counting the well-formed calls of this reply from 0; the default prefix
-"call_" gives `call_0`, `call_1`, ... (a server wanting ids unique across replies passes its own prefix)."""
+  - reasoning: with `thinking_open` (the prompt ended with `<think>\\n`) it runs from the start to the first
+    `</think>`; otherwise a `<think>...</think>` block at the head (after newlines) is it, leading and trailing
+    newlines dropped. No think block -> None; an unclosed one runs to the end of the reply.
+  - content: the rest with its leading newlines dropped and every tool-call block taken out, with ONE '\\n'
+    right before each block (the template's separator). Later think tags and a stray `</tool_call>` are content.
+  - tool calls: the JSON object in each `<tool_call>...</tool_call>`, `{"name": str, "arguments": object or a
+    JSON string of one}` (missing: `{}`); `arguments` as a JSON string (as OpenAI sends it): the model's text
+    when that parses to the same object, else a fresh `json.dumps`.
+  - a malformed block (not JSON, no name, arguments not an object, unclosed at the end) is an error and NOT
+    content: text inside tool-call tags is never shown as prose.
+Call ids are `{id_prefix}{index}`, index counting this reply's well-formed calls from 0 (default `call_0`, ...;
+a server wanting ids unique across replies passes its own prefix)."""
 from __future__ import annotations
 
 import json

@@ -42,7 +42,6 @@ PLAIN_TEXT_SUFFIXES = (".txt", ".text", ".md")
 
 # ---------------------------------------------------------------------------------------------- class
 
-
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus what nanoforge needs around it: special ids, chat template, hash."""
 
@@ -288,7 +287,6 @@ def _token_text(value) -> str | None:
 
 # ---------------------------------------------------------------------------------------------- load
 
-
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """Load a directory holding tokenizer.json (+ optional tokenizer_config.json / chat_template.jinja),
     or a tokenizer.json file (its sibling config is used too). Any HF tokenizer.json loads."""
@@ -323,7 +321,6 @@ def _read_chat_template(directory: Path, config: dict) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- train
-
 
 def train_bpe(texts: Iterable[str], vocab_size: int = 6400, out_dir: str | os.PathLike | None = None,
               min_frequency: int = 2) -> Tokenizer:

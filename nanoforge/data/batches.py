@@ -147,7 +147,6 @@ class EvalBatches:
 
 # ---------------------------------------------------------------------------------------------- SFT packing
 
-
 @dataclass
 class PackingReport:
     """What packing did to the conversations of a split, for the log and for docs/perf.md."""

@@ -1,21 +1,17 @@
 """The parallel half of `nanoforge prepare` (data/prepare.py): input files read in chunks, and each chunk
 parsed, validated and tokenized in a worker process.
 
-A plain-text file (.txt, .text, .md) is pretraining text, read in chunks cut where the pre-tokenizer would
-split anyway (see _text_cut), tokenized like the rest, and joined back into whole documents. With
-val_fraction f = 0 the file is one train document. With f > 0 its tail is held out, as nanoGPT does with one
-corpus file (a per-document draw would leave one file with no validation split at all): the val split gets a
-document that starts at the first line start at or after byte size - floor(f*size), and the head is one
-train document; each is exactly its own text tokenized, plus eos. The manifest's source entry then says
-"val_from_byte" and counts 2 records. A file with no line start in that tail (too short, or one long last
-line) stays whole in train, and the log says so. Text documents are not counted by the per-record rule for
-JSONL, so JSONL records go to the same split whatever .txt files come before them in the input (before plain
-text was split, a .txt file counted as one record there).
+A plain-text file (.txt, .text, .md) is pretraining text, read in chunks cut where the pre-tokenizer would split
+anyway (_text_cut), and joined back into whole documents. With val_fraction f = 0 it is one train document; with
+f > 0 its tail is held out, as nanoGPT does with one corpus file: the val document starts at the first line start
+at or after byte size - floor(f*size), the head is the train one, each exactly its text tokenized plus eos (the
+manifest's source says "val_from_byte", 2 records). With no line start in that tail it stays whole in train, and
+the log says so. Text files do not count in JSONL's per-record split draw, so JSONL records get the same split
+whatever .txt files come before them.
 
-Preparing is parallel: the parent reads each file in ~2 MB chunks of whole lines and hands them to worker
-processes, which parse, validate and tokenize; results come back and are written in input order, so the
-output is byte-identical for any number of workers. At most 2 chunks per worker are in flight, which bounds
-memory whatever the input size (`Pool.imap` would read the whole input ahead)."""
+The parent reads each file in ~2 MB chunks of whole lines for worker processes to parse, validate and tokenize;
+results are written in input order, so the output is byte-identical for any number of workers. At most 2 chunks
+per worker are in flight, which bounds memory whatever the input size (`Pool.imap` would read ahead)."""
 from __future__ import annotations
 
 import hashlib
@@ -68,7 +64,6 @@ class SourceStats:
 
 
 # ---- reading chunks
-
 
 @dataclass
 class ChunkTask:
@@ -208,7 +203,6 @@ def _text_chunks(source: SourceStats, chunk_bytes: int, val_fraction: float = 0.
 
 
 # ---- encoding chunks (runs in the workers)
-
 
 @dataclass
 class ChunkResult:

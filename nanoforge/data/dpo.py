@@ -1,22 +1,17 @@
 """DPO batches and the reference model's log-probabilities, computed once and cached.
 
 DPO (Rafailov et al. 2023, arXiv 2305.18290) compares, for each preference pair, how much more likely the
-policy makes the chosen answer than the reference model does, against the same for the rejected answer. The
-reference is frozen (the initial policy), so its per-sequence log-probabilities are a property of the data:
-we compute them in one pass before training and store them beside the run, instead of running a second model
-forward on every step as MiniMind does (which costs a third of the step's compute and a second copy of the
-weights in memory). The cache is keyed by a hash of the reference weights and of the data, so a changed model
-or dataset is recomputed, never silently reused.
+policy makes the chosen answer than the frozen reference does, against the same for the rejected answer. The
+reference's per-sequence log-probabilities are so a property of the data: computed in one pass before training
+and stored beside the run, instead of a second model forward every step as MiniMind runs (a third of the step's
+compute and a second copy of the weights). The cache is keyed by a hash of the reference weights and the data.
 
-Data layout (see `nanoforge.data.shards`): in a prepared "dpo" split, document 2i is the chosen conversation
-of pair i and document 2i+1 the rejected one, each with a loss mask on its final assistant reply only.
-
-A batch of B pairs has 2B rows: the B chosen conversations, then the B rejected ones in the same order,
-padded on the right to the longest row of the batch:
+In a prepared "dpo" split (data/shards.py) document 2i is pair i's chosen conversation and 2i+1 its rejected
+one, each with a loss mask on its final assistant reply only. A batch of B pairs has 2B rows, the B chosen then
+the B rejected in the same order, right-padded to the longest:
     input_ids  (2B, L) int64   tokens[:-1] of each conversation, pad_id after its end
     labels     (2B, L) int64   tokens[1:] where the mask is 1 (the final reply and its <|im_end|>), else -100
-    ref_logps  (2B,)   float32 sum over the labelled tokens of log p_ref(token), same rows
-"""
+    ref_logps  (2B,)   float32 sum over the labelled tokens of log p_ref(token), same rows"""
 from __future__ import annotations
 
 import hashlib
@@ -88,7 +83,6 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- reference
-
 
 @torch.no_grad()
 def compute_reference_logps(model: nn.Module, shards: TokenShards, batch_size: int, seq_len: int,
@@ -174,7 +168,6 @@ def reference_logps(model: nn.Module, shards: TokenShards, cache_dir: str | Path
 
 
 # ---------------------------------------------------------------------------------------------- batches
-
 
 class DPOBatches(EpochOrder):
     """Batches of `batch_size` preference pairs, in a seeded order per epoch, sharded across ranks (EpochOrder:

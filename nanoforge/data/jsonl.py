@@ -73,7 +73,6 @@ class SkipCounter:
 
 # ---------------------------------------------------------------------------------------------- schema
 
-
 def _check_pretrain(obj: dict) -> None:
     if "text" not in obj:
         raise RecordError(f'missing "text" (pretrain records look like {{"text": "..."}}); keys: {_keys(obj)}')
@@ -123,7 +122,6 @@ def validate_record(kind: str, obj: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- lines
-
 
 # One record over this is almost surely a file that is not JSONL (or a whole corpus on one line); tokenizing it
 # as one document would need gigabytes. Split such documents into several records.

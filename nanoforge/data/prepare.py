@@ -150,7 +150,6 @@ def _write_result(result: ChunkResult, writers: dict, docs_seen: int, val_fracti
 
 # ---- writing
 
-
 class SplitWriter:
     """Appends documents to the shards of one split, starting a new shard after max_shard_tokens."""
 

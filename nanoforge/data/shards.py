@@ -1,7 +1,5 @@
 """Reading prepared data: a prepared directory's manifest, checked, and memmap views of its token shards
-(data/prepare.py writes them).
-
-Layout of a prepared directory (everything a training run needs, nothing else):
+(data/prepare.py writes them). A prepared directory holds everything a training run needs, nothing else:
 
     manifest.json               format version, kind, tokenizer hash, sources, per-split counts
     tokenizer/                  a copy of the tokenizer, so the directory is self-contained
@@ -9,13 +7,10 @@ Layout of a prepared directory (everything a training run needs, nothing else):
     {split}_{k:05d}.idx         int64 document start offsets within the shard, plus the final end offset
     {split}_{k:05d}.mask        (sft, dpo) uint8 loss mask, one per token: 1 on assistant tokens
 
-dpo data is stored as documents in pairs: document 2i of a split is the chosen conversation of pair i and
-document 2i+1 its rejected one (manifest "layout": "pairs"); the mask covers only the FINAL assistant reply
-and its <|im_end|> (the prefix is shared, so only the two answers differ). The train/val split is drawn per
-pair, so a pair is never cut in two.
-
-Why flat binary shards read by memmap (as nanoGPT's train.bin): the OS pages data in and out, so training
-memory stays flat however large the corpus, and any window is one slice away."""
+dpo documents come in pairs (manifest "layout": "pairs"): 2i is pair i's chosen conversation, 2i+1 its rejected
+one; the mask covers only the FINAL assistant reply and its <|im_end|>, and the train/val split is drawn per pair.
+Flat binary shards read by memmap (as nanoGPT's train.bin): the OS pages data in and out, so training memory
+stays flat however large the corpus, and any window is one slice away."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -37,8 +37,7 @@ def prepared_dir(data: Sequence) -> Path | None:
         return None  # prepared parts: a training run merges them into RUN/data (data/parts.py), copying no token
     for p in paths:
         if p.is_dir() and not is_hf_dataset_dir(p):
-            raise NanoforgeError(f"{p}: a directory; give JSONL files, or one directory made by "
-                                 "`nanoforge prepare`")
+            raise NanoforgeError(f"{p}: a directory; give JSONL files, or one directory made by " "`nanoforge prepare`")
     return None
 
 

@@ -261,7 +261,6 @@ def _add_bits_per_byte(result: dict, totals: _Totals, text_bytes: int, byte_tabl
 
 # ------------------------------------------------------------------------------ what `nanoforge eval` calls
 
-
 def run_eval(run, o: EvalOptions, log: Callable[[str], None] = print) -> dict:
     """`nanoforge eval RUN [--data F ...] [--bench PATH] [--gsm8k F] [--toolcall F] [--samples]`: any of them,
     loading the model once; --tools (calculator) are the built-in tools --gsm8k may call. Writes

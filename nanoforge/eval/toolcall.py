@@ -1,26 +1,18 @@
 """`eval --toolcall FILE`: does the model call the right tool with the right arguments, and answer right?
 
-The file holds SFT records (`{"conversations": [...]}`, validated as `prepare --kind sft` does, tools declared
-on the opening system message). For each record:
-    prompt     the conversation up to its first assistant message
-    reference  that message's tool calls, and the content of the conversation's last assistant message (a
-               leading think block taken off) as the final answer
-The prompt is decoded greedily through the tool loop (infer/toolloop.py); the built-in tools the record declares
-are run for real, any other tool's call gets an "Error: ..." result.
+The file holds SFT records (validated as `prepare --kind sft` does, tools declared on the opening system
+message). Each record's prompt is the conversation up to its first assistant message, decoded greedily through
+the tool loop (infer/toolloop.py: built-in tools run for real, any other gets an "Error: ..." result); its
+reference is that message's tool calls and the last assistant message's content (think block taken off).
 
 Metrics (the model's first reply against the reference's first assistant message):
-    parse rate         records whose reply has at least one tool call and no malformed tool-call block,
-                       over the records whose reference calls tools
-    valid-call rate    the reply's calls that name a tool the record declares and whose arguments (a JSON
-                       object) hold every key the tool's schema lists as required, over all calls the first
-                       replies made (n/a when none)
-    call-match rate    records whose reply's calls equal the reference's: the same names with equal parsed
-                       arguments, in any order, over the records whose reference calls tools
-    no-call agreement  records whose reply calls no tool, over the records whose reference calls none
-    answer accuracy    records whose final content (the last reply's, after the tools ran) equals the
-                       reference's, both stripped and with runs of whitespace made one space, over the records
-                       whose reference calls only built-in tools (the only ones whose results can be reproduced)
-"""
+    parse rate         replies with a tool call and no malformed block, over records whose reference calls tools
+    valid-call rate    calls naming a declared tool with every required argument key, over all first-reply calls
+    call-match rate    replies whose calls equal the reference's (names and parsed arguments, any order), over
+                       records whose reference calls tools
+    no-call agreement  replies calling no tool, over records whose reference calls none
+    answer accuracy    final contents equal to the reference's (stripped, whitespace runs as one space), over
+                       records whose reference calls only built-in tools (the only reproducible results)"""
 from __future__ import annotations
 
 import json

@@ -26,7 +26,6 @@ from nanoforge.infer.defaults import SamplingConfig, is_int
 
 # -------------------------------------------------------------------------------------- public entry points
 
-
 @dataclass
 class Completion:
     """One prompt's reply: the text (cut before a stop string), the new token ids, and why it ended:
@@ -153,7 +152,6 @@ def cut_at_stop(text: str, stop_strings: Sequence[str]) -> str:
 
 # ------------------------------------------------------------------------------------------------- stopping
 
-
 def _stop_index(text: str, stop_strings: Sequence[str]) -> int | None:
     found = [i for i in (text.find(s) for s in stop_strings) if i >= 0]
     return min(found) if found else None
@@ -200,7 +198,6 @@ def _generate_rows(model, prompts, cfg, stop_ids, use_cache, tokenizer,
 
 
 # ---------------------------------------------------------------------------------------- the decoding loop
-
 
 def _token_steps(model, prompts, cfg: SamplingConfig, use_cache: bool, precision: str) -> Iterator[list[int]]:
     """Yield the next token of every row, step after step, until max_new_tokens or the context is full.
@@ -306,7 +303,6 @@ def _check_prompts(model, prompts) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------------- sampling
-
 
 def _token_presence(ids: torch.Tensor, vocab: int) -> torch.Tensor:
     """(B, T) ids, -1 for padding -> (B, V) bool, True where the row contains that token."""

@@ -51,8 +51,7 @@ def generate_samples(model, tokenizer, prompts: Sequence[str] | None = None, sam
     prompts = list(DEFAULT_PROMPTS if prompts is None else prompts)
     sampling = sampling or SamplingConfig(temperature=0.8, top_p=0.95, max_new_tokens=64, seed=0)
     if chat:
-        ids = [tokenizer.render_chat([{"role": "user", "content": p}], add_generation_prompt=True)[0]
-               for p in prompts]
+        ids = [tokenizer.render_chat([{"role": "user", "content": p}], add_generation_prompt=True)[0] for p in prompts]
         stops = [t for t in (tokenizer.im_end_id, tokenizer.eos_id) if t is not None]
     else:
         ids = [tokenizer.encode(p) for p in prompts]

@@ -1,19 +1,17 @@
 """The batched multi-turn tool loop: many conversations at once, each going on for as long as its model calls
 tools. `eval --gsm8k` and `eval --toolcall` run on it (RL's rollouts have their own token-level loop, rl/agent.py).
 
-One round: every live conversation is rendered with the generation prompt, all are generated together by the
-batched KV-cache generator (`complete`, left-padded), and each reply is parsed. A reply with tool calls gets
-its assistant message and one tool message per call appended (the tools run at once; a call of a tool that is
-not enabled, or with bad arguments, gets an "Error: ..." result the model can read) and its conversation goes
-to the next round; a reply without calls ends its conversation. Only the live rows are generated each round.
+One round: the live conversations are rendered with the generation prompt, generated together (`complete`,
+left-padded) and parsed. A reply with tool calls gets its assistant message and one tool message per call (an
+unknown tool or bad arguments give an "Error: ..." result the model can read) and goes to the next round.
 
 How a conversation ends (`Rollout.end`):
     "answer"     a reply without tool calls (the normal end)
     "length"     a reply without tool calls cut by max_new_tokens (an unclosed tool-call block is such a reply)
     "max_turns"  it was still calling tools after max_turns replies (the last tool results have no reply)
     "context"    its next prompt plus max_new_tokens does not fit the model's context; nothing was generated
-A row only runs when prompt + max_new_tokens fits, so that no long prompt shortens another row's reply: a
-conversation then gives the same replies in a batch as on its own (greedy; up to float rounding)."""
+A row only runs when prompt + max_new_tokens fits, so no long prompt shortens another row's reply: a
+conversation gives the same replies in a batch as on its own (greedy; up to float rounding)."""
 from __future__ import annotations
 
 import time

@@ -34,7 +34,6 @@ from nanoforge.model.moe import MLP, MoE
 
 # -------------------------------------------------------------------------------------------------- RMSNorm
 
-
 class RMSNorm(nn.Module):
     """Root-mean-square norm (arXiv 1910.07467) with a learned per-channel gain and no bias. Computed in float32
     whatever the input dtype, as HF Llama does (in bf16 the mean of squares of a 512-wide vector loses most of its
@@ -57,7 +56,6 @@ class RMSNorm(nn.Module):
 
 
 # -------------------- Rotary position embeddings (RoFormer, arXiv 2104.09864), with YaRN (arXiv 2309.00071)
-
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     """The rotation frequency of each channel pair, (head_dim/2,) float32, and the attention factor that scales
@@ -134,7 +132,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 # ------------------------------------------------------------------------------------------------ Attention
 
-
 class Attention(nn.Module):
     """Causal grouped-query self-attention (GQA, arXiv 2305.13245): n_kv_heads key/value heads, each shared
     by n_heads / n_kv_heads query heads, which shrinks the KV cache by that ratio."""
@@ -188,7 +185,6 @@ class Attention(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------ Block and model
-
 
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). Residual dropout (on each branch's

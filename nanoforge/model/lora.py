@@ -30,7 +30,6 @@ ADAPTER_KEYS = (".lora_A.", ".lora_B.")
 
 # ----------------------------------------------------------------------------------- The adapted projection
 
-
 class LoraLinear(nn.Module):
     """A frozen nn.Linear plus a trainable low-rank update: x -> W x + b + scaling * B(A(dropout(x))). The wrapped
     Linear's `weight` (and `bias`) are registered under the same names, so the base weight's key does not change."""
@@ -71,7 +70,6 @@ class LoraLinear(nn.Module):
 
 
 # ----------------------------------------------------------------------------- Attaching, merging, counting
-
 
 def _unwrap(model: nn.Module) -> nn.Module:
     return model.gpt if isinstance(model, LoraModel) else model
@@ -119,7 +117,6 @@ def num_trainable(model: nn.Module) -> int:
 
 # ------------------------------------------------------------------------------------------ Adapter weights
 
-
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter tensors only, under PEFT-like names (`...q_proj.lora_A.weight`)."""
     return {k: v for k, v in _unwrap(model).state_dict().items() if any(s in k for s in ADAPTER_KEYS)}
@@ -139,7 +136,6 @@ def load_lora_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
 
 
 # -------------------------------------------------------------------------------------- Telling bases apart
-
 
 @torch.no_grad()
 def weights_fingerprint(weights: dict[str, torch.Tensor] | nn.Module, samples: int = 16) -> str:
@@ -164,7 +160,6 @@ def weights_fingerprint(weights: dict[str, torch.Tensor] | nn.Module, samples: i
 
 
 # ------------------------------------------------------------------------- The model the training loop sees
-
 
 class LoraModel(nn.Module):
     """A GPT with adapters attached, shaped for the one training loop: it forwards like the GPT, and its

@@ -93,7 +93,6 @@ def read_run(run_dir: str | Path, name: str | None = None) -> RunMetrics:
 
 # -------------------------------------------------------------------------------------------------- numbers
 
-
 def count_params(model_config: dict[str, Any], exclude_embeddings: bool = False) -> int | None:
     """Parameters of the model a config describes, built on the meta device (no memory, no init cost)."""
     try:
@@ -260,7 +259,6 @@ def data_rows(run: RunMetrics) -> list[tuple[str, str]]:
 
 # ------------------------------------------------------------------------------------------------- markdown
 
-
 def _cell(value: Any) -> str:
     """Text safe inside a markdown table cell: one line, pipes escaped."""
     return " ".join(str(value).split()).replace("|", "\\|") or " "
@@ -329,8 +327,7 @@ def _comparison(runs: list[RunMetrics], out_path: Path, Figure) -> list[str]:
     ]
     counts = [r.val[-1].get("val_count") if r.val else None for r in runs]
     rows.insert(5, ("validation scored on", [f"{c:,} {_val_unit(r)}" if c else "-" for c, r in zip(counts, runs)]))
-    lines = ["## Comparison", "", "| | " + " | ".join(_cell(r.name) for r in runs) + " |",
-             "|---|" + "---|" * len(runs)]
+    lines = ["## Comparison", "", "| | " + " | ".join(_cell(r.name) for r in runs) + " |", "|---|" + "---|" * len(runs)]
     lines += [f"| {label} | " + " | ".join(_cell(v) for v in values) + " |" for label, values in rows] + [""]
     if len({c for c in counts if c}) > 1:
         lines += ["Note: the validation losses above are means over different amounts of validation data "

@@ -1,40 +1,29 @@
 """Multi-turn tool-use rollouts for RL (MiniMind's agentic RL, `grpo --tools calculator --max-turns N`): every
 trajectory is one flat list of token ids built by concatenation, with a loss mask and the policy's log-probs.
 
-A trajectory starts as its prompt (rendered once, `agent_prompt`). Each round generates the next reply of every
-live trajectory at once (one left-padded batch through the KV-cache decoder, as `generate` does) and appends
-the sampled tokens as they are, stop token included. A reply that stopped and called tools has its calls run;
-then the environment's tokens are appended: exactly what the chat template writes after an assistant turn that
-called tools, from just after its <|im_end|> to the next generation prompt,
+A trajectory starts as its prompt (`agent_prompt`). Each round generates the next reply of every live trajectory
+at once (one left-padded batch through the KV-cache decoder) and appends the sampled tokens as they are, stop
+token included. A reply that called tools has them run, then the environment's tokens are appended: what the
+chat template writes after such a turn, from just after its <|im_end|> to the next generation prompt,
 
     \\n<|im_start|>user\\n<tool_response>\\n{result}\\n</tool_response>[...]<|im_end|>\\n<|im_start|>assistant\\n
     <think>\\n\\n</think>\\n\\n        (or the open `<think>\\n` with think=True)
 
-and the trajectory goes to the next round. The conversation is never re-rendered and re-tokenised: a
-re-tokenised reply may split differently from the tokens the model sampled, and then the trained log-probs
-would belong to tokens it never produced. The environment text is derived from the template itself
-(`environment_ids` renders a placeholder assistant turn and the real tool messages, and keeps what follows
-the assistant's <|im_end|>), and it is tokenised by `render_chat`, so <|im_start|>/<|im_end|> are control
-tokens and a tool result spelling one stays plain text. Every piece starts right after a control token,
-where the tokenizer's pre-tokenisation starts afresh, so for ordinary text the concatenation equals the
-render of the same conversation token for token (tests/rl/test_agent.py checks one).
+The conversation is never re-rendered and re-tokenised: a reply may re-tokenise differently from what the model
+sampled, and the trained log-probs would belong to tokens it never produced. `environment_ids` derives the
+environment text from the template itself and tokenises it with `render_chat` (control tokens as such, a tool
+result spelling one as plain text); each piece starts right after a control token, so for ordinary text the
+concatenation equals the render token for token (tests/rl/test_agent.py checks one).
 
-    mask      1 on the tokens the model sampled: each reply and the stop token that ended it; 0 on the prompt
-              and on every environment token (tool results and template glue)
-    logprobs  log softmax(logits / T) of each sampled token under the policy at rollout time (T = 1 for greedy
-              decoding), 0.0 where the mask is 0; the unfiltered tempered distribution, what the trainer
-              recomputes, so top-k/top-p (off by default) would make the sampler differ from it
+    mask      1 on the tokens the model sampled (each reply and its stop token); 0 on the prompt and environment
+    logprobs  log softmax(logits / T) of each sampled token at rollout time (T = 1 for greedy), 0.0 where the mask
+              is 0; the unfiltered tempered distribution the trainer recomputes (top-k/top-p would differ)
 
-How a trajectory ends (`Trajectory.end`; only "answer" is finished, for the agent reward's penalty):
-    "answer"     a reply that stopped without a well-formed tool call
-    "length"     a reply cut by max_new_tokens (its calls are not run: the template never continues an
-                 assistant turn without its <|im_end|>)
-    "max_turns"  the max_turns-th reply still called tools (they are run and counted, nothing is appended)
-    "context"    the next round (ids + max_new_tokens) would not fit the model's context
-A trajectory only runs when ids + max_new_tokens fits, so no long row shortens another's reply and a batch
-gives the same trajectories as each alone (greedy; up to float rounding).
-
-The stop tokens are infer/toolloop.stop_ids; the one sampled is kept and trained, since the model wrote it.
+How a trajectory ends (`Trajectory.end`; only "answer" is finished, for the agent reward's penalty): "answer" (a
+reply without a well-formed tool call), "length" (cut by max_new_tokens; its calls are not run), "max_turns" (the
+last allowed reply still called tools: run and counted, nothing appended), "context" (ids + max_new_tokens would
+not fit). So no long row shortens another's reply, and a batch gives the trajectories each gives alone (greedy,
+up to float rounding). The stop token sampled (infer/toolloop.stop_ids) is kept and trained: the model wrote it.
 Each round prefills every live trajectory from its first token: no cache is kept between rounds (simple)."""
 from __future__ import annotations
 
@@ -189,7 +178,6 @@ def _add_reply(trajectory: Trajectory, tokenizer, tokens: list[int], logprobs: l
 
 
 # ---------------------------------------------------------------------------------------------- the RL batch
-
 
 def pack_trajectories(trajectories: Sequence[Trajectory], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids (B, L), loss_mask (B, L-1)) of a rollout batch (rl/rollout.py's layout): each trajectory's ids

@@ -32,7 +32,6 @@ PPO_NORM = "token"
 
 # ------------------------------------------------------------------------------------- model outputs per token
 
-
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """logits (B, T, V), input_ids (B, T) -> (B, T) float32, entry t = log softmax(logits[:, t-1] / temp)[ids[t]],
     entry 0 = 0. float32 for the softmax: a ratio exp(logp - old_logp) near 1 is what PPO measures."""
@@ -51,7 +50,6 @@ def forward_ppo(model: nn.Module, input_ids: torch.Tensor, temperature: float = 
 
 
 # --------------------------------------------------------------------------------- rewards, advantages, returns
-
 
 def place_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """scores (B,) -> (B, T): each row's score on its last masked token, 0 elsewhere (and all 0 for a row with
@@ -116,7 +114,6 @@ def ppo_batch(input_ids: torch.Tensor, mask: torch.Tensor, old_logp: torch.Tenso
 
 
 # ------------------------------------------------------------------------------------------------------ the loss
-
 
 def ppo_loss(model: nn.Module, batch: Batch, cfg: PPOOptions):
     """The loss of one PPO update on a `ppo_batch` batch, for the one loop: (sum, count, extras).

@@ -111,7 +111,6 @@ def _expected_answers(value: Any) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- files
 
-
 def read_prompts(path: str | os.PathLike, limit: int | None = None) -> list[PromptRecord]:
     """Every prompt record of a JSONL file (the first `limit` with a limit), in file order; the first invalid
     record raises DataError `path:line: field: message`."""
@@ -137,7 +136,6 @@ def read_prompts(path: str | os.PathLike, limit: int | None = None) -> list[Prom
 
 
 # ---------------------------------------------------------------------------------------------- order
-
 
 class PromptIterator:
     """Prompts in a seeded random order per epoch, sharded across ranks, resumable from (epoch, cursor).

@@ -116,7 +116,6 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {"math": math_reward, "format": format_re
 
 # ---------------------------------------------------------------------------------------------- choosing
 
-
 def parse_rewards(spec: str) -> list[tuple[str, RewardFn]]:
     """`--reward math,format,mymod:fn,path/to/file.py:fn` -> [(name, fn), ...]: built-in names, or the user's
     function from an importable module or a .py file, checked to return a finite number each call."""

@@ -3,19 +3,14 @@ batch the policy loss trains on; every RL stage (and rl/agent.py's layout) share
 
 A rollout batch (CPU tensors, B = P x G rows, groups of G consecutive rows share a prompt; L = longest prompt +
 reply, right-padded with the tokenizer's pad id):
-
-    input_ids    (B, L)     prompt + reply (+ the stop token <|im_end|> when the reply stopped; none when it was
-                            cut at max_new_tokens)
+    input_ids    (B, L)     prompt + reply (+ <|im_end|> when the reply stopped, not when max_new_tokens cut it)
     loss_mask    (B, L-1)   1 where the target input_ids[:, t+1] is a reply token (stop token included), else 0
-    ref_logp     (B, L-1)   log-prob of each target under the frozen reference at the sampling temperature
-                            (log_softmax(logits / T)), without grad (absent when beta is 0: no reference is run)
+    ref_logp     (B, L-1)   the frozen reference's log_softmax(logits / T) of each target, no grad (absent at beta 0)
     advantages   (B,)       group advantages of the rewards (rl/losses.py group_advantages)
     rewards      (B,)       the combined reward of each reply
     stat_*       ()         the rollout's figures, logged by the stage's loss as extras
-
-The old log-probs (the sampling policy's) are the first update's own (rl/grpo_batches.py), no pass of their own.
-Sampling draws from exactly the distribution whose log-probs are trained, softmax(logits / T): with top-k, top-p
-or a repetition penalty the ratio would no longer start at 1."""
+The old log-probs are the first update's own (rl/grpo_batches.py). Sampling draws from exactly softmax(logits /
+T), whose log-probs are trained: with top-k, top-p or a repetition penalty the ratio would not start at 1."""
 from __future__ import annotations
 
 import time

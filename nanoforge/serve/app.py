@@ -55,7 +55,6 @@ log = logging.getLogger("nanoforge.serve")
 
 # ---------------------------------------------------------- generation: one at a time, on one worker thread
 
-
 class _Cancelled(Exception):
     pass
 
@@ -162,7 +161,6 @@ class _Worker:
 
 
 # -------------------------------------------------------------------------------------------------- the app
-
 
 def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_tokens_cap: int | None = None,
@@ -356,7 +354,6 @@ async def _answer(worker: _Worker, req: GenerationRequest, stop_ids: list[int], 
 
 
 # ----------------------------------------------------------------------------------------------- running it
-
 
 def _check_can_listen(host: str, port: int) -> None:
     """Bind (host, port) once, as uvicorn will, so a port in use or a host that is not this machine's is a

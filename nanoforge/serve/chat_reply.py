@@ -1,23 +1,18 @@
 """The replies of `/v1/chat/completions`: the generated text parsed (chat/replies.py, the one parser) into
 OpenAI's assistant message, whole or as streamed chunks, which join to the same message.
 
-The message: `content` (null when the reply is only tool calls, as OpenAI sends it), `reasoning_content`
-(only when the reply has some reasoning: DeepSeek's and vLLM's name for it, which the `openai` client keeps
-as an extra field), `tool_calls` (ids `call_<16 hex>_<index>`, unique across replies; `arguments` a JSON
-string). `finish_reason` is "tool_calls" when the reply has calls and ended by itself ("length" stays
-"length": a cut-off reply's calls are still given, but the client should know it was cut).
+The message: `content` (null when the reply is only tool calls), `reasoning_content` (only when there is
+reasoning: DeepSeek's and vLLM's name, kept by the `openai` client as an extra field), `tool_calls` (ids
+`call_<16 hex>_<index>`, unique across replies; `arguments` a JSON string). `finish_reason` is "tool_calls"
+when the reply has calls and ended by itself ("length" stays "length": the client should know it was cut).
 
-Streaming: the first chunk carries the role, then each delta holds one of `reasoning_content`, `content` or
-`tool_calls: [{index, id, type, function: {name, arguments}}]` (a call is sent whole once its closing tag
-arrives), then a chunk with the finish reason. The parser holds back text that may still become a tag, so
-no piece of `<think>` or `<tool_call>` ever reaches the content.
+Streaming: the first chunk carries the role, each delta one of `reasoning_content`, `content` or `tool_calls`
+(a call sent whole once its closing tag arrives), then a chunk with the finish reason. The parser holds back
+text that may still become a tag, so no piece of `<think>` or `<tool_call>` ever reaches the content.
 
-What is not passed on, and is reported as warnings for the server's log instead:
-  - a malformed tool-call block (not JSON, no name, unclosed): dropped, never shown as content (the text
-    inside tool-call tags is the model's attempt at a call, not prose);
-  - calls written when the request offered no tools (none sent, or tool_choice "none"): dropped, so a
-    client that offered none never has to handle one.
-A reply rendered by a template without tool support (plain ChatML) is plain text: all of it is content."""
+Dropped, and reported as warnings for the server's log: a malformed tool-call block (never shown as content),
+and calls when the request offered no tools (none sent, or tool_choice "none"). A reply rendered by a template
+without tool support (plain ChatML) is plain text: all of it is content."""
 from __future__ import annotations
 
 import secrets

@@ -67,7 +67,6 @@ def _refuse_tools(messages: list[dict], offered: bool) -> None:
 
 # -------------------------------------------------------------------- tools, tool_choice, template switches
 
-
 def parse_tools(tools) -> list[dict] | None:
     """The `tools` field -> the schemas for the template (None when absent or empty)."""
     if tools is None:
@@ -129,7 +128,6 @@ def template_switches(kwargs) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- messages
-
 
 def chat_messages(body: dict) -> list[dict]:
     """The `messages` field -> the conversation for the template (only the fields it reads)."""

@@ -20,7 +20,6 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit
 
 # --------------------------------------------------------------------------------- errors in OpenAI's shape
 
-
 class APIError(Exception):
     """A request the server refuses, answered as `{"error": {...}}` with `status`."""
 
@@ -62,7 +61,6 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 # ---------------------------------------------------------------------------- reading and checking requests
-
 
 def field(body: dict, name: str, kinds: tuple, what: str, default=None):
     """body[name] if it has one of `kinds` (absent or null: `default`); bools are never numbers."""
@@ -184,7 +182,6 @@ def parse_completion_request(body: Any, tokenizer, limits: Limits) -> Generation
 
 
 # -------------------------------------------------------------------------------------------------- replies
-
 
 def usage(prompt_ids: list[int], completion: Completion) -> dict:
     n_prompt, n_completion = len(prompt_ids), len(completion.token_ids)

@@ -208,8 +208,7 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     """FSDP2: the optimizer state gathered on rank 0, in the plain `optimizer.state_dict()` layout (parameters
     numbered in group order), so DDP and single-process runs load it as they load their own."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-    osd = get_optimizer_state_dict(model, optimizer,
-                                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    osd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not is_main():
         return {}
     index = {fqn: i for i, fqn in enumerate(fqn for group in osd["param_groups"] for fqn in group["params"])}

@@ -76,7 +76,6 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 # ---------------------------------------------------------------------------------------------- Muon
 
-
 # Coefficients (a, b, c) of the quintic Newton-Schulz step X <- aX + b(XX^T)X + c(XX^T)^2 X from Keller
 # Jordan's Muon write-up (2024): chosen to push every singular value in (0, 1] quickly towards ~1 (into about
 # [0.7, 1.2] after 5 steps) rather than to converge exactly, which the update does not need.

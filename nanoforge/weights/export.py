@@ -1,20 +1,13 @@
-"""Export a trained model for other tools: an HF transformers directory, or a GGUF file for llama.cpp.
+"""Export a trained model for other tools: an HF transformers directory, a GGUF file for llama.cpp, MiniMind's .pth.
 
-`export_hf` writes a directory that `transformers` loads with `AutoModelForCausalLM.from_pretrained` and
-`AutoTokenizer.from_pretrained`: config.json (LlamaForCausalLM, or Qwen3ForCausalLM when the model uses
-QK-norm, or Qwen3MoeForCausalLM for a QK-norm MoE model), model.safetensors, the tokenizer files with the chat
-template, and generation_config.json. Our parameter names already are HF's (see model/gpt.py), so the weights
-are written as they are and load strictly.
-
-`export_gguf` writes one GGUF file for llama.cpp (and so Ollama, LM Studio, ...): the same weights under
-llama.cpp's tensor names, the shape as metadata, and the byte-level BPE vocabulary with its merges.
-
-`export_minimind` writes MiniMind's own `.pth` (weights/minimind.py), for its eval_llm.py and `--from_weight`.
-
-Both read their model through weights/load.py; reading HF directories (the other way) is weights/hf.py's.
-
-Every output is written under a temporary name and renamed into place, so a failed export leaves nothing
-half-written behind."""
+`export_hf` writes a directory that `transformers` loads with `AutoModelForCausalLM`/`AutoTokenizer`
+`.from_pretrained`: config.json (LlamaForCausalLM; Qwen3ForCausalLM with QK-norm, Qwen3MoeForCausalLM for a
+QK-norm MoE model), model.safetensors (our parameter names are HF's, see model/gpt.py, so they load strictly),
+the tokenizer files with the chat template, and generation_config.json. `export_gguf` writes one GGUF file for
+llama.cpp (and so Ollama, LM Studio, ...): the weights under llama.cpp's tensor names, the shape as metadata, the
+byte-level BPE vocabulary with its merges. `export_minimind` writes MiniMind's own `.pth` (weights/minimind.py),
+for its eval_llm.py and `--from_weight`. All read their model through weights/load.py (reading HF directories is
+weights/hf.py's), and write under a temporary name renamed into place: a failed export leaves nothing behind."""
 from __future__ import annotations
 
 import contextlib
@@ -38,7 +31,6 @@ from nanoforge.weights.minimind import is_pth, write_pth
 
 
 # ------------------------------------------------------------------------ HF transformers directory: export
-
 
 def export_hf(run_or_checkpoint: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False) -> Path:
     """Write the latest checkpoint of a run (or the given checkpoint) as an HF transformers directory."""
@@ -149,7 +141,6 @@ def generation_config(tokenizer) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------- GGUF (llama.cpp)
-
 
 def export_gguf(run_or_checkpoint: str | os.PathLike, out_file: str | os.PathLike, dtype: str = "f32",
                 force: bool = False) -> Path:

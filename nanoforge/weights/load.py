@@ -118,7 +118,6 @@ def load_adapter_checkpoint(path: str | Path, base: str | Path | None = None) ->
 
 # ------------------------------------------------------------------------- Which base an adapter belongs to
 
-
 def _base_file(base_checkpoint: str | Path) -> Path:
     """A model.safetensors or MiniMind .pth file, a checkpoint directory or a run directory -> the weights file."""
     path = Path(base_checkpoint)
@@ -164,7 +163,6 @@ def check_base(meta: dict[str, Any], base_checkpoint: str | Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------- A stage's --init
-
 
 def init_config(init: str | Path) -> tuple[Path, dict[str, Any]]:
     """The checkpoint (HF model directory, MiniMind .pth) --init points at, and the config it was trained with."""
