@@ -2,16 +2,13 @@
 `run_tool_call`, which runs a parsed tool call against the enabled built-in tools.
 
 Safety: the expression is parsed with `ast` and walked by `_Evaluator`, which knows only numbers, + - * / // %
-**, unary + and -, parentheses, and the names in FUNCTIONS and CONSTANTS; everything else (attributes,
-subscripts, other names, lambdas, comprehensions, strings, keyword arguments...) is refused. Nothing is ever
-passed to eval or exec. Sizes are bounded before any work is done: the expression's length, every
-intermediate's magnitude (integers to MAX_DIGITS digits), a power's result estimated from its logarithm before
-it is computed, round's digits. Every failure comes back as a string starting "Error: " (a tool result the
-model can read), never as an exception.
+**, unary + and -, parentheses, and the names in FUNCTIONS and CONSTANTS; all else is refused, and nothing is
+passed to eval or exec. Sizes are bounded before any work: the expression's length, every intermediate's
+magnitude (integers to MAX_DIGITS digits), a power's result (estimated from its logarithm), round's digits.
+Every failure comes back as a string starting "Error: " (a tool result the model can read), never raised.
 
-Results: an int stays an int; `/` gives an int when the division is exact (GSM8K's `<<48/2=24>>` -> "24") and a
-float otherwise; a float that is a whole number prints as one ("5", not "5.0"), others with 12 significant
-digits."""
+Results: an int stays an int; `/` gives an int when exact (GSM8K's `<<48/2=24>>` -> "24"), else a float; a
+whole float prints as one ("5", not "5.0"), others with 12 significant digits."""
 from __future__ import annotations
 
 import ast

@@ -1,18 +1,13 @@
 """Checking a conversation's shape before it is rendered: roles and contents, reasoning, tool calls, tools.
 
-Accepted, as OpenAI's API and MiniMind-3's data write them:
-  - `content`: a string; null/None only for an assistant message that has `tool_calls`;
-  - `reasoning_content` (assistant): a string or null;
-  - `tool_calls` (assistant): a list, or a JSON string holding one, of calls each either OpenAI's
-    `{"type": "function", "function": {"name", "arguments"}}` or a bare `{"name", "arguments"}`, whose
-    `arguments` are an object or a string (passed as written);
-  - role `tool`: a message whose content is the tool's result, as a string;
-  - `tools`: the list of tool schemas (or a JSON string of it), given to render_text or carried by the
-    opening system message.
-These checks are the ones `prepare` applies to SFT records (data/jsonl.py calls them). A JSON-string `tool_calls`
-or `tools` is parsed here (templates, MiniMind-3's included, iterate over a list); everything else reaches the
-template as given, so the render equals HF apply_chat_template's on the same input.
-Errors are ChatTemplateErrors naming the message index and the field."""
+Accepted, as OpenAI's API and MiniMind-3's data write them: `content` a string (null only for an assistant
+message with `tool_calls`); `reasoning_content` (assistant) a string or null; `tool_calls` (assistant) a list,
+or a JSON string of one, of OpenAI's `{"type": "function", "function": {"name", "arguments"}}` or a bare
+`{"name", "arguments"}`, `arguments` an object or a string (passed as written); role `tool` with the result as
+a string; `tools`, the list of tool schemas (or a JSON string of it), given to render_text or on the opening
+system message. `prepare` applies the same checks to SFT records (data/jsonl.py). A JSON-string `tool_calls` or
+`tools` is parsed here (templates iterate over a list); all else reaches the template as given, so the render
+equals HF apply_chat_template's. Errors are ChatTemplateErrors naming the message index and the field."""
 from __future__ import annotations
 
 import json

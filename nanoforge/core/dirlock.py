@@ -1,18 +1,14 @@
 """One process per directory: an OS-level lock that dies with the process that holds it.
 
-A run directory is trained by one process at a time, and a prepared-data directory is written by one
-`prepare` at a time. A second process (a double Enter, a scheduler that requeues a job whose first copy still
-runs) stops at once with an error naming the directory and the process that holds it, before it changes
-anything.
+A run directory is trained by one process at a time, a prepared-data directory written by one `prepare`. A
+second process (a double Enter, a scheduler requeueing a job whose first copy still runs) stops at once, before
+it changes anything, with an error naming the directory and the process that holds it.
 
-The lock is `flock(2)` on a lock file. The kernel drops it when the holding process exits, however it exits
-(SIGKILL included), so a crash never leaves a lock that blocks `--resume`: a lock file with no process holding
-it means nothing and is simply locked again. While held, its text says who holds it (pid, host, command,
-start time), for the second process's error; it is emptied on release, so a command that ran and stopped leaves
-the directory as it found it. Torch-free, so `prepare` can use it without importing torch.
-
-On network file systems flock is only as good as the server's lock support (Linux NFSv4 emulates it with
-POSIX locks across clients); on a local disk it is exact."""
+The lock is `flock(2)` on a lock file, dropped by the kernel when the holder exits however it exits (SIGKILL
+included): a crash never leaves a lock that blocks `--resume`. While held, the file says who holds it (pid,
+host, command, start time); it is emptied on release, so a finished command leaves the directory as it found
+it. Torch-free, for `prepare`. On network file systems flock is only as good as the server's lock support
+(Linux NFSv4 emulates it with POSIX locks across clients); on a local disk it is exact."""
 from __future__ import annotations
 
 import fcntl

@@ -222,14 +222,11 @@ def pack_rows(lengths: np.ndarray, order: np.ndarray, capacity: int, lookahead: 
 class SFTBatches(EpochOrder):
     """Conversations packed whole into rows of seq_len positions, each attending only to itself.
 
-    Row layout: conversations back to back, then padding. For a conversation of n tokens the row holds its
-    first n-1 tokens as inputs and the next tokens as labels, kept only where the loss mask is 1 (the
-    assistant replies and their <|im_end|>). `segment_ids` tell the model where each conversation starts,
-    so attention is block-diagonal and positions restart at 0: packing changes nothing about what each
-    conversation computes, only how little padding is wasted (MiniMind pads every row to the maximum).
-
-    Order: a seeded permutation of the conversations per epoch, packed by `pack_rows` (EpochOrder's items are
-    the rows, recomputed identically on resume). shuffle=False packs in file order (for validation)."""
+    A conversation of n tokens gives its first n-1 tokens as inputs and the next as labels, kept where the loss mask
+    is 1 (the assistant replies and their <|im_end|>); then padding. `segment_ids` mark where each starts, so
+    attention is block-diagonal and positions restart at 0: packing changes nothing a conversation computes, only
+    how little padding is wasted (MiniMind pads every row). Order: a seeded permutation per epoch, packed by
+    `pack_rows` (EpochOrder's items are the rows, recomputed identically on resume); shuffle=False: file order."""
 
     def __init__(self, shards: TokenShards, batch_size: int, seq_len: int, seed: int = 0, rank: int = 0,
                  world_size: int = 1, shuffle: bool = True, pad_id: int = 0):

@@ -109,19 +109,16 @@ _WHITESPACE = b" \t\n\r\x0b\x0c"
 
 
 def _text_cut(data: bytes, split_pattern: str | None = "gpt-2") -> int:
-    """Where to cut `data` (bytes of UTF-8 text) so that tokenizing the two parts gives the same tokens as
-    tokenizing the whole, for the tokenizer's split pattern (Tokenizer.split_pattern); 0 if there is no such
-    place. GPT-2's pattern (and any other): just before the last whitespace run that holds a line break and
-    follows a non-space character. Qwen2's ("qwen2", what `tokenizer train` writes): see _cut_after_line_break.
+    """Where to cut `data` (UTF-8 text) so that tokenizing the two parts gives the tokens of the whole, for the
+    tokenizer's split pattern (Tokenizer.split_pattern); 0 if there is no such place. GPT-2's pattern (and any
+    other): just before the last whitespace run that holds a line break and follows a non-space character.
+    Qwen2's ("qwen2", what `tokenizer train` writes): see _cut_after_line_break.
 
-    Why there: BPE merges never cross pre-tokens, so equal pre-tokens mean equal tokens. The byte-level
-    pre-tokenizer (GPT-2's regex) ends a word, number or punctuation run at whitespace, and starts a new
-    match at the first whitespace character after one; it looks ahead, never behind. Cut before the whole
-    run, the first part ends with the same pre-token as in the whole text, and the second part is matched
-    from the same position with the same look-ahead. Cutting after the newline instead would change things:
-    "a  \n" at the end of a part makes one pre-token of "  \n", where the whole text has "  " and "\n". A
-    non-ASCII space just before the run (rare) can change how that one run is split, never the text:
-    decoding stays exact. The cut is at an ASCII byte, so never inside a UTF-8 character."""
+    Why there: BPE merges never cross pre-tokens. GPT-2's regex ends a word, number or punctuation run at
+    whitespace and starts a match at the first whitespace after one, looking ahead, never behind: cut before the
+    whole run, both parts match as in the whole text (after the newline, "a  \n" would make one pre-token of
+    "  \n"). A non-ASCII space just before the run (rare) can change how that run is split, never the decoded
+    text. The cut is at an ASCII byte, so never inside a UTF-8 character."""
     if split_pattern == "qwen2":
         return _cut_after_line_break(data)
     newline = data.rfind(b"\n")
@@ -157,16 +154,12 @@ def _text_val_target(size: int, val_fraction: float) -> int | None:
 
 def _text_chunks(source: SourceStats, chunk_bytes: int, val_fraction: float = 0.0,
                  split_pattern: str | None = "gpt-2") -> Iterator[tuple[int, bytes, bool, bool]]:
-    """(first line number, bytes, ends its document, is in the val document) pieces of a plain-text file,
-    each cut by _text_cut; hashes and sizes the file on the way. Never holds more than a chunk (plus one
-    unbroken stretch).
+    """(first line number, bytes, ends its document, is in the val document) pieces of a plain-text file, each cut
+    by _text_cut; hashes and sizes the file on the way, holding at most a chunk (plus one unbroken stretch).
 
-    With val_fraction > 0 the head ends with the first line break at or after byte target - 1 (see
-    _text_val_target; the file size is its stat, known before reading), so the tail starts at a line start
-    and the two are separate documents. No other piece of the head reaches past that line break: _text_cut
-    cuts before the last line break of what has been read, and what holds that one is cut there first. Head
-    and tail are tokenized as two texts (each document is exactly encode(its own text) + eos), so unlike a
-    cut inside a document this one may go after the line break."""
+    With val_fraction > 0 the head ends with the first line break at or after byte target - 1 (_text_val_target,
+    from the file's stat), so the tail starts at a line start; no other piece of the head reaches past it. Head and
+    tail are tokenized as two texts (each exactly encode(its text) + eos), so this cut may go after the line break."""
     target = _text_val_target(source.path.stat().st_size, val_fraction)
     line_no, pending, offset, in_val = 1, b"", 0, False  # offset: where `pending` starts in the file
     with open(source.path, "rb") as f:

@@ -39,18 +39,14 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
                     drop_empty_think: float = 0.0, text_column: str = "text", part: str | None = None) -> dict:
     """Tokenize JSONL `files` of `kind` into shards in `out_dir`; return the manifest (also written there).
 
-    pretrain: each document is encode(text) + [eos].  sft: each conversation is tokenizer.render_chat(...),
-    ids plus a loss mask on the assistant tokens (no eos: the rendered conversation ends with <|im_end|>\\n).
-    dpo: each record is two documents, chosen then rejected, masked on the final assistant reply only.
-    Record i (0-based over all valid JSONL records in input order) goes to val iff
-    floor((i+1)*val_fraction) > floor(i*val_fraction): deterministic, spread evenly, exactly ~fraction.
-    A plain-text file is split by bytes instead: its tail (from a line start) is one val document.
-    workers=0 uses os.cpu_count() processes (never more than there are chunks); workers=1 runs in this
-    process. Keyword-only chunk_bytes and max_shard_tokens exist for tests and tuning.
-    drop_empty_think (sft): the share of records, chosen by a seeded hash of file index and line
-    (data/sft_records.py), whose assistant turns are rendered without their empty think blocks.
-    Parquet files and HF datasets directories are read row by row (data/columnar.py); text_column names
-    pretraining's string column. part "I/N": prepare only part I of N of the input (data/parts.py)."""
+    pretrain: each document is encode(text) + [eos]. sft: tokenizer.render_chat's ids plus a loss mask on the
+    assistant tokens (no eos: it ends with <|im_end|>\\n). dpo: chosen then rejected, masked on the final reply.
+    Record i (0-based over the valid records in input order) goes to val iff floor((i+1)*val_fraction) >
+    floor(i*val_fraction): deterministic, even, exactly ~fraction; a plain-text file's tail is one val document.
+    workers=0 uses os.cpu_count() processes (at most one per chunk), 1 runs here; chunk_bytes and max_shard_tokens
+    are for tests and tuning. drop_empty_think (sft): the share of records (a seeded hash of file and line,
+    data/sft_records.py) rendered without empty think blocks. Parquet and HF datasets directories are read row by
+    row (data/columnar.py; text_column: pretraining's column). part "I/N": only part I of N (data/parts.py)."""
     started = time.perf_counter()
     if kind not in KINDS:
         raise NanoforgeError(f"unknown data kind {kind!r}; expected one of {', '.join(KINDS)}")

@@ -15,16 +15,12 @@ class SamplingConfig:
     """How to pick each next token. The defaults are plain sampling from the model's distribution.
 
     temperature         0 picks the most likely token (greedy); otherwise logits are divided by it
-    top_k               keep only the k most likely tokens (0: off)
-    top_p               keep the smallest set of tokens whose probability adds up to top_p (1.0: off);
-                        nucleus sampling, Holtzman et al. 2019 (arXiv 1904.09751)
-    repetition_penalty  > 1 discourages every token already in the prompt or the reply (1.0: off); CTRL's
-                        penalty (Keskar et al. 2019, arXiv 1909.05858) as HF applies it: a positive logit is
-                        divided by it, a negative one multiplied, so a seen token always becomes less likely
-    max_new_tokens      the most tokens to generate per prompt (fewer if the model's context runs out)
-    stop_strings        stop as soon as the reply's text contains one of these; the text is cut before it
-    seed                draw from a private torch.Generator seeded with this, so that a seeded call gives
-                        the same reply whatever else used the global RNG (None: the global RNG)"""
+    top_k, top_p        keep the k most likely tokens (0: off); the smallest set whose probability adds up to
+                        top_p (1.0: off; nucleus sampling, Holtzman et al. 2019, arXiv 1904.09751)
+    repetition_penalty  > 1 makes every token seen in prompt or reply less likely (1.0: off): CTRL's penalty
+                        (arXiv 1909.05858) as HF applies it, a positive logit divided by it, a negative multiplied
+    max_new_tokens      the most tokens per prompt (fewer if the context runs out); stop_strings end the reply,
+                        cut before them; seed: a private torch.Generator (None: the global RNG)"""
     temperature: float = option(1.0, "[0, inf)", help="0 is greedy")
     top_k: int = option(0, "[0, inf)", help="0 disables")
     top_p: float = option(1.0, "(0, 1]", help="1.0 disables")

@@ -2,16 +2,14 @@
 rollout every --ppo-epochs steps and turns it into rl/ppo_update.py's batch (old log-probs and values, shaped rewards,
 GAE), and `ppo_objective`, the loss over it; GRPO's sibling (rl/grpo_batches.py), from the same pieces.
 
-The model is a PolicyWithValue (rl/critic.py): replies are sampled with `model.policy` (a plain GPT), the old
-log-probs and values come from the combined forward (rl/ppo_update.py forward_ppo), in the micro-batches the loss will
-see, so in fp32 the first epoch's ratio is exactly 1.
+The model is a PolicyWithValue (rl/critic.py): replies are sampled with `model.policy`; the old log-probs and
+values come from the combined forward (forward_ppo) in the loss's micro-batches, so in fp32 the first ratio is 1.
 
-Early stopping (--target-kl): before each further epoch over a rollout, the current policy's approximate KL to
-the one that sampled it (rl/losses.py approx_kl, over this rollout's reply tokens, averaged over the ranks) is
-measured with one no-grad forward of the policy; above target_kl the remaining epochs are skipped and the next
-step samples a new rollout (Spinning Up's and MiniMind's rule: the check comes before the update it would
-stop); the loss's KL is measured before the update, so always 0 after the first epoch. The decision depends
-only on the weights and the saved rollout, so a resumed run takes the same one."""
+Early stopping (--target-kl): before each further epoch over a rollout, one no-grad forward measures the
+policy's approximate KL to the one that sampled it (rl/losses.py approx_kl over the reply tokens, averaged over
+the ranks); above target_kl the remaining epochs are skipped (Spinning Up's and MiniMind's rule: the check comes
+before the update it would stop). The decision depends only on the weights and the saved rollout, so a resumed
+run takes the same one."""
 from __future__ import annotations
 
 from typing import Any
