@@ -1,23 +1,18 @@
 """Preparing in parts, so N jobs or N machines share the work, and merging the parts without copying tokens.
 
-`prepare --part I/N` (I from 1 to N) prepares
-- with several input files: every N-th of them, starting at the I-th (files of similar size spread evenly);
-- with one JSONL file: its I-th of N byte ranges, each cut at a line start (line numbers in errors are still
-  the whole file's).
-Each record goes to the split it would get in one prepare of all the input: a part starts its record count
-(data/prepare.py's val draw) at the number of records before its input, counted as non-blank lines (or
-Parquet rows). (With --skip-invalid, skipped records before a part still count there but not in a single
-prepare, so the val draw may then differ.)
+`prepare --part I/N` (I from 1 to N) prepares, of several input files, every N-th starting at the I-th; of one
+JSONL file, its I-th of N byte ranges, each cut at a line start (errors still give the whole file's line
+numbers). Each record goes to the split one prepare of all the input would give it: a part starts its record
+count (data/prepare.py's val draw) at the records before its input, counted as non-blank lines (or Parquet
+rows); with --skip-invalid, skipped records before a part count there but not in one prepare.
 
-`prepare merge PART... --out DIR` writes a directory whose manifest lists the parts' shards by relative
-path (`../part1/train_00000`): no token is copied, and data/shards.py reads it as any prepared directory.
-A training command given several prepared directories as --data merges them so into RUN/data.
-The parts must agree on format, kind, dtype, tokenizer, layout and validation share, hold the shards their
-manifests list, and be each part of one I/N splitting of their input once, all N unless --allow-incomplete (an
-input is known by its files' names and sizes); --out is apart from them. Merged order is part by part: the split
-of every record and the tokens are those of one prepare; the order of documents is the one prepare's only for
-byte-range parts of one file (for every-N-th files it is part 1's files, then part 2's).
-Keep the parts where they are, next to the merged directory."""
+`prepare merge PART... --out DIR` writes a directory whose manifest lists the parts' shards by relative path
+(`../part1/train_00000`): no token is copied, and data/shards.py reads it as any prepared directory (a training
+command given several prepared directories as --data merges them so into RUN/data). The parts must agree on
+format, kind, dtype, tokenizer, layout and validation share, hold the shards their manifests list, and be parts
+of one I/N splitting of their input (known by its files' names and sizes), all N unless --allow-incomplete;
+--out is apart from them. Merged order is part by part: splits and tokens are one prepare's; the document order
+is one prepare's only for byte-range parts of one file. Keep the parts where they are, next to the merged one."""
 from __future__ import annotations
 
 import hashlib

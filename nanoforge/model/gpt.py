@@ -1,10 +1,9 @@
 """The transformer: a decoder-only GPT in the Llama mould (its KV cache: model/kvcache.py).
 
 Pre-norm RMSNorm, rotary position embeddings (optionally YaRN-scaled), grouped-query attention through
-`scaled_dot_product_attention`, SwiGLU feed-forward, optional QK-norm, optionally tied embeddings.
-
-The module tree and parameter names are exactly those of HF `LlamaForCausalLM` (and `Qwen3ForCausalLM` when
-`qk_norm` is on), so export is a strict load with no renaming:
+`scaled_dot_product_attention`, SwiGLU feed-forward, optional QK-norm, optionally tied embeddings. The module
+tree and parameter names are HF `LlamaForCausalLM`'s (`Qwen3ForCausalLM`'s with `qk_norm`), so export is a
+strict load with no renaming:
 
     model.embed_tokens.weight
     model.layers.{i}.input_layernorm.weight
@@ -15,8 +14,8 @@ The module tree and parameter names are exactly those of HF `LlamaForCausalLM` (
     model.norm.weight
     lm_head.weight                                      (the same tensor as embed_tokens when tied)
 
-The numerics follow HF too (RMSNorm in float32, RoPE's rotate_half layout and YaRN's NTK-by-parts
-frequencies), so an exported model gives the same logits in `transformers`."""
+The numerics follow HF too (RMSNorm in float32, RoPE's rotate_half layout, YaRN's NTK-by-parts frequencies),
+so an exported model gives the same logits in `transformers`."""
 from __future__ import annotations
 
 import math
@@ -260,15 +259,12 @@ class GPT(nn.Module):
                 keep: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, vocab_size), in whatever dtype autocast gives (callers upcast).
 
-        Without a cache the tokens are positions 0..T-1. With a cache they follow the `cache.length` tokens
-        already cached, their keys and values are appended, and the cache advances by T.
-        `attention_mask` (B, cache.length + T), 1 for real tokens and 0 for left padding: padded keys are never
-        attended to and a token's position counts only the real tokens before it (same logits as the prompt alone).
-        `segment_ids` (B, T), for rows packed with several documents (SFT): a token attends only to earlier tokens
-        of its own segment, its position restarting at 0 with each segment, as if each were alone in the row.
-        `layout` (positions (B, T), allowed (B, T, T) True = may attend): any other arrangement, spelled out (RL's
-        rows sharing their prompt, model/prefix.py). `keep` (B, T) bool: the LM head runs on these positions only
-        and the logits are (N, V), in row order (a loss skips the vocabulary matmul where it supervises nothing)."""
+        Without a cache the tokens are positions 0..T-1; with one they follow its `cache.length` tokens, and their keys
+        and values are appended. `attention_mask` (B, cache.length + T), 0 for left padding: padded keys are never
+        attended to and positions count only real tokens. `segment_ids` (B, T), rows packed with several documents
+        (SFT): a token attends only to its own segment, positions restarting at 0. `layout` (positions (B, T), allowed
+        (B, T, T)): any other arrangement spelled out (model/prefix.py). `keep` (B, T) bool: the LM head runs at these
+        positions only, logits (N, V) in row order (a loss skips the vocabulary matmul where it supervises nothing)."""
         B, T = input_ids.shape
         start = 0 if cache is None else cache.length
         if cache is not None:

@@ -1,18 +1,14 @@
-"""Reading a `/v1/chat/completions` body into a prompt: the messages (system, user, assistant with
-`tool_calls` and `reasoning_content`, `tool` results), the `tools` offered, `tool_choice`, and the template
-switches of `chat_template_kwargs` (`enable_thinking`, or its other name `open_thinking`).
-
-What is accepted, as OpenAI's API sends it:
-  - `tools`: a list of `{"type": "function", "function": {"name", "description"?, "parameters"?}}`; names as
-    OpenAI allows them (letters, digits, _ and -, at most 64), since the template writes them into JSON text.
-  - `tool_choice`: "auto" (the default: tools are offered, calls come back) or "none" (the tools are left out
-    of the prompt and no tool calls come back). "required" and a named function are refused: a small model
-    cannot be made to call a tool, and promising it would be a lie.
-  - messages: content a string or text parts; an assistant message's content may be null when it has
-    `tool_calls` (whose `arguments` are a JSON object, as a string or an object); `tool` messages (their
-    `tool_call_id` is optional: the template matches results to calls by order).
-Tools, tool calls or tool messages sent to a model whose chat template has no tool support (a plain ChatML
-tokenizer) are refused with a 400 that says so, rather than rendered into something it never learnt."""
+"""Reading a `/v1/chat/completions` body into a prompt: the messages (system, user, assistant with `tool_calls`
+and `reasoning_content`, `tool` results), the `tools` offered, `tool_choice`, and the template switches of
+`chat_template_kwargs` (`enable_thinking`, or its other name `open_thinking`). Accepted, as OpenAI sends them:
+  - `tools`: `{"type": "function", "function": {"name", "description"?, "parameters"?}}`, names as OpenAI
+    allows them (letters, digits, _ and -, at most 64), since the template writes them into JSON text;
+  - `tool_choice`: "auto" (the default) or "none" (tools left out of the prompt, no calls come back);
+    "required" and a named function are refused: a small model cannot be made to call a tool;
+  - messages: content a string or text parts, null for an assistant message with `tool_calls` (`arguments`
+    a JSON object or its string); `tool` messages (`tool_call_id` optional: results match calls by order).
+Tools, calls or tool messages sent to a model whose template has no tool support (plain ChatML) get a 400
+that says so, rather than being rendered into something it never learnt."""
 from __future__ import annotations
 
 import json
