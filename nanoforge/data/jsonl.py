@@ -1,17 +1,13 @@
 """Strict, streaming reading of MiniMind-format JSONL.
 
-Every record is checked against the schema of its kind before anything else sees it, and every problem is
-reported as `path:line: field: message`, so a person can open the file at that line and fix it. Reading is
-line by line in binary (memory stays flat whatever the file size) and tolerates what editors and other tools
-commonly produce: a UTF-8 byte-order mark on line 1, CRLF line ends, blank lines.
-
-Formats (docs/data.md):
+Every record is checked against its kind's schema before anything else sees it, every problem reported as
+`path:line: field: message`. Reading is line by line in binary (flat memory whatever the file size) and takes
+what editors commonly write: a UTF-8 byte-order mark on line 1, CRLF line ends, blank lines. Formats (docs/data.md):
     pretrain  {"text": "..."}
     sft       {"conversations": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
               also MiniMind-3's tool use: "tools" on the system message, an assistant's "tool_calls" and
               "reasoning_content", role "tool" for results (chat/messages.py: check_messages)
-    dpo       {"chosen": [messages], "rejected": [messages]}  same prefix, different final assistant turn
-"""
+    dpo       {"chosen": [messages], "rejected": [messages]}  same prefix, different final assistant turn"""
 from __future__ import annotations
 
 import json

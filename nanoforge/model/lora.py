@@ -3,16 +3,15 @@
 A frozen projection W (out, in) learns only a low-rank update: y = W x + (alpha / r) * B A dropout(x), with A (r, in)
 and B (out, r). B starts at zero, so the adapted model is exactly the base model until the first step. Only A and B
 are trained, so AdamW's state shrinks 22x for rank 16 on every projection of the mini model (8.9 MiB, not 197 MiB).
-
 Names follow PEFT's layout without its adapter-name level, so a checkpoint reads like the model it adapts:
 
     model.layers.{i}.self_attn.q_proj.weight          the frozen base weight, under its usual name
     model.layers.{i}.self_attn.q_proj.lora_A.weight   (r, in)
     model.layers.{i}.self_attn.q_proj.lora_B.weight   (out, r)
 
-`LoraLinear` reuses the wrapped Linear's weight Parameter (no nested `.base`), so every base key stays unchanged
-and `merge_lora` can hand back a plain GPT. `LoraModel` wraps a GPT so that the one loop saves and restores only
-the adapters, plus the base's path, sha256 and `weights_fingerprint` (weights/load.py records and checks them)."""
+`LoraLinear` reuses the wrapped Linear's weight Parameter (no nested `.base`), so base keys stay unchanged and
+`merge_lora` can hand back a plain GPT. `LoraModel` wraps a GPT so that the one loop saves and restores only the
+adapters, plus the base's path, sha256 and `weights_fingerprint` (weights/load.py records and checks them)."""
 from __future__ import annotations
 
 import hashlib

@@ -1,12 +1,11 @@
 """PPO's critic and the one module the loop trains for PPO: the policy and its value model side by side.
 
 `ValueModel` is a GPT trunk (its `lm_head` the identity, so GPT.forward's masks and packing apply and there is
-no vocabulary-sized matrix) with Linear(d_model, 1) on the final hidden states. It starts as its own copy of the
-policy's weights (as MiniMind's PPO does), so it reads prompts as the policy does and never moves the policy.
-
-`PolicyWithValue` holds both as submodules, so one optimizer, one gradient clip, one checkpoint and DDP's one
-forward cover both. Its forward returns (logits, values). Its checkpoint (`state_dict_for_save`) is the
-policy's own keys, unchanged (exactly a GPT checkpoint's), plus the critic's under `critic.`:
+no vocabulary-sized matrix) with Linear(d_model, 1) on the final hidden states, starting as its own copy of the
+policy's weights (as MiniMind's PPO does): it reads prompts as the policy does and never moves the policy.
+`PolicyWithValue` holds both, so one optimizer, gradient clip, checkpoint and DDP forward cover both; its forward
+returns (logits, values). Its checkpoint (`state_dict_for_save`) is the policy's own keys, exactly a GPT's, plus
+the critic's under `critic.`:
 
     model.embed_tokens.weight, model.layers.{i}...., lm_head.weight (untied only)   the policy
     critic.trunk.model.embed_tokens.weight, critic.trunk.model.layers.{i}....       the critic's trunk
