@@ -9,8 +9,6 @@ Every failure comes back as a string starting "Error: " (a tool result the model
 
 Results: an int stays an int; `/` gives an int when exact (GSM8K's `<<48/2=24>>` -> "24"), else a float; a
 whole float prints as one ("5", not "5.0"), others with 12 significant digits."""
-from __future__ import annotations
-
 import ast
 import json
 import math

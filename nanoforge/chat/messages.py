@@ -8,8 +8,6 @@ a string; `tools`, the list of tool schemas (or a JSON string of it), given to r
 system message. `prepare` applies the same checks to SFT records (data/jsonl.py). A JSON-string `tool_calls` or
 `tools` is parsed here (templates iterate over a list); all else reaches the template as given, so the render
 equals HF apply_chat_template's. Errors are ChatTemplateErrors naming the message index and the field."""
-from __future__ import annotations
-
 import json
 from typing import Any
 

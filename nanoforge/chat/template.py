@@ -4,8 +4,6 @@ conversation, and their loss mask (1 on each assistant turn after its `<|im_star
 its closing <|im_end|>).
 
 The Tokenizer (tokenizer.py) renders and encodes; this module holds the pieces that need no tokenizer."""
-from __future__ import annotations
-
 import json
 import re
 

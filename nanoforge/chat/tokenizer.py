@@ -11,8 +11,6 @@ Control tokens come only from the template: text inside a message's content that
 (`<|im_end|>`, `<|im_start|>`, `<|endoftext|>`, ...) is encoded as plain text, so a user cannot forge a
 system or assistant turn and a training record that quotes ChatML keeps its loss mask. Here, and only here,
 the ids differ from HF's apply_chat_template + encode (which would make those real control tokens)."""
-from __future__ import annotations
-
 import functools
 import hashlib
 import json

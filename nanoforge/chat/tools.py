@@ -4,8 +4,6 @@ conversation (the assistant message, then one `tool` message per call, run again
 
 The conversation it builds is the one the template renders back (chat_template.THINKING_TOOLS_TEMPLATE):
 an assistant message with `reasoning_content`, `content` and `tool_calls`, then the tool results in order."""
-from __future__ import annotations
-
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.chat.replies import Reply
 from nanoforge.chat.calculator import BUILTIN_TOOLS, run_tool_call

@@ -1,7 +1,5 @@
 """Where and in what precision a process computes: the device a --device name means, the precision
 --precision auto means there (and falls back to when fp16 keeps overflowing), and autocast for a precision."""
-from __future__ import annotations
-
 import contextlib
 import ctypes
 import functools

@@ -9,8 +9,6 @@ included): a crash never leaves a lock that blocks `--resume`. While held, the f
 host, command, start time); it is emptied on release, so a finished command leaves the directory as it found
 it. Torch-free, for `prepare`. On network file systems flock is only as good as the server's lock support
 (Linux NFSv4 emulates it with POSIX locks across clients); on a local disk it is exact."""
-from __future__ import annotations
-
 import fcntl
 import json
 import os

@@ -1,8 +1,6 @@
 """Reading a JSON object file with an error a person can act on; durable and atomic writes: fsync a file or a
 directory entry, put a finished file or directory in place in one rename. Torch-free, so data-preparation
 worker processes can import it without paying for torch at start-up."""
-from __future__ import annotations
-
 import json
 import os
 import shutil

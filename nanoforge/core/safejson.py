@@ -3,8 +3,6 @@ Python's json recurses once per nesting level (`[[[[...` a thousand deep: Recurs
 4,300 digits (a bare ValueError); `loads` refuses both up front as a json.JSONDecodeError at the place, so each
 reader's handling of malformed JSON (a 400 naming the field, `file:line:`, an "Error: ..." for the model) covers
 them. Imports nothing of nanoforge."""
-from __future__ import annotations
-
 import json
 import re
 

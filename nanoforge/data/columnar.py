@@ -11,8 +11,6 @@ row equals the JSONL record it was made from; a column holding JSON text is pars
 
 Memory stays flat: rows are read a batch at a time (Parquet row group by row group, Arrow's stored record
 batches), never the whole file."""
-from __future__ import annotations
-
 import hashlib
 import json
 from contextlib import contextmanager

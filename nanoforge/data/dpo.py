@@ -12,8 +12,6 @@ the B rejected in the same order, right-padded to the longest:
     input_ids  (2B, L) int64   tokens[:-1] of each conversation, pad_id after its end
     labels     (2B, L) int64   tokens[1:] where the mask is 1 (the final reply and its <|im_end|>), else -100
     ref_logps  (2B,)   float32 sum over the labelled tokens of log p_ref(token), same rows"""
-from __future__ import annotations
-
 import hashlib
 import json
 import os

@@ -3,8 +3,6 @@ manifest; data/chunks.py reads and tokenizes the input in parallel.
 
 Everything is written into a temporary directory next to out_dir and renamed into place at the end: an error
 or Ctrl-C leaves out_dir as it was and no temporary directory behind."""
-from __future__ import annotations
-
 import math
 import os
 import shutil

@@ -1,8 +1,6 @@
 """Rendering one SFT record for `prepare` (data/chunks.py): the tokenizer's chat template with the record's
 tools, refusing a template that would silently drop its tool calls or results, and the seeded choice of the
 records whose empty think blocks are left out (`prepare --drop-empty-think P`)."""
-from __future__ import annotations
-
 import hashlib
 
 from nanoforge.chat.template import ChatTemplateError

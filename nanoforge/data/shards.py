@@ -11,8 +11,6 @@ dpo documents come in pairs (manifest "layout": "pairs"): 2i is pair i's chosen 
 one; the mask covers only the FINAL assistant reply and its <|im_end|>, and the train/val split is drawn per pair.
 Flat binary shards read by memmap (as nanoGPT's train.bin): the OS pages data in and out, so training memory
 stays flat however large the corpus, and any window is one slice away."""
-from __future__ import annotations
-
 from pathlib import Path
 
 import numpy as np

@@ -1,7 +1,5 @@
 """What --data names: one directory made by `nanoforge prepare`, or raw files (JSONL, plain text) to prepare
 on the fly; and the kind of data they hold. Training (train/rundir.py) and `nanoforge eval` both ask here."""
-from __future__ import annotations
-
 import codecs
 import os
 from pathlib import Path

@@ -1,7 +1,5 @@
 """What the evaluations (eval/run.py, eval/) share: the model to score, the lines of a JSONL benchmark, the
 records whose prompt fits, a progress line and the printed table."""
-from __future__ import annotations
-
 import json
 import sys
 import time

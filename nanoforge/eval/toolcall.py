@@ -13,8 +13,6 @@ Metrics (the model's first reply against the reference's first assistant message
     no-call agreement  replies calling no tool, over records whose reference calls none
     answer accuracy    final contents equal to the reference's (stripped, whitespace runs as one space), over
                        records whose reference calls only built-in tools (the only reproducible results)"""
-from __future__ import annotations
-
 import json
 from typing import Callable
 

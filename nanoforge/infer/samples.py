@@ -1,8 +1,6 @@
 """Samples: what a model actually writes for a few fixed prompts. `nanoforge eval --samples` prints them;
 training with --sample-every N appends them to RUN/samples.jsonl every N steps, so the same prompts show what
 the model has learnt so far. Sampling is fixed-seed, so successive samples differ only by the weights."""
-from __future__ import annotations
-
 import json
 from pathlib import Path
 from typing import Sequence

@@ -16,8 +16,6 @@ strict load with no renaming:
 
 The numerics follow HF too (RMSNorm in float32, RoPE's rotate_half layout, YaRN's NTK-by-parts frequencies),
 so an exported model gives the same logits in `transformers`."""
-from __future__ import annotations
-
 import math
 
 import torch

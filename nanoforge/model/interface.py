@@ -3,8 +3,6 @@
 GPT offers it, and so does LoraModel, which forwards each part to the GPT it adapts. A model that lacks a part
 is refused with the list, rather than losing a feature silently (a LoRA run once skipped
 --activation-checkpointing because the wrapper had no such switch)."""
-from __future__ import annotations
-
 from typing import Protocol, runtime_checkable
 
 import torch

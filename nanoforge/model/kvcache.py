@@ -1,7 +1,5 @@
 """The keys and values of the tokens a model has seen, for generation one token at a time (GPT.forward's
 `cache`)."""
-from __future__ import annotations
-
 import torch
 
 from nanoforge.core.errors import NanoforgeError

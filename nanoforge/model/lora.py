@@ -12,8 +12,6 @@ Names follow PEFT's layout without its adapter-name level, so a checkpoint reads
 `LoraLinear` reuses the wrapped Linear's weight Parameter (no nested `.base`), so base keys stay unchanged and
 `merge_lora` can hand back a plain GPT. `LoraModel` wraps a GPT so that the one loop saves and restores only the
 adapters, plus the base's path, sha256 and `weights_fingerprint` (weights/load.py records and checks them)."""
-from __future__ import annotations
-
 import hashlib
 import math
 

@@ -3,8 +3,6 @@
 Names follow HF Qwen3-MoE (`mlp.gate.weight` for the router, `mlp.experts.{e}.{gate,up,down}_proj.weight`),
 so the layout maps onto an existing architecture. Top-k probabilities are renormalised to sum to 1 (Qwen3's
 norm_topk_prob), and a load-balancing loss keeps the router from collapsing onto a few experts."""
-from __future__ import annotations
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

@@ -2,8 +2,6 @@
 consecutive rows with the same tokens before their first trained one become one row, the prompt then each reply,
 every reply at its own positions and attending to the prompt and its own earlier tokens only (GPT.forward's
 `layout`). The numbers and gradients are each row's own, up to float rounding."""
-from __future__ import annotations
-
 import torch
 import torch.nn.functional as F
 

@@ -10,8 +10,6 @@ How the figures are made (each printed with the table):
   matmul rate in the run's precision.
 - Each configuration runs in its own process, so its peak memory is its own: the CUDA allocator's peak on a GPU,
   the process's peak resident memory (ru_maxrss) on CPU."""
-from __future__ import annotations
-
 import json
 import os
 import statistics

@@ -1,8 +1,6 @@
 """What the training recipes share: the initial model, the samples written during training, --epochs as a step
 count, the language-model batches (pretrain, sft, lora, distill), SFT's default settings, and the loop followed
 by the run's report."""
-from __future__ import annotations
-
 import math
 from pathlib import Path
 from typing import Any

@@ -1,7 +1,5 @@
 """`nanoforge distill`: the recipe. It opens its run directory (train/rundir.py), loads the teacher, builds its
 batches, student and objective, and hands them to the one loop (train/loop.py)."""
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Any, Sequence
 

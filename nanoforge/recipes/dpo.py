@@ -1,7 +1,5 @@
 """`nanoforge dpo`: the recipe. It opens its run directory (train/rundir.py), computes the reference
 log-probabilities once, builds its batches, model and objective, and hands them to the one loop (train/loop.py)."""
-from __future__ import annotations
-
 import functools
 from pathlib import Path
 from typing import Any, Sequence

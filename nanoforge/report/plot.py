@@ -1,8 +1,6 @@
 """The plot grid of a run report (report/markdown.py): one PNG of a run's curves, or several runs drawn over each other.
 
 matplotlib is optional; `matplotlib_figure()` says whether it is there."""
-from __future__ import annotations
-
 import math
 from pathlib import Path
 from typing import Any, Sequence

@@ -9,8 +9,6 @@ log-probs are them exactly (PPO needs them before any update: rl/ppo_batches.py'
 Exact resume: a rollout is a function of the prompts it takes (the PromptIterator's position), the policy's
 weights and its seed, derived from (--seed, rollout index, rank); a checkpoint in the middle of a rollout's K
 steps also holds that rollout (every rank's, gathered to rank 0, which writes it)."""
-from __future__ import annotations
-
 import base64
 from typing import Any
 

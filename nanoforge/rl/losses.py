@@ -8,8 +8,6 @@ values they hold (they are replaced by 0 before any arithmetic, so an inf there 
 
 Like every loss of the one loop (train/stage.py) the losses return (sum, count, extras), the objective being
 sum / count, so the loop can add micro-batches' sums and divide by the whole step's count."""
-from __future__ import annotations
-
 import torch
 
 LOSSES = ("grpo", "cispo", "reinforce")

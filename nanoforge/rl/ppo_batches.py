@@ -10,8 +10,6 @@ policy's approximate KL to the one that sampled it (rl/losses.py approx_kl over 
 the ranks); above target_kl the remaining epochs are skipped (Spinning Up's and MiniMind's rule: the check comes
 before the update it would stop). The decision depends only on the weights and the saved rollout, so a resumed
 run takes the same one."""
-from __future__ import annotations
-
 from typing import Any
 
 import torch

@@ -14,8 +14,6 @@ One batch of rollouts is trained in two parts:
      returns: constants of the batch for every epoch and micro-batch (the whitening sees the whole batch).
   2. each update (`--ppo-epochs` of them): `ppo_loss`, the loss the one loop calls, returning (sum, count,
      extras). Before each further epoch rl/ppo_batches.py asks `should_stop_early(approx_kl, target_kl)`."""
-from __future__ import annotations
-
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -4,8 +4,6 @@ local_files_only=True; the model's own Python code runs only with trust_remote_c
 
 transformers is optional (it is not a dependency of training); it is imported when a reward model is loaded,
 as the optional wandb and matplotlib are, and its absence is a NanoforgeError saying what to install."""
-from __future__ import annotations
-
 import os
 from pathlib import Path
 

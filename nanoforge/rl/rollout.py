@@ -11,8 +11,6 @@ reply, right-padded with the tokenizer's pad id):
     stat_*       ()         the rollout's figures, logged by the stage's loss as extras
 The old log-probs are the first update's own (rl/grpo_batches.py). Sampling draws from exactly softmax(logits /
 T), whose log-probs are trained: with top-k, top-p or a repetition penalty the ratio would not start at 1."""
-from __future__ import annotations
-
 import time
 from typing import Callable, Sequence
 

@@ -13,8 +13,6 @@ text that may still become a tag, so no piece of `<think>` or `<tool_call>` ever
 Dropped, and reported as warnings for the server's log: a malformed tool-call block (never shown as content),
 and calls when the request offered no tools (none sent, or tool_choice "none"). A reply rendered by a template
 without tool support (plain ChatML) is plain text: all of it is content."""
-from __future__ import annotations
-
 import secrets
 
 from nanoforge.infer.generate import Completion

@@ -9,8 +9,6 @@ and `reasoning_content`, `tool` results), the `tools` offered, `tool_choice`, an
     a JSON object or its string); `tool` messages (`tool_call_id` optional: results match calls by order).
 Tools, calls or tool messages sent to a model whose template has no tool support (plain ChatML) get a 400
 that says so, rather than being rendered into something it never learnt."""
-from __future__ import annotations
-
 import json
 import re
 from typing import Any

@@ -8,8 +8,6 @@ torchrun elastic restart), resolved into plain `--resume` or a fresh start befor
 
 Every rank under torchrun decides on its own from the same files (the run directory on shared storage), so
 they agree; nothing is written here."""
-from __future__ import annotations
-
 from pathlib import Path
 
 from nanoforge.core.config import load_toml

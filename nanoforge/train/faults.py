@@ -5,8 +5,6 @@
 It fires only in the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT unset or 0), so that after
 torchrun's elastic restart the group (with --resume auto) runs on to the end. SIGKILL, not an exception: no
 handler, no checkpoint, no cleanup, exactly a lost machine."""
-from __future__ import annotations
-
 import os
 import signal
 

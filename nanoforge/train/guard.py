@@ -10,8 +10,6 @@ Where the optimizer can skip an update on a device flag (fused AdamW's `found_in
 scaler), the decision stays on the device and the counts are read only at steps that log, evaluate, sample or
 save (`settle`), so the host never waits for the GPU on the other steps. Elsewhere each step reads the flags,
 as it must to decide; under torchrun the ranks agree on them, so every rank takes the same branch."""
-from __future__ import annotations
-
 import signal
 from typing import Any
 

@@ -3,8 +3,6 @@
 metrics.jsonl holds one JSON object per logged step and is the source of truth for plots and tests. On
 resume it is cut back to the checkpoint's step, so an interrupted-and-resumed run leaves the same log as an
 uninterrupted one."""
-from __future__ import annotations
-
 import json
 import math
 import os

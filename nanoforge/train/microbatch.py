@@ -1,8 +1,6 @@
 """`--micro-batch auto`: the largest micro-batch that fits, found by running the model, then grad_accum set so the
 global batch (batch_size x grad_accum) is unchanged. The loop normalises the loss by the whole step's tokens,
 so the update is the same however the global batch is split (tests/train/test_micro_batch.py checks the weights)."""
-from __future__ import annotations
-
 import ctypes
 import os
 from contextlib import suppress

@@ -1,8 +1,6 @@
 """Losses as small functions the loop calls: (model, batch) -> (sum of token losses, supervised tokens, extras).
 
 Returning the SUM lets the loop normalise by the supervised tokens of the whole accumulated batch."""
-from __future__ import annotations
-
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -5,8 +5,6 @@ Schedules are pure functions of the step (and, with a time budget, of the traini
 run state keeps), so resuming at step s gives exactly the lr an uninterrupted run would have used (with a time
 budget: the same schedule, not the same steps). A group may carry an "lr_scale": set_lr gives
 it the schedule's lr times that (Muon's matrices run at muon_lr while the rest run at lr)."""
-from __future__ import annotations
-
 import math
 
 import torch

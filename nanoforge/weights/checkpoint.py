@@ -10,8 +10,6 @@ The directory is written under a temporary name, every file is fsynced, then it 
 the parent directory fsynced. A reader therefore sees either a complete checkpoint or none: a process
 killed mid-write leaves only a `.tmp-*` directory, which is ignored and cleaned up by the next save.
 Building a model from a checkpoint is weights/load.py's."""
-from __future__ import annotations
-
 import json
 import os
 import re

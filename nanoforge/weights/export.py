@@ -8,8 +8,6 @@ llama.cpp (and so Ollama, LM Studio, ...): the weights under llama.cpp's tensor 
 byte-level BPE vocabulary with its merges. `export_minimind` writes MiniMind's own `.pth` (weights/minimind.py),
 for its eval_llm.py and `--from_weight`. All read their model through weights/load.py (reading HF directories is
 weights/hf.py's), and write under a temporary name renamed into place: a failed export leaves nothing behind."""
-from __future__ import annotations
-
 import contextlib
 import importlib.metadata
 import json

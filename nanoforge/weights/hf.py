@@ -4,8 +4,6 @@ Llama- and Qwen3-shaped models only, and MiniMind's own MiniMindForCausalLM (Qwe
 config names): our parameter names already are HF's (see model/gpt.py), so the weights keep their names, and
 `model_config_from_hf` refuses (by field name) anything our model does not compute the same way.
 Building a model from such a directory is weights/load.py's; writing one is weights/export.py's."""
-from __future__ import annotations
-
 import json
 import os
 from pathlib import Path

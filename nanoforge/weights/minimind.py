@@ -9,8 +9,6 @@ looked for beside the file and in MiniMind's checkout layout (`out/X.pth` next t
 Out: a `.pth` that MiniMind's eval_llm.py and its trainers' `--from_weight` load strictly; they build
 MiniMindConfig(hidden_size, num_hidden_layers, use_moe) with every other field at its default, so the model
 must have exactly those defaults (`minimind_mismatches`)."""
-from __future__ import annotations
-
 import math
 import os
 import pickle
