@@ -77,7 +77,7 @@ def flags(config: dict) -> list[str]:
 def split_text(data: Path, work: Path) -> tuple[Path, Path]:
     if not data.is_file():
         sys.exit(f"error: {data}: no such file; pass --data FILE or set NANOFORGE_DATA to the data folder "
-                 f"holding text/tinyshakespeare.txt (../shared/data here)")
+                 f"holding text/tinyshakespeare.txt (TinyShakespeare: the input.txt of Karpathy's char-rnn)")
     raw = data.read_bytes()
     cut = int(0.9 * len(raw))
     train, val = work / "train.txt", work / "val.txt"
