@@ -3,6 +3,7 @@ backward, clip, the optimizer step, zero_grad) on the mini model, timed in proce
 waiting for a shared machine does not count), then one step under torch.profiler sorted by self CPU time.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_step_profile.py [--precision bf16] [--no-profile]
+        [--config configs/speedrun-shakespeare.toml]   # another model and batch than the mini preset's
 
 The loop sets device.keep_freed_memory on a CPU; so does this script (as the loop would), unless --malloc-default.
 """
@@ -23,16 +24,19 @@ from nanoforge.recipes.bench import loop_step
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
-    ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--config", help="a TOML config (its model, batch and optimizer) instead of the mini preset")
+    ap.add_argument("--batch-size", type=int, help="default: the config's, or 4 for the mini preset")
+    ap.add_argument("--seq-len", type=int, help="default: the config's, or 512 for the mini preset")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--malloc-default", action="store_true", help="leave glibc's malloc settings alone")
     args = ap.parse_args()
     if not args.malloc_default:
         keep_freed_memory()
-    overrides = {"batch_size": args.batch_size, "seq_len": args.seq_len, "precision": args.precision}
-    mcfg, tcfg = build_config("mini", None, {**overrides, "device": "cpu"})
+    overrides = {"batch_size": args.batch_size or (None if args.config else 4),
+                 "seq_len": args.seq_len or (None if args.config else 512), "precision": args.precision}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    mcfg, tcfg = build_config(None if args.config else "mini", args.config, {**overrides, "device": "cpu"})
     torch.manual_seed(0)
     model = GPT(mcfg).train()
     step = loop_step(model, mcfg, tcfg, torch.device("cpu"))

@@ -29,6 +29,7 @@ def test_layers_merge_in_order(tmp_path):
     ({"seq_len": 4096}, "longer than the model's max_seq_len"),
     ({"batch_size": 0}, "batch_size"),
     ({"dropout": 1.5}, "dropout"),
+    ({"attn_dropout": -0.5}, r"attn_dropout=-0.5 must be in \[0, 1\), or -1 for dropout's value"),
     ({"bogus": 1}, "unknown config field 'bogus'"),
 ])
 def test_impossible_values_are_rejected(overrides, match):

@@ -89,7 +89,7 @@ def rl_setup(stage: str, init: str | None, data: str | None, out: Path, config_f
             raise NanoforgeError("--data is required: a JSONL file of prompts (chats ending in a user turn, or "
                                  'GSM8K\'s {"question", "answer"})')
         init_path, init_cfg = init_config(init)
-        shape = [k for k in overrides if k in MODEL_FIELDS and k != "dropout"]
+        shape = [k for k in overrides if k in MODEL_FIELDS and k not in ("dropout", "attn_dropout")]
         if shape:
             raise NanoforgeError(f"the model shape comes from --init {init}; drop "
                                  + ", ".join(f"--{k.replace('_', '-')}" for k in shape))

@@ -477,6 +477,22 @@ def test_dropout_only_in_training():
     assert not torch.allclose(a, b)
 
 
+def test_attn_dropout_apart_from_the_residual_dropout():
+    """attn_dropout -1 is dropout's value; 0 keeps the residual branches' dropout and takes it off attention
+    alone (same seed, same residual masks: only attention's draw can make the two runs differ)."""
+    ids = torch.randint(0, VOCAB, (2, 16))
+    outs = {}
+    for attn in (-1.0, 0.0, 0.2):
+        model = tiny_model(dropout=0.2, attn_dropout=attn).train()
+        assert model.model.layers[0].self_attn.dropout == (0.2 if attn == -1.0 else attn)
+        torch.manual_seed(5)
+        outs[attn] = model(ids)
+    torch.testing.assert_close(outs[-1.0], outs[0.2], atol=0, rtol=0)
+    assert not torch.allclose(outs[0.0], outs[0.2])
+    model = tiny_model(dropout=0.0, attn_dropout=0.0).train()
+    torch.testing.assert_close(model(ids), model(ids), atol=0, rtol=0)  # no dropout anywhere
+
+
 def test_overfits_one_batch():
     torch.manual_seed(0)
     model = GPT(tiny_cfg(init_std=0.02)).train()

@@ -87,6 +87,35 @@ def test_orthogonalize_gives_a_near_orthogonal_matrix(shape):
     assert torch.nn.functional.cosine_similarity((u @ v.T).flatten(), x.flatten(), dim=0) > 0.95
 
 
+def test_orthogonalize_of_a_stack_is_each_matrix_on_its_own():
+    gen = torch.Generator().manual_seed(1)
+    for shape in [(3, 48, 16), (2, 16, 48)]:
+        g = torch.randn(shape, generator=gen) * torch.tensor([1.0, 30.0, 0.01][:shape[0]]).view(-1, 1, 1)
+        torch.testing.assert_close(orthogonalize(g), torch.stack([orthogonalize(m) for m in g]))
+
+
+def test_muon_step_follows_its_formula_matrix_by_matrix():
+    """Two steps of MuonAdamW (same-shape matrices batched) against the docstring's update written per matrix:
+    M <- mu M + G; W <- W (1 - lr wd) - lr sqrt(max(1, rows/cols)) orthogonalize(G + mu M)."""
+    model = tiny_gpt()
+    matrices, _ = muon_params(model)
+    lr, mu, wd = 0.02, 0.95, 0.1
+    opt = MuonAdamW(model, TrainConfig(optimizer="muon", lr=lr, muon_lr=lr, muon_momentum=mu, weight_decay=wd))
+    expected = [p.detach().clone() for p in matrices]
+    bufs = [torch.zeros_like(p) for p in matrices]
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+        for i, p in enumerate(matrices):
+            bufs[i] = mu * bufs[i] + p.grad
+            update = orthogonalize(p.grad + mu * bufs[i])
+            expected[i] = expected[i] * (1 - lr * wd) - lr * max(1.0, p.size(0) / p.size(1)) ** 0.5 * update
+        opt.step()
+    for p, want in zip(matrices, expected):
+        torch.testing.assert_close(p.detach(), want)
+
+
 def tiny_gpt(seed=0):
     torch.manual_seed(seed)
     return GPT(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32))
