@@ -463,6 +463,26 @@ def test_load_weights_rejects_mismatches():
         tiny_model(qk_norm=True).load_weights(sd)
 
 
+def test_packed_rows_by_segments_equal_the_block_diagonal_mask():
+    """On a CPU packed rows attend segment by segment (gpt.Segments); the logits and every gradient equal
+    those of the (B, 1, T, T) block-diagonal mask the layout spells out (a 1-token segment, padding as -1)."""
+    seg = torch.tensor([[0] * 20 + [1] * 30 + [2] * 14,
+                        [0] * 5 + [1] + [2] * 40 + [-1] * 18,
+                        [0] * 64])
+    ids = torch.randint(0, VOCAB, seg.shape, generator=torch.Generator().manual_seed(3))
+    results = []
+    for by_mask in (False, True):
+        model = tiny_model().train()
+        layout = GPT._packed_layout(seg) if by_mask else None
+        logits = model(ids, segment_ids=None if by_mask else seg, layout=layout)
+        logits.float().square().mean().backward()
+        results.append((logits.detach(), [p.grad for p in model.parameters()]))
+    (spans, span_grads), (masked, mask_grads) = results
+    torch.testing.assert_close(spans, masked, atol=1e-5, rtol=1e-4)
+    for a, b in zip(span_grads, mask_grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # dropout and learning
 
