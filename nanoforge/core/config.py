@@ -64,6 +64,10 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     @property
+    def attention_dropout(self) -> float:
+        return self.dropout if self.attn_dropout == -1.0 else self.attn_dropout
+
+    @property
     def ffn_dim(self) -> int:
         return self.ffn_hidden or 64 * math.ceil(self.d_model * 8 / 3 / 64)
 
@@ -270,6 +274,7 @@ def _one_of(cfg, name: str, choices: tuple[str, ...]) -> None:
 
 
 MODEL_FIELDS = {f.name: f for f in fields(ModelConfig)}
+DROPOUTS = ("dropout", "attn_dropout")  # model fields that regularise training and leave the shape alone
 TRAIN_FIELDS = {f.name: f for f in fields(TrainConfig)}
 assert not set(MODEL_FIELDS) & set(TRAIN_FIELDS), "model and train field names must be disjoint"
 

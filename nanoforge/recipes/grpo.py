@@ -10,7 +10,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from nanoforge.core.config import MODEL_FIELDS
+from nanoforge.core.config import DROPOUTS, MODEL_FIELDS
 from nanoforge.core.device import build_run_config, resolve_device
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.chat.tools import parse_tool_names
@@ -89,7 +89,7 @@ def rl_setup(stage: str, init: str | None, data: str | None, out: Path, config_f
             raise NanoforgeError("--data is required: a JSONL file of prompts (chats ending in a user turn, or "
                                  'GSM8K\'s {"question", "answer"})')
         init_path, init_cfg = init_config(init)
-        shape = [k for k in overrides if k in MODEL_FIELDS and k not in ("dropout", "attn_dropout")]
+        shape = [k for k in overrides if k in MODEL_FIELDS and k not in DROPOUTS]
         if shape:
             raise NanoforgeError(f"the model shape comes from --init {init}; drop "
                                  + ", ".join(f"--{k.replace('_', '-')}" for k in shape))

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from nanoforge.core import dirlock
-from nanoforge.core.config import (MODEL_FIELDS, PRESETS, ConfigError, ModelConfig, TrainConfig, build_config,
+from nanoforge.core.config import (DROPOUTS, MODEL_FIELDS, PRESETS, ConfigError, ModelConfig, TrainConfig, build_config,
                               config_to_toml, load_toml)
 from nanoforge.core.device import build_run_config, resolve_device
 from nanoforge.data.columnar import is_columnar
@@ -115,7 +115,7 @@ def open_run(out: str | Path, resume: bool, preset: str | None, config_file: str
 
 # Model fields a preset's defaults do not pin on --resume: a fresh run fits vocab_size to the tokenizer, and the
 # others do not change the shape. Given explicitly (a flag or a [model] key) they are compared like the rest.
-FITTED_OR_REGULARISING = {"vocab_size", "dropout", "attn_dropout", "moe_aux_weight", "init_std"}
+FITTED_OR_REGULARISING = {"vocab_size", *DROPOUTS, "moe_aux_weight", "init_std"}
 
 
 def check_resume_shape(run_dir: Path, saved_model: dict[str, Any], preset: str | None, config_file: str | None,
@@ -286,7 +286,7 @@ def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str |
         init_path, init_cfg = init_config(init)
         base = {"model": init_cfg.get("model", {}),
                 "train": {**train_defaults, "seq_len": init_cfg.get("train", {}).get("seq_len", 512)}}
-        shape = {k for k in base["model"] if k not in ("dropout", "attn_dropout", "moe_aux_weight")}
+        shape = {k for k in base["model"] if k not in (*DROPOUTS, "moe_aux_weight")}
         changed = [k for k in overrides if k in shape and overrides[k] != base["model"][k]]
         if changed:
             raise NanoforgeError(f"the model shape comes from --init {init}; drop "
