@@ -80,6 +80,12 @@ class Tokenizer:
         return {**self.__dict__, "_compiled_template": None, "_plain_tok": None}
 
     @property
+    def stop_ids(self) -> list[int]:
+        """The tokens that end a reply, for every command that generates (chat, generate, eval, serve, RL): end of
+        text, <|im_end|>, and <|im_start|> (a model opening the next turn has finished its own)."""
+        return [t for t in (self.eos_id, self.im_end_id, self.im_start_id) if t is not None]
+
+    @property
     def supports_tools(self) -> bool:
         """Whether the chat template renders tool calls and results (MiniMind-3's format, ours since it)."""
         return "<tool_call>" in (self.chat_template or "")

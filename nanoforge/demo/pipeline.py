@@ -212,13 +212,13 @@ def _round_steps(steps: float, most: float) -> int:
 
 def ask(run_dir: Path, questions: list[dict], max_new_tokens: int) -> list[dict]:
     """Greedy replies of the fine-tuned model to each question, rendered with the chat template it was
-    trained on. Generation stops only at <|im_end|>, so finish_reason "stop" means the reply closed the way
-    the template says and "length" that it ran on."""
+    trained on. finish_reason "stop" means the reply ended where every reply ends (tokenizer.stop_ids: the
+    template's <|im_end|>, or end of text) and "length" that it ran on."""
     model, tokenizer, _ = load_model(run_dir)
     prompts = [tokenizer.render_chat([{"role": "user", "content": q["question"]}], add_generation_prompt=True)[0]
                for q in questions]
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens)
-    completions = complete(model, tokenizer, prompts, cfg, stop_ids=[tokenizer.im_end_id])
+    completions = complete(model, tokenizer, prompts, cfg, stop_ids=tokenizer.stop_ids)
     return [{**q, "reply": c.text.strip(), "finish_reason": c.finish_reason, "tokens": len(c.token_ids)}
             for q, c in zip(questions, completions)]
 

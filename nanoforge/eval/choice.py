@@ -208,7 +208,7 @@ def _option_logprobs(model, sequences: list[tuple[list[int], list[int]]], batch_
                      precision: str, progress: Progress) -> list[float]:
     """Sum of log p(option tokens | context) for each (context ids, option ids). Sequences longer than the
     model's window lose their oldest context tokens (the option is always kept whole when it fits)."""
-    window = model.cfg.max_seq_len  # the most positions the model attends over
+    window = model.context_length  # the most positions the model attends over
     prepared = []
     for ctx, opt in sequences:
         opt = opt[:window - 1]
@@ -271,7 +271,7 @@ def evaluate_choices(run, bench_path, fmt: str = "auto", shots: int = 0, dev_pat
 
     prompts = [build_prompt(q.question, pick_shots(q, dev, shots)) for q in questions]
     sequences, spans = [], []  # (context ids, option ids) per option; each question's options' [start, end)
-    cap = (model.cfg.max_seq_len + 1) * tokenizer.max_token_chars  # more characters: more tokens than the window
+    cap = (model.context_length + 1) * tokenizer.max_token_chars  # more characters: more tokens than the window
     for q, prompt in zip(questions, prompts):
         ctx = tokenizer.encode(prompt[-cap:])  # whose oldest would be cut anyway: memory bounded by the window
         spans.append((len(sequences), len(sequences) + len(q.choices)))

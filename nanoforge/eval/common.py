@@ -35,12 +35,12 @@ def json_lines(path) -> Iterator[tuple[int, object]]:
 
 
 def fitting(items: list, wheres: list[str], rollouts: list, what: str, model, max_new_tokens: int, log):
-    """(items, rollouts) of the rollouts (infer/toolloop.py) whose prompt fit the model's context, and the file:line
+    """(items, rollouts) of the rollouts (infer/turns.py) whose prompt fit the model's context, and the file:line
     of those that did not: nothing was generated for them, so they are reported through `log`, never scored."""
     fit = [bool(r.replies) or r.end != "context" for r in rollouts]
     skipped = [w for w, ok in zip(wheres, fit) if not ok]
     why = (f"the prompt and --max-new-tokens {max_new_tokens} do not fit the model's context "
-           f"({model.cfg.max_seq_len} tokens)")
+           f"({model.context_length} tokens)")
     if len(skipped) == len(rollouts):
         raise NanoforgeError(f"none of the {len(rollouts):,} {what} can be scored: {why}")
     if skipped:

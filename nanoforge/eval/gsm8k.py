@@ -3,7 +3,7 @@
 GSM8K (Cobbe et al. 2021, arXiv 2110.14168) records are `{"question": str, "answer": str}`; the answer's worked
 steps end with `#### N`, and N (commas removed) is the gold answer. The prompt is the question alone as one
 user message (no system prompt; with `--tools` the template's tools section forms the system turn), decoded
-greedily through the tool loop (infer/toolloop.py), so a model that calls the calculator gets its results.
+greedily through the tool loop (infer/turns.py), so a model that calls the calculator gets its results.
 
 The model's answer is read from its final reply's content: the first number after the last `####` when there
 is one (the format GSM8K's own solutions teach), else the last number in the content. Numbers are compared by
@@ -22,7 +22,7 @@ from typing import Callable
 from nanoforge.data.jsonl import DataError, check_input_file
 from nanoforge.eval.common import Progress, fitting, format_table, json_lines
 from nanoforge.infer.generate import SamplingConfig
-from nanoforge.infer.toolloop import Rollout, run_in_batches
+from nanoforge.infer.turns import Conversation, converse
 
 ANSWER_MARK = "####"
 # A number as people write it: an optional minus sign (not one between two words or digits, "90-37" is a
@@ -104,7 +104,7 @@ def evaluate_gsm8k(model, tokenizer, problems: list[Problem], tools=(), think: b
     cfg = SamplingConfig(temperature=0, max_new_tokens=max_new_tokens)
     conversations = [[{"role": "user", "content": p.question}] for p in problems]
     bar = Progress(progress, "gsm8k problems", len(problems))
-    rollouts, seconds = run_in_batches(model, tokenizer, conversations, cfg, batch_size, bar.update,
+    rollouts, seconds = converse(model, tokenizer, conversations, cfg, batch_size, bar.update,
                                        tools=tools, think=think, max_turns=max_turns, precision=precision)
     bar.close()
     problems, rollouts, too_long = fitting(problems, [p.where for p in problems], rollouts, "problems", model,
@@ -117,20 +117,20 @@ def evaluate_gsm8k(model, tokenizer, problems: list[Problem], tools=(), think: b
     return result
 
 
-def _graded(problem: Problem, rollout: Rollout) -> dict:
+def _graded(problem: Problem, rollout: Conversation) -> dict:
     predicted = extract_answer(rollout.final_content)
     return {"where": problem.where, "gold": problem.gold, "predicted": predicted,
             "correct": numbers_equal(predicted, problem.gold), "turns": rollout.turns, "end": rollout.end,
             "content": rollout.final_content}
 
 
-def _summary(rows: list[dict], rollouts: list[Rollout], seconds: float, with_tools: bool) -> dict:
+def _summary(rows: list[dict], rollouts: list[Conversation], seconds: float, with_tools: bool) -> dict:
     n = len(rows)
     tokens = sum(r.new_tokens for r in rollouts)
     out = {"problems": n, "accuracy": sum(r["correct"] for r in rows) / n,
            "answered": sum(r["predicted"] is not None for r in rows) / n,
            "mean_turns": sum(r.turns for r in rollouts) / n,
-           "ended_normally": sum(r.ended_normally for r in rollouts) / n,
+           "ended_normally": sum(r.finished for r in rollouts) / n,
            "new_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)}
     if with_tools:
         replies = [reply for r in rollouts for reply in r.replies]

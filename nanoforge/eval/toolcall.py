@@ -2,7 +2,7 @@
 
 The file holds SFT records (validated as `prepare --kind sft` does, tools declared on the opening system
 message). Each record's prompt is the conversation up to its first assistant message, decoded greedily through
-the tool loop (infer/toolloop.py: built-in tools run for real, any other gets an "Error: ..." result); its
+the tool loop (infer/turns.py: built-in tools run for real, any other gets an "Error: ..." result); its
 reference is that message's tool calls and the last assistant message's content (think block taken off).
 
 Metrics (the model's first reply against the reference's first assistant message):
@@ -21,7 +21,7 @@ from nanoforge.chat.messages import call_function, tool_function
 from nanoforge.data.jsonl import iter_records
 from nanoforge.eval.common import Progress, fitting, format_table
 from nanoforge.infer.generate import SamplingConfig
-from nanoforge.infer.toolloop import Rollout, run_in_batches
+from nanoforge.infer.turns import Conversation, converse
 from nanoforge.chat.replies import parse_reply
 from nanoforge.chat.messages import normalize_conversation
 from nanoforge.chat.calculator import BUILTIN_TOOLS
@@ -85,16 +85,16 @@ def evaluate_toolcall(model, tokenizer, cases: list[dict], think: bool = False, 
     return result
 
 
-def _rollouts(model, tokenizer, cases, cfg, batch_size, bar, **loop_args) -> tuple[list[Rollout], float]:
+def _rollouts(model, tokenizer, cases, cfg, batch_size, bar, **loop_args) -> tuple[list[Conversation], float]:
     """Run the cases through the tool loop, grouped by which built-in tools they declare (the loop runs one set
     of tools per call); the rollouts in the cases' order and the seconds spent."""
     groups: dict[tuple, list[int]] = {}
     for i, case in enumerate(cases):
         groups.setdefault(tuple(sorted(set(case["schemas"]) & set(BUILTIN_TOOLS))), []).append(i)
-    rollouts: list[Rollout | None] = [None] * len(cases)
+    rollouts: list[Conversation | None] = [None] * len(cases)
     seconds, done = 0.0, 0
     for tools, members in groups.items():
-        got, spent = run_in_batches(model, tokenizer, [cases[i]["prompt"] for i in members], cfg, batch_size,
+        got, spent = converse(model, tokenizer, [cases[i]["prompt"] for i in members], cfg, batch_size,
                                     lambda n: bar.update(done + n), tools=tools, **loop_args)  # noqa: B023 (called at once)
         for i, rollout in zip(members, got):
             rollouts[i] = rollout
@@ -102,7 +102,7 @@ def _rollouts(model, tokenizer, cases, cfg, batch_size, bar, **loop_args) -> tup
     return rollouts, seconds
 
 
-def _graded(case: dict, rollout: Rollout) -> dict:
+def _graded(case: dict, rollout: Conversation) -> dict:
     first = rollout.replies[0] if rollout.replies else None
     calls = first.tool_calls if first else []
     runnable = all(name in BUILTIN_TOOLS and name in case["schemas"] for name, _ in case["calls"])
@@ -118,7 +118,7 @@ def _rate(rows: list[dict], key: str) -> float | None:
     return sum(bool(r[key]) for r in rows) / len(rows) if rows else None
 
 
-def _summary(rows: list[dict], rollouts: list[Rollout], seconds: float) -> dict:
+def _summary(rows: list[dict], rollouts: list[Conversation], seconds: float) -> dict:
     calling = [r for r in rows if r["reference_calls"]]
     silent = [r for r in rows if not r["reference_calls"]]
     made = sum(r["calls"] for r in rows)

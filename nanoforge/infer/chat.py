@@ -20,7 +20,6 @@ from nanoforge.core.device import precision_note, resolve_device, resolve_precis
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.defaults import CHAT_SAMPLING, ChatOptions, DeviceOptions as _D
 from nanoforge.infer.generate import SamplingConfig, stream
-from nanoforge.infer.toolloop import stop_ids
 from nanoforge.chat.replies import THINK_OPEN, Reply, StreamParser, reply_from_events
 from nanoforge.chat.tools import assistant_message, parse_tool_names, tool_messages, tool_schemas
 from nanoforge.weights.load import load_model
@@ -91,8 +90,8 @@ class _Session:
         self.precision, self.on_prompt, self.system = precision, on_prompt, system or None
         self.messages: list[dict] = self._fresh()
         # <|im_start|> too: the user should not see the model write the next user message
-        self.stop_ids = stop_ids(tokenizer)
-        context = model.model.rotary_emb.n_positions
+        self.stop_ids = tokenizer.stop_ids
+        context = model.context_length
         # Keep room for a full reply, but never more than half the context: a tiny model with 128 positions
         # and the default 256 new tokens would otherwise have no room for the question.
         self.reply_room = min(cfg.max_new_tokens, context // 2)
@@ -269,9 +268,9 @@ def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, devic
         if tokenizer.eos_id is None:
             raise NanoforgeError("the prompt is empty and the tokenizer has no end-of-text token to start from")
         ids = [tokenizer.eos_id]
-    room = model.cfg.max_seq_len - 1
+    room = model.context_length - 1
     if len(ids) > room:
-        print(f"note: the prompt has {len(ids)} tokens; the model sees at most {model.cfg.max_seq_len}, so it "
+        print(f"note: the prompt has {len(ids)} tokens; the model sees at most {model.context_length}, so it "
               f"continues from the last {room}", file=sys.stderr)
         ids = ids[-room:]
     stops = [t for t in (tokenizer.eos_id, tokenizer.im_start_id) if t is not None]

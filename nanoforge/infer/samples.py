@@ -50,12 +50,10 @@ def generate_samples(model, tokenizer, prompts: Sequence[str] | None = None, sam
     sampling = sampling or SamplingConfig(temperature=0.8, top_p=0.95, max_new_tokens=64, seed=0)
     if chat:
         ids = [tokenizer.render_chat([{"role": "user", "content": p}], add_generation_prompt=True)[0] for p in prompts]
-        stops = [t for t in (tokenizer.im_end_id, tokenizer.eos_id) if t is not None]
     else:
         ids = [tokenizer.encode(p) for p in prompts]
-        stops = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
     with eval_mode(model):
-        done = complete(model, tokenizer, ids, sampling, stop_ids=stops, precision=precision)
+        done = complete(model, tokenizer, ids, sampling, stop_ids=tokenizer.stop_ids, precision=precision)
     return [{"prompt": p, "text": c.text, "finish_reason": c.finish_reason, "new_tokens": len(c.token_ids)}
             for p, c in zip(prompts, done)]
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from nanoforge.core.config import ModelConfig
 from nanoforge.model.kvcache import KVCache
+from nanoforge.model.slots import SlotStep, expand_kv_for_cuda
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.model.moe import MLP, MoE
 
@@ -159,6 +160,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H or Hkv, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if isinstance(cache, SlotStep):  # continuous batching: the step writes and reads its slots
+            y = cache.attend(layer, q, k, v)  # (1, H, N, hd)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, Hkv, S, hd), S = cached + T
             k, v = k.to(q.dtype), v.to(q.dtype)  # a float32 cache under bf16 autocast
@@ -167,14 +171,7 @@ class Attention(nn.Module):
         # Measured on a 2-core CPU, mini shape (B=4, T=512, 8 heads, 2 kv heads), SDPA forward+backward:
         # enable_gqa 54 ms, expand+reshape 59 ms, repeat_interleave 63 ms (fp32); 53 / 60 / 68 ms (bf16).
         # In decoding it also avoids copying the whole cache every step.
-        gqa = self.n_kv_heads != self.n_heads
-        if gqa and q.is_cuda and (mask is not None or q.dtype == torch.float32):
-            # On CUDA only flash attention (and math) take enable_gqa, and flash takes no mask and no fp32:
-            # a packed SFT row, a left-padded batch or an fp32 run would fall back to the math kernel, which
-            # materialises (B, H, T, S) float32 scores. Expanded heads keep the memory-efficient kernel.
-            rep = self.n_heads // self.n_kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H, T, hd)
-            gqa = False
+        k, v, gqa = expand_kv_for_cuda(q, k, v, mask is not None)
         dropout = self.dropout if self.training else 0.0
         if isinstance(mask, Segments):
             y = mask.attend(q, k, v, gqa, dropout)  # (B, H, T, hd)
@@ -287,6 +284,8 @@ class GPT(nn.Module):
         (SFT): a token attends only to its own segment, positions restarting at 0. `layout` (positions (B, T), allowed
         (B, T, T)): any other arrangement spelled out (model/prefix.py). `keep` (B, T) bool: the LM head runs at these
         positions only, logits (N, V) in row order (a loss skips the vocabulary matmul where it supervises nothing)."""
+        if isinstance(cache, SlotStep):
+            return self._forward_slots(input_ids, cache, keep)
         B, T = input_ids.shape
         start = 0 if cache is None else cache.length
         if cache is not None:
@@ -322,6 +321,23 @@ class GPT(nn.Module):
         if cache is not None:
             cache.advance(T)
         return self.lm_head(x if keep is None else x[keep])  # (B, T, V), or (N, V) at the kept positions
+
+    def _forward_slots(self, input_ids: torch.Tensor, step: SlotStep, keep: torch.Tensor | None) -> torch.Tensor:
+        """One continuous-batching step (model/slots.py): input_ids (1, N) are the step's tokens, each at its own
+        slot's position; logits (N, V), or at the `keep` (N,) positions only."""
+        rope = self.model.rotary_emb
+        if input_ids.shape != (1, step.n_tokens):
+            raise NanoforgeError(f"a slot step of {step.n_tokens} tokens got input of shape {tuple(input_ids.shape)}")
+        if int(step.positions.max()) >= rope.n_positions:
+            raise NanoforgeError(f"a sequence reached position {int(step.positions.max())}; the model sees at most "
+                                 f"{rope.n_positions} (max_seq_len * rope_scaling_factor)")
+        cos, sin = rope.cos[step.positions], rope.sin[step.positions]  # (N, hd)
+        x = self.model.embed_tokens(input_ids)  # (1, N, C)
+        for i, block in enumerate(self.model.layers):
+            x = block(x, cos, sin, None, False, step, i)
+        x = self.model.norm(x)[0]  # (N, C)
+        step.advance()
+        return self.lm_head(x if keep is None else x[keep])
 
     def _positions_and_mask(self, B: int, T: int, start: int, attention_mask: torch.Tensor | None,
                             device: torch.device):
@@ -389,10 +405,16 @@ class GPT(nn.Module):
         """An empty KV cache for `batch_size` rows of up to `max_len` positions (default: all the model can
         see), on the model's device and in its parameters' dtype unless told otherwise."""
         cfg, weight = self.cfg, self.model.embed_tokens.weight
-        max_len = max_len or self.model.rotary_emb.n_positions
+        max_len = max_len or self.context_length
         return KVCache(cfg.n_layers, batch_size, cfg.n_kv_heads, max_len, cfg.head_dim,
                        device=device if device is not None else weight.device,
                        dtype=dtype if dtype is not None else weight.dtype)
+
+    @property
+    def context_length(self) -> int:
+        """The most positions the model sees: max_seq_len, times rope_scaling_factor under YaRN. Every caller
+        that asks how long a sequence may be asks this."""
+        return self.model.rotary_emb.n_positions
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters, a tied embedding counted once. `exclude_embeddings` leaves out the token

@@ -162,10 +162,10 @@ def grpo(init: str | None, data: str | None, out: str | Path, options: RLOptions
     model = initial_gpt(mcfg, tcfg, run.init, resume)
     tools = parse_tool_names(o.get("tools"))
     if tools:  # multi-turn: rl/agent.py's rollouts and reward
-        check_agent_prompts(tok, records, tools, opts.think, model.model.rotary_emb.n_positions)
+        check_agent_prompts(tok, records, tools, opts.think, model.context_length)
         rollout_fn, reward = partial(agent_rollout, tools=tools, max_turns=o["max_turns"]), None
     else:
-        check_prompts(tok, records, opts.think, model.model.rotary_emb.n_positions)
+        check_prompts(tok, records, opts.think, model.context_length)
         rollout_fn, reward = rollout, reward_function(o, rewards, device)
     batches = RolloutBatches(model, tok, iterator, opts, reward, tcfg.seed, o["ppo_epochs"], tcfg.grad_accum,
                              reference, rollout_fn, tcfg.precision)

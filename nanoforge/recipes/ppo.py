@@ -65,7 +65,7 @@ def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions
     reference = frozen_reference(mcfg, tcfg, run.init, device) if cfg_ppo.beta > 0 else None
     model = (PolicyWithValue.from_config(mcfg) if resume  # the loop loads the checkpoint's policy and critic
              else PolicyWithValue.from_policy(initial_gpt(mcfg, tcfg, run.init, resume)))
-    check_prompts(tok, records, cfg_ppo.think, model.policy.model.rotary_emb.n_positions)
+    check_prompts(tok, records, cfg_ppo.think, model.policy.context_length)
     batches = PPOBatches(model, tok, iterator, cfg_ppo, reward_function(o, rewards, device), tcfg.seed,
                          o["ppo_epochs"], tcfg.grad_accum, reference, tcfg.precision)
     tcfg.batch_size = batches.micro_rows

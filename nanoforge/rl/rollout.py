@@ -1,9 +1,9 @@
-"""Rollouts: P prompts x G replies sampled at once through the KV-cache generator, scored, and laid out as the
+"""Rollouts: P prompts x G replies sampled at once through the generation engine, scored, and laid out as the
 batch the policy loss trains on; every RL stage (and rl/agent.py's layout) shares these pieces.
 
 A rollout batch (CPU tensors, B = P x G rows, groups of G consecutive rows share a prompt; L = longest prompt +
 reply, right-padded with the tokenizer's pad id):
-    input_ids    (B, L)     prompt + reply (+ <|im_end|> when the reply stopped, not when max_new_tokens cut it)
+    input_ids    (B, L)     prompt + reply (+ its stop token when it stopped, not when max_new_tokens cut it)
     loss_mask    (B, L-1)   1 where the target input_ids[:, t+1] is a reply token (stop token included), else 0
     ref_logp     (B, L-1)   the frozen reference's log_softmax(logits / T) of each target, no grad (absent at beta 0)
     advantages   (B,)       group advantages of the rewards (rl/losses.py group_advantages)
@@ -55,12 +55,13 @@ def check_fits(prompt: list[int], record: PromptRecord, context: int) -> None:
 
 def sample_replies(model, tokenizer, prompts: Sequence[list[int]], opts: RLOptions | PPOOptions, seed: int,
                    precision: str) -> list[Completion]:
-    """One reply per prompt id list, all rows in one batch, stopping at <|im_end|>; drawn from softmax(logits / T)
-    with a private generator seeded with `seed` (so a rollout is reproducible from its seed alone)."""
+    """One reply per prompt id list, all through the engine at once (a finished reply frees its slot, a group's
+    prompt is read once), each stopping where every reply stops (tokenizer.stop_ids); drawn from softmax(logits /
+    T), row i with a seed of its own mixed from `seed` and i (so a rollout is reproducible from its seed alone)."""
     if tokenizer.im_end_id is None:
         raise NanoforgeError("RL needs a chat tokenizer with <|im_end|>, the token that ends a reply")
     sampling = SamplingConfig(temperature=opts.temperature, max_new_tokens=opts.max_new_tokens, seed=seed)
-    return complete(model, tokenizer, prompts, sampling, stop_ids=[tokenizer.im_end_id], precision=precision)
+    return complete(model, tokenizer, prompts, sampling, stop_ids=tokenizer.stop_ids, precision=precision)
 
 
 @torch.no_grad()
@@ -121,7 +122,7 @@ def sample_scored(policy, tokenizer, records: Sequence[PromptRecord], opts: RLOp
     G = opts.num_generations
     rendered = [render_prompt(tokenizer, r, opts.think) for r in records]
     for (ids, _), record in zip(rendered, records):
-        check_fits(ids, record, policy.model.rotary_emb.n_positions)
+        check_fits(ids, record, policy.context_length)
     prompts = [ids for ids, _ in rendered for _ in range(G)]
     start = time.perf_counter()
     replies = sample_replies(policy, tokenizer, prompts, opts, seed, precision)

@@ -8,27 +8,24 @@ clients work against it with `base_url="http://127.0.0.1:8000/v1"`. Chat takes O
 serve/protocol.py's). For the web page, which cannot run Python, `GET /v1/nanoforge/tools` lists the built-in
 tools and `POST /v1/nanoforge/tools/run` runs one. Every error is JSON in OpenAI's shape, 4xx for a bad request.
 
-Concurrency: the model and its KV cache are not thread-safe, so requests are *queued*, not batched: one
-worker thread (a single-worker executor, FIFO) generates one reply at a time and hands a stream's pieces to
-the event loop through an asyncio queue, so `/health` and new requests are answered meanwhile. A client that
-disconnects mid-stream sets a flag the worker reads between tokens, which ends that generation early.
+Concurrency: requests are batched. One generation thread (serve/worker.py) steps the engine, which decodes every
+running request together and admits new ones as slots free up (`--max-batch`); the event loop only parses,
+answers and streams, so `/health` and new requests are answered meanwhile. A client that disconnects mid-stream
+or a request past its deadline frees its slot before the next step.
 
 Sampling defaults are those of `nanoforge chat` (temperature 0.7, top_p 0.9, plus the non-OpenAI fields
 `top_k` 50 and `repetition_penalty` 1.1, which requests may also set): a small model loops without them."""
 # No `from __future__ import annotations` here: FastAPI reads the endpoints' annotations (`request: Request`)
 # at runtime. fastapi and uvicorn are the optional `serve` extra: only `nanoforge serve` imports this module.
-import asyncio
 import contextlib
 import errno
 import logging
 import secrets
 import socket
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -41,10 +38,10 @@ from nanoforge.serve import protocol
 from nanoforge.infer.chat import load_for_inference
 from nanoforge.serve.chat_reply import ChatChunks, call_id_prefix, chat_body, finish_reason, reply_message
 from nanoforge.serve.chat_request import parse_chat_request
-from nanoforge.infer.generate import Completion, SamplingConfig, stream_completion
+from nanoforge.infer.generate import Completion, SamplingConfig
 from nanoforge.serve.options import ServeOptions
 from nanoforge.serve.protocol import APIError, GenerationRequest, Limits
-from nanoforge.infer.toolloop import stop_ids
+from nanoforge.serve.worker import Worker
 from nanoforge.chat.calculator import BUILTIN_TOOLS, run_tool_call
 
 DEFAULT_MAX_BODY_BYTES = 1_000_000
@@ -53,132 +50,27 @@ PAGE = Path(__file__).with_name("static") / "chat.html"
 log = logging.getLogger("nanoforge.serve")
 
 
-# ---------------------------------------------------------- generation: one at a time, on one worker thread
-
-class _Cancelled(Exception):
-    pass
-
-
-class _Worker:
-    """The single generation thread and its queue: a one-worker executor runs jobs in arrival order."""
-
-    def __init__(self, model, tokenizer, precision: str, max_pending: int, request_timeout: float | None):
-        self.model, self.tokenizer, self.precision = model, tokenizer, precision
-        self.max_pending, self.request_timeout = max_pending, request_timeout
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoforge-generate")
-        self.live: set[threading.Event] = set()
-        self._lock = threading.Lock()
-        self.pending = 0  # jobs submitted and not yet finished, the running one included
-
-    def check_room(self) -> None:
-        """503 when too many requests wait already. A soft bound: checked here, counted when submitted."""
-        if self.pending >= self.max_pending:
-            raise APIError(503, f"the server is busy: {self.pending} requests are already waiting; retry later",
-                           code="server_busy", type="server_error")
-
-    def _submit(self, fn: Callable):
-        def job():
-            try:
-                return fn()
-            finally:
-                with self._lock:
-                    self.pending -= 1
-
-        with self._lock:
-            self.pending += 1
-        return asyncio.get_running_loop().run_in_executor(self.executor, job)
-
-    def _replies(self, req: GenerationRequest, stop_ids: list[int], cancelled: threading.Event | None = None,
-                 deadline: float | None = None) -> Iterator[str | Completion]:
-        """`generate.stream_completion`: text pieces, then one `Completion`. Abandoned (raising _Cancelled) once
-        `cancelled` is set. Past `deadline` (a time.monotonic() value) the reply ends after the token in hand,
-        with finish_reason "length", as if max_tokens had been reached."""
-        def keep_going() -> bool:
-            if cancelled is not None and cancelled.is_set():
-                raise _Cancelled()
-            return deadline is None or time.monotonic() < deadline
-
-        return stream_completion(self.model, self.tokenizer, req.prompt_ids, req.cfg, stop_ids, self.precision,
-                                 keep_going)
-
-    def deadline(self) -> float | None:
-        """When a request arriving now must stop generating: the timeout counts its wait in the queue too."""
-        return time.monotonic() + self.request_timeout if self.request_timeout else None
-
-    async def complete(self, req: GenerationRequest, stop_ids: list[int]) -> Completion:
-        self.check_room()
-        deadline = self.deadline()
-
-        def job() -> Completion:  # the last item is the Completion that complete() would give
-            *_, done = self._replies(req, stop_ids, deadline=deadline)
-            return done
-
-        return await self._submit(job)
-
-    async def stream(self, req: GenerationRequest, stop_ids: list[int]):
-        """Async iterator over the reply's text pieces, then its Completion. The worker thread hands each
-        item to the event loop's queue; leaving the loop early (a client gone) stops the generation."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        cancelled = threading.Event()
-        deadline = self.deadline()
-
-        def put(item) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # the loop has closed: the server is shutting down
-                cancelled.set()
-
-        def job() -> None:
-            if cancelled.is_set():
-                return  # the client left while the request waited its turn
-            try:
-                for item in self._replies(req, stop_ids, cancelled, deadline):
-                    put(item)
-            except _Cancelled:
-                pass
-            except BaseException as e:  # handed to the loop, which reports it on the stream
-                put(e)
-
-        self.live.add(cancelled)
-        self._submit(job)
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if isinstance(item, Completion):
-                    return
-        finally:
-            cancelled.set()
-            self.live.discard(cancelled)
-
-    def shutdown(self) -> None:
-        for event in list(self.live):
-            event.set()
-        self.executor.shutdown(wait=True, cancel_futures=True)
-
-
 # -------------------------------------------------------------------------------------------------- the app
 
 def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_tokens_cap: int | None = None,
                max_pending: int = ServeOptions.max_pending, precision: str = "fp32",
-               defaults: SamplingConfig | None = None, request_timeout: float | None = ServeOptions.request_timeout):
+               defaults: SamplingConfig | None = None, request_timeout: float | None = ServeOptions.request_timeout,
+               max_batch: int = ServeOptions.max_batch):
     """The FastAPI app serving `model` under the name `model_name`.
 
     api_key         when set, every /v1 request needs `Authorization: Bearer <api_key>` (else 401)
     max_body_bytes  larger request bodies get 413 before they are read in full
     max_tokens_cap  the largest max_tokens accepted (default and upper bound: the model's context)
-    max_pending     requests allowed to wait for the generation worker; more get 503
+    max_pending     requests allowed in the server at once (generating or waiting for a slot); more get 503
+    max_batch       sequences generated together (the engine's slots)
     defaults        sampling used for fields a request leaves out (default: `nanoforge chat`'s)
     request_timeout seconds from a request's arrival (queue wait included) after which its generation stops
                     at the next token with finish_reason "length", streaming or not (a 200 with the text so
                     far, never a 504: a stream's 200 is sent before generation starts); None or 0: no limit"""
     defaults = defaults or CHAT_SAMPLING
-    limits = Limits(model.model.rotary_emb.n_positions, max_tokens_cap, defaults)
-    worker = _Worker(model, tokenizer, precision, max_pending, request_timeout)
+    limits = Limits(model.context_length, max_tokens_cap, defaults)
+    worker = Worker(model, tokenizer, precision, max_pending, request_timeout, max_batch)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -213,7 +105,7 @@ def _add_error_handlers(app) -> None:
         return JSONResponse(error.body(), status_code=500)
 
 
-def _add_model_routes(app, worker: _Worker, model_name: str, api_key: str | None) -> None:
+def _add_model_routes(app, worker: Worker, model_name: str, api_key: str | None) -> None:
     page = PAGE.read_text(encoding="utf-8")
     card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "nanoforge"}
 
@@ -239,10 +131,9 @@ def _add_model_routes(app, worker: _Worker, model_name: str, api_key: str | None
         return dict(card)
 
 
-def _add_generation_routes(app, worker: _Worker, tokenizer, limits: Limits, model_name: str,
+def _add_generation_routes(app, worker: Worker, tokenizer, limits: Limits, model_name: str,
                            api_key: str | None, max_body_bytes: int) -> None:
-    chat_stop_ids = stop_ids(tokenizer)  # as in `nanoforge chat`
-    text_stop_ids = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    stop_ids = tokenizer.stop_ids  # the chat format's rule, on /v1/completions too
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -256,7 +147,7 @@ def _add_generation_routes(app, worker: _Worker, tokenizer, limits: Limits, mode
             finish = finish_reason(done.finish_reason, bool(message.get("tool_calls")))
             return chat_body(model_name, reply_id, now, message, finish, protocol.usage(req.prompt_ids, done))
 
-        return await _answer(worker, req, chat_stop_ids, reply_id, body,
+        return await _answer(worker, req, stop_ids, reply_id, body,
                              lambda: ChatChunks(model_name, reply_id, now, req, id_prefix))
 
     @app.post("/v1/completions")
@@ -268,7 +159,7 @@ def _add_generation_routes(app, worker: _Worker, tokenizer, limits: Limits, mode
         def body(done: Completion) -> dict:
             return protocol.text_body(model_name, reply_id, now, done, protocol.usage(req.prompt_ids, done))
 
-        return await _answer(worker, req, text_stop_ids, reply_id, body,
+        return await _answer(worker, req, stop_ids, reply_id, body,
                              lambda: protocol.TextChunks(model_name, reply_id, now))
 
 
@@ -315,7 +206,7 @@ async def _read_json(request: Request, max_body_bytes: int) -> Any:
     return protocol.parse_json(b"".join(chunks))
 
 
-async def _answer(worker: _Worker, req: GenerationRequest, stop_ids: list[int], reply_id: str,
+async def _answer(worker: Worker, req: GenerationRequest, stop_ids: list[int], reply_id: str,
                   body: Callable[[Completion], dict], chunks: Callable[[], Any]):
     """Answer a checked request: `body(done)` as JSON, or an event stream of `chunks()`'s chunks (a
     protocol.TextChunks or chat_reply.ChatChunks) ending in [DONE]."""
@@ -376,7 +267,8 @@ def run_server(run_dir, options: ServeOptions, device: str = "auto", precision: 
     model, tokenizer, _, precision = load_for_inference(run_dir, device, precision, announce=True)
     name = Path(run_dir).resolve().name
     app = create_app(model, tokenizer, name, api_key=api_key, max_tokens_cap=max_tokens_cap, precision=precision,
-                     request_timeout=options.request_timeout or None, max_pending=options.max_pending)
+                     request_timeout=options.request_timeout or None, max_pending=options.max_pending,
+                     max_batch=options.max_batch)
     shown = f"[{host}]" if ":" in host else host
     print(f"serving {name!r}: web chat at http://{shown}:{port}/, OpenAI API at http://{shown}:{port}/v1"
           + (" (API key required)" if api_key else ""), file=sys.stderr)

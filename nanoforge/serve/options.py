@@ -15,5 +15,8 @@ class ServeOptions:
                                  "else none)")
     request_timeout: float = option(300.0, "[0, inf)", help="seconds a request may take, queueing included; the reply "
                                     "then ends with finish_reason length (0: no limit)")
-    max_pending: int = option(64, "[1, inf)", help="requests waiting beyond this get 503 server_busy")
+    max_pending: int = option(64, "[1, inf)", help="requests in the server (generating or waiting) beyond this get "
+                              "503 server_busy")
+    max_batch: int = option(32, "[1, inf)", help="requests generated together (KV cache slots); more wait for a "
+                            "free slot")
     log_level: str = option("info", choices=("critical", "error", "warning", "info", "debug"), help="uvicorn's log")

@@ -16,7 +16,7 @@ from nanoforge.eval.toolcall import calls_match, read_toolcall, same_answer, val
 from nanoforge.eval.options import EvalOptions
 from nanoforge.eval.run import run_eval
 from nanoforge.infer.generate import SamplingConfig
-from nanoforge.infer.toolloop import run_in_batches, run_tool_loop
+from nanoforge.infer.turns import converse
 from nanoforge.weights.load import load_model
 from nanoforge.chat.calculator import evaluate
 from tool_run import QUESTIONS, conversation, question, write_tool_sft
@@ -144,6 +144,11 @@ def tool_model(tool_run_dir):
     return model, tokenizer
 
 
+def run_tool_loop(model, tokenizer, conversations, cfg, **loop_args):
+    """The conversations through infer/turns.py, all at once."""
+    return converse(model, tokenizer, conversations, cfg, len(conversations), **loop_args)[0]
+
+
 def _asks(system=True):
     return [([SYSTEM] if system else []) + [{"role": "user", "content": question(*q)}] for q in QUESTIONS]
 
@@ -156,10 +161,10 @@ def test_batched_loop_equals_one_at_a_time(tool_model, think):
     conversations = _asks()
     batched = run_tool_loop(model, tokenizer, conversations, cfg, tools=["calculator"], think=think)
     alone = [run_tool_loop(model, tokenizer, [c], cfg, tools=["calculator"], think=think)[0] for c in conversations]
-    grouped, _ = run_in_batches(model, tokenizer, conversations, cfg, 5, tools=["calculator"], think=think)
+    grouped, _ = converse(model, tokenizer, conversations, cfg, 5, tools=["calculator"], think=think)
     for b, a, g in zip(batched, alone, grouped):
         assert b.messages == a.messages == g.messages and b.end == a.end == g.end
-        assert [c.token_ids for c in b.completions] == [c.token_ids for c in a.completions]
+        assert b.ids == a.ids == g.ids and b.texts == a.texts
     assert conversations == _asks()  # the inputs are not modified
     # the tool run calls the calculator and then answers; every call's result is the calculator's own
     assert sum(r.turns >= 2 for r in batched) >= 9
@@ -190,7 +195,7 @@ def test_loop_ends_rows_that_do_not_fit_and_stops_at_max_turns(tool_model):
     for r, full in zip(once, alone):
         assert r.turns == 1 and r.replies[0] == full.replies[0]
         if r.replies[0].tool_calls:  # still calling after its one turn: the tool results have no reply
-            assert r.end == "max_turns" and r.messages[-1]["role"] == "tool" and not r.ended_normally
+            assert r.end == "max_turns" and r.messages[-1]["role"] == "tool" and not r.finished
 
 
 # ---------------------------------------------------------------------------------------------- eval --toolcall

@@ -7,8 +7,8 @@ import torch
 
 from nanoforge.core.config import ModelConfig
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.infer.generate import (SamplingConfig, apply_repetition_penalty, complete, cut_at_stop, generate,
-                                      sample_next, stream)
+from nanoforge.infer.engine.sampler import RowSampling, apply_repetition_penalty, sample_rows
+from nanoforge.infer.generate import SamplingConfig, complete, cut_at_stop, generate, stream
 from nanoforge.model.gpt import GPT
 
 GREEDY = SamplingConfig(temperature=0, max_new_tokens=40)
@@ -62,17 +62,19 @@ def random_model(seed: int = 0, **overrides) -> GPT:
 class ScriptedGPT(GPT):
     """A real GPT whose logits are pushed, step by step after the prompt, towards the tokens of `script`:
     a way to make the model "say" chosen text (a stop string, Chinese split across byte-level tokens, eos)
-    through the real decoding path. One row at a time: the step is read off the sequence length."""
+    through the real decoding path (the engine's slot steps): the step is read off each row's position."""
 
     def __init__(self, cfg: ModelConfig, script: list[int], prompt_len: int):
         super().__init__(cfg)
         self.script, self.prompt_len = script, prompt_len
 
-    def forward(self, input_ids, cache=None, attention_mask=None):
-        logits = super().forward(input_ids, cache=cache, attention_mask=attention_mask)
-        step = (cache.length if cache is not None else input_ids.shape[1]) - self.prompt_len
-        if 0 <= step < len(self.script):
-            logits[:, -1, self.script[step]] += 1e4
+    def forward(self, input_ids, cache=None, keep=None):
+        positions = cache.positions[keep].tolist()  # the position each row of logits continues from
+        logits = super().forward(input_ids, cache=cache, keep=keep)
+        for row, position in enumerate(positions):
+            step = position + 1 - self.prompt_len
+            if 0 <= step < len(self.script):
+                logits[row, self.script[step]] += 1e4
         return logits
 
 
@@ -86,6 +88,26 @@ def scripted(tokenizer, script: list[int], prompt: list[int]) -> ScriptedGPT:
 PROMPTS = [[5, 17, 300, 42, 9], [7, 8], [100, 200, 300, 400, 500, 1, 2, 3, 4, 5, 6, 7]]
 
 
+def full_recompute(model, prompts, cfg: SamplingConfig) -> list[list[int]]:
+    """The reference the engine's cache is checked against: greedy, every step recomputing the whole sequence
+    from scratch, one prompt at a time, the repetition penalty applied by hand."""
+    out = []
+    for prompt in prompts:
+        ids = list(prompt)
+        for _ in range(cfg.max_new_tokens):
+            with torch.no_grad():
+                logits = model(torch.tensor([ids]))[0, -1].float()
+            seen = torch.zeros_like(logits, dtype=torch.bool)
+            seen[torch.tensor(ids)] = True
+            ids.append(int(apply_repetition_penalty(logits, seen, cfg.repetition_penalty).argmax()))
+        out.append(ids[len(prompt):])
+    return out
+
+
+def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None) -> torch.Tensor:
+    return torch.tensor(sample_rows(logits, [RowSampling(cfg, generator)] * len(logits)).tokens)
+
+
 # ---------------------------------------------------------------------------------------------- the cache
 
 
@@ -94,7 +116,7 @@ def test_cache_matches_full_recompute_on_trained_run(trained):
     prompts = [tok.encode("Once upon a time"), tok.encode(CHINESE)]
     for cfg in (GREEDY, SamplingConfig(temperature=0, max_new_tokens=40, repetition_penalty=1.3)):
         with_cache = generate(model, prompts, cfg)
-        without = generate(model, prompts, cfg, use_cache=False)
+        without = full_recompute(model, prompts, cfg)
         assert with_cache == without
         assert all(len(row) == 40 for row in with_cache)
 
@@ -102,7 +124,7 @@ def test_cache_matches_full_recompute_on_trained_run(trained):
 def test_cache_matches_full_recompute_on_random_model():
     model = random_model()
     with_cache = generate(model, PROMPTS, GREEDY)
-    assert with_cache == generate(model, PROMPTS, GREEDY, use_cache=False)
+    assert with_cache == full_recompute(model, PROMPTS, GREEDY)
     assert len(set(with_cache[0])) > 5, "the check is only meaningful if the text varies"
 
 

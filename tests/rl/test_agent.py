@@ -15,7 +15,7 @@ import torch
 from nanoforge.core.config import ModelConfig
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.generate import SamplingConfig
-from nanoforge.infer.toolloop import run_tool_loop, stop_ids
+from nanoforge.infer.turns import converse
 from nanoforge.chat.tools import tool_schemas
 from nanoforge.weights.load import load_model
 from nanoforge.model.gpt import GPT
@@ -44,44 +44,52 @@ class ScriptedAgentGPT(GPT):
                  unstoppable: list[int]):
         super().__init__(cfg)
         self.scripts, self.turn_start, self.unstoppable = scripts, list(turn_start), list(unstoppable)
-        self.rows: list[dict] = []
 
-    def forward(self, input_ids, cache=None, attention_mask=None, layout=None, keep=None):
+    def forward(self, input_ids, cache=None, layout=None, keep=None):
         if layout is not None:  # the log-probs of finished rollouts (model/prefix.py): the model's own, unscripted
             return super().forward(input_ids, layout=layout, keep=keep)
-        start = cache.length if cache is not None else 0
-        logits = super().forward(input_ids, cache=cache, attention_mask=attention_mask)  # (B, T, V)
-        if start == 0:
-            self.rows = [{"ids": [], "starts": []} for _ in range(input_ids.shape[0])]
-        for b, row in enumerate(self.rows):
-            for t, token in enumerate(input_ids[b].tolist()):
-                if attention_mask is not None and attention_mask[b, start + t] == 0:
-                    continue  # left padding
-                target = self._next(row, token)
-                if target is not None:
-                    logits[b, t, target] += 1e4
-                elif row["starts"]:
-                    logits[b, t, self.unstoppable] -= 1e4
-        return logits if keep is None else logits[keep]  # (B, T, V), or (N, V) at the kept positions
+        if cache is None:  # a fresh forward over one finished row: (1, T, V)
+            ids = input_ids[0].tolist()
+            return self._push(super().forward(input_ids)[0], [ids[:t + 1] for t in range(len(ids))])[None]
+        histories = self._histories(cache)  # the tokens up to each position of the step, (N,) lists
+        logits = super().forward(input_ids, cache=cache, keep=keep)  # (K, V) at the kept positions
+        return self._push(logits, [h for h, k in zip(histories, keep.tolist()) if k])
 
-    def _next(self, row: dict, token: int) -> int | None:
-        ids = row["ids"]
-        ids.append(token)
-        if ids[-len(self.turn_start):] == self.turn_start:
-            row["starts"].append(len(ids))
+    def _push(self, logits, histories):
+        for row, history in enumerate(histories):
+            target, started = self._next(history)
+            if target is not None:
+                logits[row, target] += 1e4
+            elif started:
+                logits[row, self.unstoppable] -= 1e4
+        return logits
+
+    @staticmethod
+    def _histories(step) -> list[list[int]]:
+        """For each token of an engine step (model/slots.py SlotStep), its sequence's tokens up to and including
+        it: decode slots first, then each prefill chunk, as the step lays them out."""
+        out = [seq.tokens[:seq.fed + 1] for seq in step.owners[:len(step.decode)]]
+        for seq, (_, n) in zip(step.owners[len(step.decode):], step.prefill):
+            out += [seq.tokens[:seq.fed + t + 1] for t in range(n)]
+        return out
+
+    def _next(self, ids: list[int]) -> tuple[int | None, bool]:
+        """The scripted token after `ids` (None: the model's own), and whether a reply has begun."""
+        n = len(self.turn_start)
+        starts = [i + 1 for i in range(n - 1, len(ids)) if ids[i + 1 - n:i + 1] == self.turn_start]
         replies = next((r for p, r in self.scripts.items() if tuple(ids[:len(p)]) == p), None)
-        turn = len(row["starts"]) - 1
+        turn = len(starts) - 1
         if replies is None or not 0 <= turn < len(replies):
-            return None
-        step = len(ids) - row["starts"][-1]
-        return replies[turn][step] if step < len(replies[turn]) else None
+            return None, bool(starts)
+        step = len(ids) - starts[-1]
+        return (replies[turn][step] if step < len(replies[turn]) else None), True
 
 
 def scripted_model(tokenizer, scripts, think=False, max_seq_len=1024, seed=0) -> ScriptedAgentGPT:
     torch.manual_seed(seed)
     cfg = ModelConfig(vocab_size=tokenizer.vocab_size, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
                       max_seq_len=max_seq_len, tie_embeddings=False, init_std=0.1)
-    return ScriptedAgentGPT(cfg, scripts, generation_prompt(tokenizer, think), stop_ids(tokenizer)).eval()
+    return ScriptedAgentGPT(cfg, scripts, generation_prompt(tokenizer, think), tokenizer.stop_ids).eval()
 
 
 def generation_prompt(tokenizer, think: bool) -> list[int]:
@@ -338,10 +346,9 @@ def test_tool_run_rollouts_with_the_calculator(tool_run_dir, think):
     for t, r in zip(trajectories, records):
         last = t.replies[-1].content if t.replies else ""
         assert t.reward_parts["answer"] == (1.0 if answer_found(last, r.gt[0]) else 0.0)
-    # the eval's tool loop re-renders each conversation every round; greedy, it sees the same tokens, so it
-    # writes the same replies, and its final conversation renders to the trajectory's ids
-    loops = run_tool_loop(model, tok, [r.messages for r in records], cfg, tools=TOOLS, think=think, max_turns=3)
+    # the eval runs the same conversations through the same loop (infer/turns.py): the same tokens
+    loops, _ = converse(model, tok, [r.messages for r in records], cfg, 4, tools=TOOLS, think=think, max_turns=3)
     for t, loop in zip(trajectories, loops):
-        assert [c.text for c in loop.completions] == t.texts and loop.end == t.end
+        assert loop.ids == t.ids and loop.texts == t.texts and loop.end == t.end
         if t.end == "answer":
             assert t.ids == tok.render_chat(loop.messages)[0][:-1]
