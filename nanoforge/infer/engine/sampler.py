@@ -67,21 +67,33 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
 
 
 def _draw(scaled: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
-    """One token per row of tempered logits, by top-k and top-p, then inverse transform sampling."""
+    """One token per row of tempered logits, by inverse transform sampling: over the whole vocabulary in its
+    order for rows without top-k/top-p, over the kept tokens most likely first for the others. Which way a row
+    goes depends on its own settings only, so its tokens do not depend on the company it is drawn in."""
     uniform = _uniforms(rows, scaled.device)
-    top_k = [r.cfg.top_k for r in rows]
-    top_p = [r.cfg.top_p for r in rows]
-    if all(k == 0 for k in top_k) and all(p >= 1.0 for p in top_p):
-        return _inverse_cdf(torch.softmax(scaled, dim=-1), uniform)
+    filtered = [i for i, r in enumerate(rows) if r.cfg.top_k > 0 or r.cfg.top_p < 1.0]
+    plain = [i for i in range(len(rows)) if i not in set(filtered)]
+    chosen = torch.empty(len(rows), dtype=torch.long, device=scaled.device)
+    if plain:
+        index = torch.tensor(plain, device=scaled.device)
+        chosen[index] = _inverse_cdf(torch.softmax(scaled[index], dim=-1), uniform[index])
+    if filtered:
+        index = torch.tensor(filtered, device=scaled.device)
+        chosen[index] = _filtered(scaled[index], [rows[i] for i in filtered], uniform[index])
+    return chosen
+
+
+def _filtered(scaled: torch.Tensor, rows: list[RowSampling], uniform: torch.Tensor) -> torch.Tensor:
+    """Top-k (exactly k survive, ties or not), then top-p (the most likely tokens until their probability reaches
+    p, the top one always), then a draw among the survivors, most likely first."""
     vocab = scaled.shape[-1]
-    width = max(top_k) if all(k > 0 for k in top_k) else vocab  # only the top max(k) matter then
-    values, order = scaled.topk(min(width, vocab), dim=-1)  # sorted, most likely first
+    top_k = [r.cfg.top_k if r.cfg.top_k > 0 else vocab for r in rows]
+    values, order = scaled.topk(min(max(top_k), vocab), dim=-1)  # sorted; only the top max(k) can survive
     ranks = torch.arange(values.shape[-1], device=scaled.device)[None, :]
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=scaled.device)
-    values = values.masked_fill(ranks >= k[:, None], float("-inf"))  # exactly k survive, ties or not
+    values = values.masked_fill(ranks >= torch.tensor(top_k, device=scaled.device)[:, None], float("-inf"))
     probs = torch.softmax(values, dim=-1)
-    p = torch.tensor(top_p, device=scaled.device, dtype=probs.dtype)
-    mass_before = probs.cumsum(dim=-1) - probs  # keep tokens until their mass reaches p (the top one always)
+    p = torch.tensor([r.cfg.top_p for r in rows], device=scaled.device, dtype=probs.dtype)
+    mass_before = probs.cumsum(dim=-1) - probs
     probs = probs.masked_fill(mass_before >= p[:, None], 0.0)
     return order.gather(1, _inverse_cdf(probs, uniform)[:, None])[:, 0]
 
