@@ -184,6 +184,24 @@ def test_logprobs_are_a_fresh_forwards_at_the_temperature():
     assert [t for t, _ in seq.top_logprobs[0]] == top.indices.tolist()
 
 
+@pytest.mark.parametrize("chunk", [3, 512])
+def test_prompt_logprobs_are_a_fresh_forwards_in_any_chunks(chunk):
+    m = model()
+    prompt, other = prompts(2, seed=15, longest=40)
+    engine = Engine(m, max_batch=3, prefill_chunk=chunk)
+    scored = Request(prompt, SamplingConfig(temperature=0, max_new_tokens=3), n=2, prompt_logprobs=True,
+                     top_logprobs=2)
+    groups = engine.run([Request(other, GREEDY), scored])
+    with torch.no_grad():
+        fresh = torch.log_softmax(m(torch.tensor([prompt]))[0].float(), dim=-1)  # (T, V)
+    for seq in groups[1]:
+        assert [lp for lp, _ in seq.prompt_logprobs] == \
+            pytest.approx([fresh[i, t].item() for i, t in enumerate(prompt[1:])], abs=1e-5)
+        assert [[t for t, _ in top] for _, top in seq.prompt_logprobs] == fresh[:-1].topk(2).indices.tolist()
+        assert seq.new_ids == recompute(m, prompt, 3)
+    assert groups[0][0].prompt_logprobs == [] and groups[0][0].new_ids == recompute(m, other, GREEDY.max_new_tokens)
+
+
 def test_stop_ids_and_the_context_end_a_sequence():
     m = model(max_seq_len=32)
     prompt = prompts(1, seed=14, longest=20)[0]

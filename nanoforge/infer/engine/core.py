@@ -38,6 +38,7 @@ class Request:
     seeds: Seq[int | None] | None = None
     logit_bias: dict[int, float] | None = None
     top_logprobs: int = 0
+    prompt_logprobs: bool = False  # also score the prompt: the log-prob of each prompt token after the first
     keep_slot: bool = False  # an ended sample keeps its slot (and cache) for `extend` until `release`
 
 
@@ -56,6 +57,7 @@ class Sequence:
     new_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_id: int | None = None
     slot: int | None = None
@@ -170,17 +172,19 @@ class Engine:
         decode, prefill = self._plan()
         if not decode and not prefill:
             return []
-        ids, keep, sampling = [], [], []
+        ids, keep, tags = [], [], []  # tags: per kept row, (sequence, None) to sample, (sequence, p) to score
         for seq in decode:
             ids.append(seq.tokens[seq.fed])
             keep.append(True)
-            sampling.append(seq)
+            tags.append((seq, None))
         for seq, n in prefill:
             ids += seq.tokens[seq.fed:seq.fed + n]
-            last = seq.fed + n == len(seq.tokens)
-            keep += [False] * (n - 1) + [last]
-            if last:
-                sampling.append(seq)
+            scored_end = len(seq.request.prompt) - 1 if seq.request.prompt_logprobs else 0
+            for p in range(seq.fed, seq.fed + n):
+                last = p == len(seq.tokens) - 1
+                keep.append(last or p < scored_end)
+                if last or p < scored_end:
+                    tags.append((seq, None if last else p))
         plan = SlotStep(self.cache, [s.slot for s in decode], [(s.slot, n) for s, n in prefill],
                         owners=decode + [s for s, _ in prefill])
         with torch.inference_mode(), autocast_context(self.device, self.precision):
@@ -191,6 +195,12 @@ class Engine:
             seq.fed += 1
         for seq, n in prefill:
             seq.fed += n
+        scored = [i for i, (_, p) in enumerate(tags) if p is not None]
+        if scored:
+            self._score_prompts(logits[scored], [tags[i] for i in scored])
+            kept = [i for i, (_, p) in enumerate(tags) if p is None]
+            logits = logits[kept]
+        sampling = [seq for seq, p in tags if p is None]
         rows, row_logits = self._with_followers(sampling, logits)
         draw = sample_rows(row_logits, [s.sampling for s in rows])
         for i, seq in enumerate(rows):
@@ -199,6 +209,20 @@ class Engine:
             if seq.done and not seq.request.keep_slot:
                 self._free(seq)
         return rows
+
+    @staticmethod
+    def _score_prompts(logits: torch.Tensor, tags: list[tuple[Sequence, int]]) -> None:
+        """Record, for each scored prompt position p, the log-prob of prompt token p + 1 under the model's own
+        distribution (T = 1) and the request's top_logprobs most likely tokens there."""
+        logprobs = torch.log_softmax(logits, dim=-1)
+        targets = torch.tensor([seq.tokens[p + 1] for seq, p in tags], device=logits.device)
+        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        most = max(seq.request.top_logprobs for seq, _ in tags)
+        top = logprobs.topk(most, dim=-1) if most else None
+        for i, (seq, _) in enumerate(tags):
+            k = seq.request.top_logprobs
+            pairs = list(zip(top.indices[i, :k].tolist(), top.values[i, :k].tolist())) if k else []
+            seq.prompt_logprobs.append((chosen[i], pairs))
 
     def _admit(self) -> None:
         """Give waiting groups slots, first come first served, while they fit."""
@@ -237,6 +261,7 @@ class Engine:
                 if seq_ is not seq:
                     self.cache.copy(seq.slot, seq_.slot)
                     seq_.fed, seq_.follows = seq.fed, None
+                    seq_.prompt_logprobs = list(seq.prompt_logprobs)
                 rows.append(seq_)
                 index.append(i)
         return rows, logits[torch.tensor(index, device=logits.device)]
