@@ -1,4 +1,4 @@
-"""Decoding speed with the KV cache against recomputing the whole sequence every step.
+"""Decoding speed with the engine's KV cache against recomputing the whole sequence every step.
 
     .venv/bin/python benchmarks/decode_speed.py [--preset mini] [--new-tokens 256] [--prompt-len 16] [--repeats 3]
 
@@ -9,27 +9,32 @@ one short warm-up and the median is reported, as tokens/s of generated text.
 Without the cache, step t runs the model over all prompt_len + t tokens, so a reply of n tokens costs
 O(n^2) token-forwards against O(n) with the cache: the ratio grows with the reply's length.
 """
-from __future__ import annotations
-
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+
+from nanoforge.infer.generate import SamplingConfig, generate
+
+
+def recompute(model, prompt: list[int], cfg: SamplingConfig, stop_ids=None) -> list[list[int]]:
+    """Greedy without a cache: every step runs the model over the whole sequence."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(cfg.max_new_tokens):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return [ids[len(prompt):]]
 
 
 def time_decode(model, prompt: list[int], new_tokens: int, use_cache: bool, repeats: int) -> list[float]:
     """Seconds for each of `repeats` runs generating exactly `new_tokens` tokens."""
-    from nanoforge.infer.generate import SamplingConfig, generate
-
-    cfg = SamplingConfig(temperature=0, max_new_tokens=new_tokens)
-    generate(model, [prompt], SamplingConfig(temperature=0, max_new_tokens=8), use_cache=use_cache)  # warm-up
+    decode = (lambda m, p, c: generate(m, p, c)) if use_cache else (lambda m, p, c: recompute(m, p[0], c))
+    decode(model, [prompt], SamplingConfig(temperature=0, max_new_tokens=8))  # warm-up
     seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
-        out = generate(model, [prompt], cfg, stop_ids=None, use_cache=use_cache)
+        out = decode(model, [prompt], SamplingConfig(temperature=0, max_new_tokens=new_tokens))
         seconds.append(time.perf_counter() - start)
         assert len(out[0]) == new_tokens, "the benchmark must generate every token it times"
     return seconds
@@ -43,8 +48,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args()
-
-    import torch
 
     from nanoforge.core.config import build_config
     from nanoforge.model.gpt import GPT
