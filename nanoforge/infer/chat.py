@@ -16,10 +16,12 @@ import dataclasses
 import sys
 from typing import Callable, Sequence, TextIO
 
-from nanoforge.core.device import precision_note, resolve_device, resolve_precision
+from nanoforge.core.device import eval_mode, precision_note, resolve_device, resolve_precision
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.defaults import CHAT_SAMPLING, ChatOptions, DeviceOptions as _D
+from nanoforge.infer.engine import Engine, Request
 from nanoforge.infer.generate import SamplingConfig, stream
+from nanoforge.infer.turns import environment_ids
 from nanoforge.chat.replies import THINK_OPEN, Reply, StreamParser, reply_from_events
 from nanoforge.chat.tools import assistant_message, parse_tool_names, tool_messages, tool_schemas
 from nanoforge.weights.load import load_model
@@ -102,6 +104,7 @@ class _Session:
                                  "calls (MiniMind-3's format, written by `nanoforge tokenizer train`); this "
                                  "model's tokenizer has plain ChatML")
         self.tools, self.think, self.max_tool_turns = tools, think, max_tool_turns
+        self.engine = Engine(model, tokenizer, precision, max_batch=1)
 
     def _fresh(self) -> list[dict]:
         return [{"role": "system", "content": self.system}] if self.system else []
@@ -130,39 +133,56 @@ class _Session:
 
     def reply(self, text: str, prefix: str) -> None:
         """Add the user's message; generate, print and keep the reply, and while it calls tools (enabled with
-        --tools), run them, print and keep their results and let the model go on."""
+        --tools), run them, print and keep their results and let the model go on: the same sequence in the engine,
+        the results' tokens appended to it (infer/turns.py's environment_ids), as eval and RL do."""
         self.messages.append({"role": "user", "content": text})
-        for round_ in range(self.max_tool_turns + 1):
-            prompt = self._prompt_that_fits()
-            if prompt is None:
-                return
-            reply, interrupted = self._generate(*prompt, prefix=prefix if round_ == 0 else "")
-            self.messages.append(assistant_message(reply))
-            if interrupted or not (reply.tool_calls and self.tools):
-                return
-            if round_ == self.max_tool_turns:
-                self.write(f"(stopped: the model still calls tools after {self.max_tool_turns} rounds)\n")
-                return
-            for message in tool_messages(reply, self.tools):
-                self.write(f"[{message['name']} -> {message['content']}]\n")
-                self.messages.append(message)
-
-    def _generate(self, ids: list[int], thinking_open: bool, prefix: str) -> tuple[Reply, bool]:
-        """Stream one reply to the output: (the parsed reply (with a plain-ChatML template, all of it is
-        content), whether Ctrl-C cut it short)."""
-        if self.on_prompt is not None:
-            self.on_prompt(ids)
-        self.write(prefix)
+        prompt = self._prompt_that_fits()
+        if prompt is None:
+            return
+        ids, thinking_open = prompt
         self.turns += 1
         cfg = self.cfg
-        if cfg.seed is not None:  # the session is reproducible, but each turn draws fresh random numbers
+        if cfg.seed is not None:  # the session is reproducible, but each message draws fresh random numbers
             cfg = dataclasses.replace(cfg, seed=cfg.seed + self.turns - 1)
-        parser = StreamParser(thinking_open) if self.tokenizer.supports_tools else None
+        (seq,) = self.engine.submit(Request(ids, cfg, self.stop_ids, keep_slot=True))
+        try:
+            for round_ in range(self.max_tool_turns + 1):
+                reply, interrupted = self._generate(seq, thinking_open, prefix if round_ == 0 else "", round_)
+                self.messages.append(assistant_message(reply))
+                if interrupted or not (reply.tool_calls and self.tools) or seq.stop_id is None:
+                    return
+                if round_ == self.max_tool_turns:
+                    self.write(f"(stopped: the model still calls tools after {self.max_tool_turns} rounds)\n")
+                    return
+                results = tool_messages(reply, self.tools)
+                for message in results:
+                    self.write(f"[{message['name']} -> {message['content']}]\n")
+                self.messages += results
+                more = environment_ids(self.tokenizer, results, self.think)
+                if len(seq.tokens) + 1 + len(more) > self.prompt_budget:  # + 1: the reply's stop token
+                    self.write("(the tool results leave no room for a reply in the model's context)\n")
+                    return
+                self.engine.extend(seq, more)
+                thinking_open = self.think
+        finally:
+            self.engine.cancel(seq)
+
+    def _generate(self, seq, thinking_open: bool, prefix: str, round_: int) -> tuple[Reply, bool]:
+        """Stream one reply of `seq` to the output: (the parsed reply (with a plain-ChatML template, all of it is
+        content), whether Ctrl-C cut it short). Call ids are call_{round}_{index}, as in infer/turns.py."""
+        if self.on_prompt is not None:
+            self.on_prompt(list(seq.tokens))
+        self.write(prefix)
+        parser = StreamParser(thinking_open, f"call_{round_}_") if self.tokenizer.supports_tools else None
         shown, pieces, interrupted = _ReplyPrinter(self.write), [], False
         try:
-            for piece in stream(self.model, self.tokenizer, ids, cfg, self.stop_ids, self.precision):
-                pieces.append(piece)
-                shown.show(parser.feed(piece) if parser else [("content", piece)])
+            while not seq.done:
+                with eval_mode(self.model):
+                    self.engine.step()
+                piece = seq.reply.take(final=seq.done)
+                if piece:
+                    pieces.append(piece)
+                    shown.show(parser.feed(piece) if parser else [("content", piece)])
             if parser:  # what the parser held back (a tag's first characters, newlines) is shown now
                 shown.show(parser.close())
         except KeyboardInterrupt:  # Ctrl-C during a reply stops the reply, not the chat

@@ -4,9 +4,12 @@ Endpoints: `GET /v1/models`, `POST /v1/chat/completions` and `POST /v1/completio
 server-sent events when `"stream": true`), `GET /health`, and the page at `GET /`. The official `openai`
 clients work against it with `base_url="http://127.0.0.1:8000/v1"`. Chat takes OpenAI's `tools` and
 `tool_choice`, tool messages and `chat_template_kwargs: {"enable_thinking": true}`, and answers with
-`reasoning_content` and `tool_calls` (serve/chat_request.py, serve/chat_reply.py; the wire format is
-serve/protocol.py's). For the web page, which cannot run Python, `GET /v1/nanoforge/tools` lists the built-in
-tools and `POST /v1/nanoforge/tools/run` runs one. Every error is JSON in OpenAI's shape, 4xx for a bad request.
+`reasoning_content` and `tool_calls` (serve/chat_request.py, serve/chat_reply.py); completions take several
+prompts, token ids and `echo` (serve/completions.py); both take `n`, `logit_bias` and log-probs
+(serve/logprobs.py), and refuse with a 400 naming it every field they do not support (the fields both share are
+serve/protocol.py's; docs/serving.md lists them all). For the web page, which cannot run Python,
+`GET /v1/nanoforge/tools` lists the built-in tools and `POST /v1/nanoforge/tools/run` runs one. Every error is
+JSON in OpenAI's shape, 4xx for a bad request.
 
 Concurrency: requests are batched. One generation thread (serve/worker.py) steps the engine, which decodes every
 running request together and admits new ones as slots free up (`--max-batch`); the event loop only parses,
@@ -36,12 +39,14 @@ from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.defaults import CHAT_SAMPLING
 from nanoforge.serve import protocol
 from nanoforge.infer.chat import load_for_inference
-from nanoforge.serve.chat_reply import ChatChunks, call_id_prefix, chat_body, finish_reason, reply_message
+from nanoforge.serve.chat_reply import ChatChunks, chat_body, chat_choice
 from nanoforge.serve.chat_request import parse_chat_request
-from nanoforge.infer.generate import Completion, SamplingConfig
+from nanoforge.serve.completions import TextChunks, parse_completion_request, text_body
+from nanoforge.infer.generate import SamplingConfig
+from nanoforge.serve.logprobs import TokenText
 from nanoforge.serve.options import ServeOptions
-from nanoforge.serve.protocol import APIError, GenerationRequest, Limits
-from nanoforge.serve.worker import Worker
+from nanoforge.serve.protocol import APIError, Chunks, GenerationRequest, Limits
+from nanoforge.serve.worker import Choice, Worker
 from nanoforge.chat.calculator import BUILTIN_TOOLS, run_tool_call
 
 DEFAULT_MAX_BODY_BYTES = 1_000_000
@@ -69,7 +74,7 @@ def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
                     at the next token with finish_reason "length", streaming or not (a 200 with the text so
                     far, never a 504: a stream's 200 is sent before generation starts); None or 0: no limit"""
     defaults = defaults or CHAT_SAMPLING
-    limits = Limits(model.context_length, max_tokens_cap, defaults)
+    limits = Limits(model.context_length, max_tokens_cap, defaults, model.cfg.vocab_size, max_batch)
     worker = Worker(model, tokenizer, precision, max_pending, request_timeout, max_batch)
 
     @contextlib.asynccontextmanager
@@ -134,33 +139,33 @@ def _add_model_routes(app, worker: Worker, model_name: str, api_key: str | None)
 def _add_generation_routes(app, worker: Worker, tokenizer, limits: Limits, model_name: str,
                            api_key: str | None, max_body_bytes: int) -> None:
     stop_ids = tokenizer.stop_ids  # the chat format's rule, on /v1/completions too
+    text = TokenText(tokenizer)  # how tokens are written in log-probs
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         protocol.check_api_key(request.headers.get("authorization", ""), api_key)
         req = parse_chat_request(await _read_json(request, max_body_bytes), tokenizer, limits)
-        reply_id, now, id_prefix = f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), call_id_prefix()
+        reply_id, now = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
 
-        def body(done: Completion) -> dict:
-            message, warnings = reply_message(done.text, req, id_prefix)
-            _log_warnings(reply_id, warnings)
-            finish = finish_reason(done.finish_reason, bool(message.get("tool_calls")))
-            return chat_body(model_name, reply_id, now, message, finish, protocol.usage(req.prompt_ids, done))
+        def body(choices: list[Choice]) -> dict:
+            out = []
+            for choice in choices:
+                one, warnings = chat_choice(choice, req, text)
+                _log_warnings(reply_id, warnings)
+                out.append(one)
+            return chat_body(model_name, reply_id, now, out, protocol.usage(req, choices))
 
         return await _answer(worker, req, stop_ids, reply_id, body,
-                             lambda: ChatChunks(model_name, reply_id, now, req, id_prefix))
+                             lambda: ChatChunks(model_name, reply_id, now, req, text))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         protocol.check_api_key(request.headers.get("authorization", ""), api_key)
-        req = protocol.parse_completion_request(await _read_json(request, max_body_bytes), tokenizer, limits)
+        req = parse_completion_request(await _read_json(request, max_body_bytes), tokenizer, limits)
         reply_id, now = f"cmpl-{secrets.token_hex(12)}", int(time.time())
-
-        def body(done: Completion) -> dict:
-            return protocol.text_body(model_name, reply_id, now, done, protocol.usage(req.prompt_ids, done))
-
-        return await _answer(worker, req, stop_ids, reply_id, body,
-                             lambda: protocol.TextChunks(model_name, reply_id, now))
+        return await _answer(worker, req, stop_ids, reply_id,
+                             lambda choices: text_body(model_name, reply_id, now, req, choices, text),
+                             lambda: TextChunks(model_name, reply_id, now, req, text))
 
 
 def _add_tool_routes(app, api_key: str | None, max_body_bytes: int) -> None:
@@ -207,31 +212,32 @@ async def _read_json(request: Request, max_body_bytes: int) -> Any:
 
 
 async def _answer(worker: Worker, req: GenerationRequest, stop_ids: list[int], reply_id: str,
-                  body: Callable[[Completion], dict], chunks: Callable[[], Any]):
-    """Answer a checked request: `body(done)` as JSON, or an event stream of `chunks()`'s chunks (a
-    protocol.TextChunks or chat_reply.ChatChunks) ending in [DONE]."""
+                  body: Callable[[list[Choice]], dict], chunks: Callable[[], Chunks]):
+    """Answer a checked request: `body(choices)` as JSON, or an event stream of `chunks()`'s chunks ending in
+    [DONE] (the usage chunk before it, when asked)."""
     if not req.stream:
         try:
-            done = await worker.complete(req, stop_ids)
+            choices = await worker.complete(req, stop_ids)
         except NanoforgeError as e:
             raise APIError(400, str(e)) from None
-        return JSONResponse(body(done))
+        return JSONResponse(body(choices))
 
     worker.check_room()  # a 503 has to come before the stream's 200
     stream = chunks()
 
     async def events():
-        yield protocol.sse(stream.first())
+        for chunk in stream.first():
+            yield protocol.sse(chunk)
         try:
+            done = []
             async for item in worker.stream(req, stop_ids):
-                if isinstance(item, Completion):
-                    usage = protocol.usage(req.prompt_ids, item) if req.include_usage else None
-                    for chunk in stream.end(item, usage):
-                        yield protocol.sse(chunk)
-                    _log_warnings(reply_id, stream.warnings())
-                else:
-                    for chunk in stream.feed(item):
-                        yield protocol.sse(chunk)
+                if isinstance(item, Choice):
+                    done.append(item)
+                for chunk in stream.end(item) if isinstance(item, Choice) else stream.feed(item):
+                    yield protocol.sse(chunk)
+            if req.include_usage:
+                yield protocol.sse(stream.usage_chunk(protocol.usage(req, done)))
+            _log_warnings(reply_id, stream.warnings())
         except Exception as e:  # the 200 is already sent: report it in the stream, as OpenAI does
             ours = isinstance(e, NanoforgeError)
             if not ours:

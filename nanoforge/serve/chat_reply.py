@@ -6,18 +6,25 @@ reasoning: DeepSeek's and vLLM's name, kept by the `openai` client as an extra f
 `call_<16 hex>_<index>`, unique across replies; `arguments` a JSON string). `finish_reason` is "tool_calls"
 when the reply has calls and ended by itself ("length" stays "length": the client should know it was cut).
 
-Streaming: the first chunk carries the role, each delta one of `reasoning_content`, `content` or `tool_calls`
-(a call sent whole once its closing tag arrives), then a chunk with the finish reason. The parser holds back
-text that may still become a tag, so no piece of `<think>` or `<tool_call>` ever reaches the content.
+Streaming: the first chunk of each choice carries the role, each delta one of `reasoning_content`, `content` or
+`tool_calls` (a call sent whole once its closing tag arrives), then a chunk with the finish reason; every chunk
+names its choice (`n` > 1: the choices' chunks interleave). The parser holds back text that may still become a
+tag, so no piece of `<think>` or `<tool_call>` ever reaches the content.
+
+Log-probs (`logprobs: true`, `top_logprobs` 0 to 20): `{"content": [...]}` in OpenAI's shape (serve/logprobs.py)
+for every generated token of the reply, reasoning and tool-call text included (the stop token not); streamed,
+each entry goes with the chunk of the piece whose text reaches it (a chunk with an empty delta when the parser
+holds that text back).
 
 Dropped, and reported as warnings for the server's log: a malformed tool-call block (never shown as content),
 and calls when the request offered no tools (none sent, or tool_choice "none"). A reply rendered by a template
 without tool support (plain ChatML) is plain text: all of it is content."""
 import secrets
 
-from nanoforge.infer.generate import Completion
-from nanoforge.serve.protocol import GenerationRequest
 from nanoforge.chat.replies import StreamParser, parse_reply
+from nanoforge.serve.logprobs import Entry, ReplyEntries, TokenText, chat_logprobs
+from nanoforge.serve.protocol import Chunks, GenerationRequest
+from nanoforge.serve.worker import Choice, Piece
 
 
 def call_id_prefix() -> str:
@@ -88,37 +95,57 @@ class ReplyDeltas:
         return out
 
 
-def chat_body(model_name: str, reply_id: str, now: int, message: dict, finish: str, usage: dict) -> dict:
+def chat_choice(choice: Choice, req: GenerationRequest, text: TokenText) -> tuple[dict, list[str]]:
+    """One whole choice of a reply, and warnings for the log."""
+    message, warnings = reply_message(choice.text, req, call_id_prefix())
+    logprobs = None
+    if req.top_logprobs is not None:
+        logprobs = chat_logprobs(ReplyEntries(text, 0, with_stop=False).end(choice), text)
+    finish = finish_reason(choice.finish_reason, bool(message.get("tool_calls")))
+    return {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": finish}, warnings
+
+
+def chat_body(model_name: str, reply_id: str, now: int, choices: list[dict], usage: dict) -> dict:
     return {"id": reply_id, "object": "chat.completion", "created": now, "model": model_name,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
-            "usage": usage, "system_fingerprint": None}
+            "choices": choices, "usage": usage, "system_fingerprint": None}
 
 
-class ChatChunks:
-    """One streamed reply's chunks: `first()`, `feed(piece)` for each piece, `end(done, usage)`."""
+class ChatChunks(Chunks):
+    """One streamed chat reply's chunks (protocol.Chunks), each choice parsed by its own ReplyDeltas."""
+    object = "chat.completion.chunk"
 
-    def __init__(self, model_name: str, reply_id: str, now: int, req: GenerationRequest, id_prefix: str):
-        self.model_name, self.reply_id, self.now = model_name, reply_id, now
-        self.deltas = ReplyDeltas(req, id_prefix)
+    def __init__(self, model_name: str, reply_id: str, now: int, req: GenerationRequest, text: TokenText):
+        super().__init__(model_name, reply_id, now)
+        self.req, self.text = req, text
+        self.deltas = [ReplyDeltas(req, call_id_prefix()) for _ in range(req.n)]
+        self.entries = [ReplyEntries(text, 0, with_stop=False) for _ in range(req.n)]
 
-    def chunk(self, delta: dict, finish: str | None = None) -> dict:
-        return {"id": self.reply_id, "object": "chat.completion.chunk", "created": self.now, "model": self.model_name,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-                "system_fingerprint": None}
+    def envelope(self, choices: list[dict]) -> dict:
+        return {**super().envelope(choices), "system_fingerprint": None}
 
-    def first(self) -> dict:
-        return self.chunk({"role": "assistant", "content": ""})
+    def chunk(self, index: int, delta: dict, finish: str | None = None, entries: list[Entry] | None = None) -> dict:
+        logprobs = chat_logprobs(entries, self.text) if entries else None
+        return self.envelope([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
 
-    def feed(self, piece: str) -> list[dict]:
-        return [self.chunk(delta) for delta in self.deltas.feed(piece)]
+    def first(self) -> list[dict]:
+        return [self.chunk(i, {"role": "assistant", "content": ""}) for i in range(self.req.n)]
 
-    def end(self, done: Completion, usage: dict | None) -> list[dict]:
-        """The held-back rest, the finish reason, and (when asked) a usage chunk with no choices."""
-        out = [self.chunk(delta) for delta in self.deltas.close()]
-        out.append(self.chunk({}, finish_reason(done.finish_reason, self.deltas.calls > 0)))
-        if usage is not None:
-            out.append({**self.chunk({}), "choices": [], "usage": usage})
-        return out
+    def feed(self, piece: Piece) -> list[dict]:
+        entries = self.entries[piece.index].feed(piece) if self.req.top_logprobs is not None else []
+        return self._chunks(piece.index, self.deltas[piece.index].feed(piece.text), entries)
+
+    def end(self, choice: Choice) -> list[dict]:
+        """The held-back rest and the finish reason."""
+        i, deltas = choice.index, self.deltas[choice.index]
+        entries = self.entries[i].end(choice) if self.req.top_logprobs is not None else []
+        out = self._chunks(i, deltas.close(), entries)
+        return out + [self.chunk(i, {}, finish_reason(choice.finish_reason, deltas.calls > 0))]
+
+    def _chunks(self, index: int, deltas: list[dict], entries: list[Entry]) -> list[dict]:
+        """A chunk per delta, the log-prob entries with the first (or alone, with an empty delta)."""
+        if not deltas:
+            return [self.chunk(index, {}, entries=entries)] if entries else []
+        return [self.chunk(index, delta, entries=entries if k == 0 else None) for k, delta in enumerate(deltas)]
 
     def warnings(self) -> list[str]:
-        return self.deltas.warnings()
+        return [w for deltas in self.deltas for w in deltas.warnings()]

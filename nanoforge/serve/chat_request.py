@@ -8,17 +8,45 @@ and `reasoning_content`, `tool` results), the `tools` offered, `tool_choice`, an
   - messages: content a string or text parts, null for an assistant message with `tool_calls` (`arguments`
     a JSON object or its string); `tool` messages (`tool_call_id` optional: results match calls by order).
 Tools, calls or tool messages sent to a model whose template has no tool support (plain ChatML) get a 400
-that says so, rather than being rendered into something it never learnt."""
+that says so, rather than being rendered into something it never learnt.
+
+Every other field of OpenAI's is read here too (`openai_options`): supported (`n`, `logprobs` and
+`top_logprobs`, `logit_bias`, ...), accepted because it changes nothing this server would do differently
+(`user`, `metadata`, `store: false`, `service_tier` "auto"/"default", the prompt-cache hints,
+`safety_identifier`, `modalities: ["text"]`, `response_format: {"type": "text"}`), or refused with a 400 naming
+it (CHAT_REFUSED, and any field this server does not know). Message fields likewise: `name` (no place for it in
+the template), `refusal`, `audio`, `function_call` and `annotations` are refused unless null, and any key not
+in MESSAGE_FIELDS."""
 import json
 import re
 from typing import Any
 
 from nanoforge.core import safejson
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.serve.protocol import (GenerationRequest, Limits, bad_request, check_fits, check_unicode, field,
-                                      sampling)
+from nanoforge.serve.protocol import (SHARED_FIELDS, GenerationRequest, Limits, bad_request, check_fits, check_known,
+                                      check_unicode, field, integer, sampling)
 
 ROLES = ("system", "user", "assistant", "tool")
+CHAT_FIELDS = SHARED_FIELDS | {"messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+                               "top_logprobs", "metadata", "store", "service_tier", "prompt_cache_key",
+                               "prompt_cache_retention", "prompt_cache_options", "safety_identifier", "modalities",
+                               "response_format"}
+CHAT_REFUSED = {
+    "audio": "this model writes text only",
+    "functions": "the legacy function-calling fields are not supported; send `tools` instead",
+    "function_call": "the legacy function-calling fields are not supported; send `tool_choice` instead",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "the model thinks or it does not: send chat_template_kwargs {\"enable_thinking\": true}",
+    "verbosity": "this model cannot be asked for a verbosity",
+    "web_search_options": "this server has no web search",
+    "moderation": "this server runs no moderation",
+}
+MESSAGE_FIELDS = ("role", "content", "tool_calls", "tool_call_id", "reasoning_content")
+MESSAGE_REFUSED = {"name": "the chat template has no place for a participant's name (put it in the content)",
+                   "refusal": "an assistant refusal cannot be shown to this model", "audio": "text only",
+                   "function_call": "the legacy function-calling fields are not supported; send tool_calls",
+                   "annotations": "annotations cannot be shown to this model"}
+MAX_TOP_LOGPROBS = 20  # OpenAI's
 TEMPLATE_SWITCHES = ("enable_thinking", "open_thinking")
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 THINK_OPENED = "<think>\n"  # a prompt ending with this leaves the reply inside the think block
@@ -28,13 +56,14 @@ def parse_chat_request(body: Any, tokenizer, limits: Limits) -> GenerationReques
     """A /v1/chat/completions body -> a checked request (APIError when it is not one)."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    check_known(body, CHAT_FIELDS, CHAT_REFUSED)
     field(body, "model", (str,), "a string")
     messages = chat_messages(body)
     tools = parse_tools(body.get("tools"))
     offered = bool(tools) and parse_tool_choice(body.get("tool_choice")) == "auto"
     switches = template_switches(body.get("chat_template_kwargs"))
-    field(body, "parallel_tool_calls", (bool,), "a boolean")  # the model may write several calls either way
-    cfg, stream, include_usage = sampling(body, limits)
+    top_logprobs = openai_options(body, offered)
+    shared = sampling(body, limits)
     if not tokenizer.supports_tools:
         _refuse_tools(messages, offered)
     try:
@@ -43,8 +72,45 @@ def parse_chat_request(body: Any, tokenizer, limits: Limits) -> GenerationReques
     except NanoforgeError as e:
         raise bad_request(str(e), param="messages") from None
     check_fits(prompt_ids, limits, "messages")
-    return GenerationRequest(prompt_ids, cfg, stream, include_usage, structured=tokenizer.supports_tools,
-                             thinking_open=text.endswith(THINK_OPENED), tools_offered=offered)
+    return GenerationRequest(prompt_ids, shared.cfg, shared.stream, shared.include_usage,
+                             structured=tokenizer.supports_tools, thinking_open=text.endswith(THINK_OPENED),
+                             tools_offered=offered, n=shared.n, logit_bias=shared.logit_bias,
+                             ignore_eos=shared.ignore_eos, top_logprobs=top_logprobs)
+
+
+def openai_options(body: dict, offered: bool) -> int | None:
+    """The chat fields beside messages, tools and sampling (the module docstring) -> top_logprobs (None: no
+    log-probs)."""
+    for name in ("prompt_cache_key", "prompt_cache_retention", "safety_identifier"):
+        field(body, name, (str,), "a string")
+    field(body, "prompt_cache_options", (dict,), "an object")
+    metadata = field(body, "metadata", (dict,), "an object of strings", {})
+    if not all(isinstance(v, str) for v in metadata.values()):
+        raise bad_request("metadata must be an object of strings", param="metadata")
+    if field(body, "store", (bool,), "a boolean"):
+        raise bad_request("store: true is not supported: this server stores no replies", param="store")
+    if field(body, "service_tier", (str,), "a string", "auto") not in ("auto", "default"):
+        raise bad_request("service_tier: this server has one tier; only \"auto\" and \"default\" are accepted",
+                          param="service_tier")
+    if field(body, "modalities", (list,), "a list", ["text"]) != ["text"]:
+        raise bad_request("modalities: this model writes text only; send [\"text\"] or leave it out",
+                          param="modalities")
+    if field(body, "response_format", (dict,), "an object", {"type": "text"}) != {"type": "text"}:
+        raise bad_request("response_format: only {\"type\": \"text\"} is supported (no JSON mode or schema: a "
+                          "small model cannot be held to one)", param="response_format")
+    if field(body, "parallel_tool_calls", (bool,), "a boolean") is False and offered:
+        raise bad_request("parallel_tool_calls: false is not supported: the model may write several calls in one "
+                          "reply, and all are returned", param="parallel_tool_calls")
+    return logprobs_wanted(body)
+
+
+def logprobs_wanted(body: dict) -> int | None:
+    """`logprobs` (a boolean) and `top_logprobs` (0 to 20, only with logprobs) -> top_logprobs, None for none."""
+    wanted = field(body, "logprobs", (bool,), "true or false", False)
+    top = integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def _refuse_tools(messages: list[dict], offered: bool) -> None:
@@ -138,6 +204,13 @@ def chat_messages(body: dict) -> list[dict]:
 def _message(i: int, message) -> dict:
     if not isinstance(message, dict):
         raise bad_request(f"messages[{i}] must be an object with role and content", param=f"messages[{i}]")
+    for key, value in message.items():
+        if key in MESSAGE_REFUSED and value is not None:
+            raise bad_request(f"messages[{i}].{key} is not supported: {MESSAGE_REFUSED[key]}",
+                              param=f"messages[{i}].{key}")
+        if key not in MESSAGE_FIELDS and key not in MESSAGE_REFUSED:
+            raise bad_request(f"messages[{i}].{key} is not a field of a message this server reads; the fields are "
+                              f"{', '.join(MESSAGE_FIELDS)}", param=f"messages[{i}].{key}")
     role = message.get("role")
     role = "system" if role == "developer" else role  # "developer": OpenAI's newer name for the system role
     if role not in ROLES:

@@ -139,19 +139,17 @@ def test_a_message_too_long_for_the_context_is_refused_and_the_chat_goes_on(load
 
 
 def test_ctrl_c_during_a_reply_stops_only_the_reply(loaded, monkeypatch):
-    import nanoforge.infer.chat as chat_module
+    from nanoforge.infer.engine import Engine
 
-    real_stream, calls = chat_module.stream, []
+    real_step, calls = Engine.step, []
 
-    def ctrl_c_after_the_first_piece(*args, **kwargs):  # the real generation, cut by a Ctrl-C in reply 1
+    def ctrl_c_in_the_third_step(engine):  # the real generation, cut by a Ctrl-C in reply 1
         calls.append(1)
-        pieces = real_stream(*args, **kwargs)
-        yield next(pieces)
-        if len(calls) == 1:
+        if len(calls) == 3:
             raise KeyboardInterrupt
-        yield from pieces
+        return real_step(engine)
 
-    monkeypatch.setattr(chat_module, "stream", ctrl_c_after_the_first_piece)
+    monkeypatch.setattr(Engine, "step", ctrl_c_in_the_third_step)
     model, tokenizer = loaded
     out = io.StringIO()
     cfg = SamplingConfig(temperature=0, max_new_tokens=12)

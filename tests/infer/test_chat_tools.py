@@ -81,6 +81,30 @@ def test_without_tools_none_are_declared_and_the_reply_is_kept_as_printed(loaded
     assert "tool_calls" in messages[2] or output == messages[2]["content"] + "\n"
 
 
+@pytest.mark.parametrize("think", [False, True])
+def test_chat_eval_and_rl_give_the_same_tokens_for_the_same_conversation_and_seed(loaded, think):
+    """One conversation, sampled (temperature 0.9, seed 11), through `chat`, `eval`'s loop and `grpo --tools`'s
+    rollouts: the same prompt, replies, tool results and tokens."""
+    from nanoforge.infer.turns import converse
+    from nanoforge.rl.agent import agent_rollouts
+    from nanoforge.rl.prompts import PromptRecord
+
+    model, tokenizer = loaded
+    cfg = SamplingConfig(temperature=0.9, max_new_tokens=100, seed=11)
+    text = question(*QUESTIONS[2])
+    out, prompts = io.StringIO(), []
+    chatted = chat_loop(model, tokenizer, cfg, SYSTEM, io.StringIO(text), out, interactive=False,
+                        on_prompt=prompts.append, tools=["calculator"], think=think)
+    opening = chatted[:2]  # the system message and the question
+    [evaluated], _ = converse(model, tokenizer, [opening], cfg, 1, tools=["calculator"], think=think, max_turns=6)
+    [rolled] = agent_rollouts(model, tokenizer, [prompts[0]], [PromptRecord(messages=opening, gt=["0"])],
+                              ["calculator"], cfg, max_turns=6, think=think)
+    assert evaluated.ids[:len(prompts[0])] == prompts[0] and evaluated.ids == rolled.ids
+    assert evaluated.messages == chatted and rolled.messages == chatted[2:]  # RL's keep no prompt messages
+    assert prompts[1:] == [evaluated.ids[:len(p)] for p in prompts[1:]], "chat read the same tokens each round"
+    assert len(prompts) >= 2, "the check means something only if the model called a tool"
+
+
 def test_the_tool_rounds_stop_at_max_tool_turns(loaded):
     model, tokenizer = loaded
     output, messages, prompts = piped(loaded, question(*QUESTIONS[0]), tools=["calculator"], max_tool_turns=1)

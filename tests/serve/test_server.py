@@ -267,7 +267,7 @@ BAD_REQUESTS = [
     ("empty stop string", "/v1/chat/completions", _chat(stop=[""]), 400, "stop"),
     ("too many stop strings", "/v1/chat/completions", _chat(stop=list("abcde")), 400, "stop"),
     ("seed a string", "/v1/chat/completions", _chat(seed="x"), 400, "seed"),
-    ("n of 2", "/v1/chat/completions", _chat(n=2), 400, "n"),
+    ("n over --max-batch", "/v1/chat/completions", _chat(n=33), 400, "n"),
     ("prompt too long", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "once upon a time " * 200}]}, 400, "messages"),
     ("body too large", "/v1/chat/completions",
