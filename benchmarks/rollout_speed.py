@@ -33,13 +33,13 @@ def run(model, prompts: list[list[int]], lengths: list[int], group: int, static:
                 for i, (p, n) in enumerate(zip(rows, lengths))]
     engine = Engine(model, max_batch=len(rows))
     start = time.perf_counter()
-    for r in requests:
-        engine.submit(r)
+    seqs = [engine.submit(r)[0] for r in requests]
     row_steps = 0
     while engine.busy:
         row_steps += len(engine.step())
     seconds = time.perf_counter() - start
-    return seconds, sum(lengths), row_steps
+    kept = sum(min(n, len(seq.new_ids)) for n, seq in zip(lengths, seqs))  # the context may cut a reply short
+    return seconds, kept, row_steps
 
 
 def main() -> None:

@@ -91,6 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=600.0, help="the whole run stops after this (default 600)")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--ignore-eos", action="store_true", help='send "ignore_eos": true (vLLM; off by default)')
+    p.add_argument("--no-seed", action="store_true", help="send no per-request seed (vLLM 0.32's CPU build "
+                   "crashes on seeded requests under load: 'CPU Generator does not use offset')")
     p.add_argument("--json", default=None, help="write the summary and every request's record to this path")
     p.add_argument("--label", default="", help="a name for this run, printed and written to --json")
     args = p.parse_args(argv)
@@ -152,7 +154,7 @@ def request_body(args: argparse.Namespace, job: Job, send_seed: bool) -> dict:
         body["messages"] = [{"role": "user", "content": job.prompt}]
     else:
         body["prompt"] = job.prompt
-    if send_seed:
+    if send_seed and not args.no_seed:
         body["seed"] = job.seed
     if args.ignore_eos:
         body["ignore_eos"] = True

@@ -7,12 +7,13 @@
 #
 # RUN is a nanoforge run, EXPORT its `nanoforge export RUN --format hf --out EXPORT`; VLLM_VENV a venv of its own
 # with vLLM's CPU build (docs/perf.md says how), HF_VENV one with transformers[serving]. Results: one line per
-# server and client count, plus JSON files in $OUT (default /tmp/serve_vs_vllm).
+# server and client count, plus JSON files in $OUT (default /tmp/serve_vs_vllm). Requests are unseeded and run to
+# their max_tokens (ignore_eos): vLLM 0.32's CPU build crashes on seeded requests under load.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RUN=$1 EXPORT=$2 VLLM=$3
-HF=${4:-}
-[ $# -ge 4 ] && shift 4 || shift 3
+RUN=$1 EXPORT=$2 VLLM=$3 HF=
+shift 3
+if [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; then HF=$1; shift; fi
 CLIENTS="1 8 32" REQUESTS="16 32 64"
 while [ $# -gt 0 ]; do
   case $1 in
@@ -47,7 +48,7 @@ stop() {
 
 load() {  # load NAME CLIENTS REQUESTS
   .venv/bin/python benchmarks/serve_load.py --url "http://127.0.0.1:$PORT/v1" --clients "$2" --requests "$3" \
-    --ignore-eos --label "$1" --json "$OUT/$1-c$2.json" < /dev/null | grep -E "label|requests|completion|TTFT|latency"
+    --ignore-eos --no-seed --label "$1" --json "$OUT/$1-c$2.json" < /dev/null | grep -E "label|requests|completion|TTFT|latency"
   ps -o nlwp= -p "$(cat "$OUT/$1.pid")" | xargs echo "threads of the server process:"
 }
 
