@@ -172,19 +172,7 @@ class Engine:
         decode, prefill = self._plan()
         if not decode and not prefill:
             return []
-        ids, keep, tags = [], [], []  # tags: per kept row, (sequence, None) to sample, (sequence, p) to score
-        for seq in decode:
-            ids.append(seq.tokens[seq.fed])
-            keep.append(True)
-            tags.append((seq, None))
-        for seq, n in prefill:
-            ids += seq.tokens[seq.fed:seq.fed + n]
-            scored_end = len(seq.request.prompt) - 1 if seq.request.prompt_logprobs else 0
-            for p in range(seq.fed, seq.fed + n):
-                last = p == len(seq.tokens) - 1
-                keep.append(last or p < scored_end)
-                if last or p < scored_end:
-                    tags.append((seq, None if last else p))
+        ids, keep, tags = self._inputs(decode, prefill)
         plan = SlotStep(self.cache, [s.slot for s in decode], [(s.slot, n) for s, n in prefill],
                         owners=decode + [s for s, _ in prefill])
         with torch.inference_mode(), autocast_context(self.device, self.precision):
@@ -198,10 +186,8 @@ class Engine:
         scored = [i for i, (_, p) in enumerate(tags) if p is not None]
         if scored:
             self._score_prompts(logits[scored], [tags[i] for i in scored])
-            kept = [i for i, (_, p) in enumerate(tags) if p is None]
-            logits = logits[kept]
-        sampling = [seq for seq, p in tags if p is None]
-        rows, row_logits = self._with_followers(sampling, logits)
+            logits = logits[[i for i, (_, p) in enumerate(tags) if p is None]]
+        rows, row_logits = self._with_followers([seq for seq, p in tags if p is None], logits)
         draw = sample_rows(row_logits, [s.sampling for s in rows])
         for i, seq in enumerate(rows):
             self._take(seq, draw.tokens[i], draw.logprobs[i], draw.top[i])
@@ -209,6 +195,25 @@ class Engine:
             if seq.done and not seq.request.keep_slot:
                 self._free(seq)
         return rows
+
+    @staticmethod
+    def _inputs(decode: list[Sequence], prefill: list[tuple[Sequence, int]]) -> tuple[list, list, list]:
+        """The step's token ids (decode tokens, then each prefill chunk), which positions get logits (`keep`), and
+        per kept row its tag: (sequence, None) to sample its next token, (sequence, p) to score prompt token p + 1."""
+        ids, keep, tags = [], [], []
+        for seq in decode:
+            ids.append(seq.tokens[seq.fed])
+            keep.append(True)
+            tags.append((seq, None))
+        for seq, n in prefill:
+            ids += seq.tokens[seq.fed:seq.fed + n]
+            scored_end = len(seq.request.prompt) - 1 if seq.request.prompt_logprobs else 0
+            for p in range(seq.fed, seq.fed + n):
+                last = p == len(seq.tokens) - 1
+                keep.append(last or p < scored_end)
+                if last or p < scored_end:
+                    tags.append((seq, None if last else p))
+        return ids, keep, tags
 
     @staticmethod
     def _score_prompts(logits: torch.Tensor, tags: list[tuple[Sequence, int]]) -> None:
