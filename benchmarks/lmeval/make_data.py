@@ -4,14 +4,14 @@ Deterministic (random.Random(SEED)); no network. Two kinds of items, 50 each by 
 
 * arithmetic: "Question: What is 3 + 4?\nAnswer:" with 4 numeric choices (" 7", " 8", ...),
   single-token and multi-token numbers, so acc_norm differs from acc;
-* story: the first sentences of an English story from shared/data/tiny/pretrain_tiny.jsonl
-  (TinyStories, Shakespeare) as context, its next 3-6 words as the right choice and
+* story: the first sentences of an English story from a MiniMind-format pretraining JSONL ({"text": ...}
+  per line; default $NANOFORGE_DATA/tiny/pretrain_tiny.jsonl) as context, its next 3-6 words as the right choice and
   same-length word spans of other stories as the 3 wrong ones (multi-token continuations).
 
 Each line: {"id": str, "kind": str, "question": str, "choices": [str, str, str, str], "label": int}.
 
 Usage: python benchmarks/lmeval/make_data.py --out benchmarks/lmeval/data/nanoforge_mc.jsonl
-       [--data /work/shared/data/tiny/pretrain_tiny.jsonl] [--n-arith 50] [--n-story 50]
+       [--data DATA/tiny/pretrain_tiny.jsonl] [--n-arith 50] [--n-story 50]
 """
 
 import argparse
@@ -21,9 +21,7 @@ import random
 import re
 
 SEED = 1234
-DEFAULT_DATA = os.path.join(
-    os.environ.get("NANOFORGE_DATA", "/work/shared/data"), "tiny", "pretrain_tiny.jsonl"
-)
+DEFAULT_DATA = os.path.join(os.environ.get("NANOFORGE_DATA", "data"), "tiny", "pretrain_tiny.jsonl")
 
 
 def arithmetic_items(rng, n):
@@ -110,6 +108,8 @@ def main():
     ap.add_argument("--n-arith", type=int, default=50)
     ap.add_argument("--n-story", type=int, default=50)
     args = ap.parse_args()
+    if args.n_story and not os.path.isfile(args.data):
+        ap.error(f"{args.data}: no such file; pass --data, or set NANOFORGE_DATA to a folder with tiny/pretrain_tiny.jsonl")
     rng = random.Random(SEED)
     items = arithmetic_items(rng, args.n_arith)
     if args.n_story:

@@ -12,8 +12,8 @@ the per-item agreement side by side, and exits 1 if acc or acc_norm differ or an
 differs, 3 if the server is not reachable. Fully offline (HF_*_OFFLINE=1), one thread (OMP_NUM_THREADS=1).
 
 lm-eval lives in a virtual environment of its own, never nanoforge's:
-  python3 -m venv /work/venvs/lmeval
-  /work/venvs/lmeval/bin/pip install "lm_eval[api,hf]==0.4.13" torch==2.13.0+cpu
+  python3 -m venv VENV
+  VENV/bin/pip install "lm_eval[api,hf]==0.4.13" torch==2.13.0+cpu
 
 Usage (from anywhere; runs lm-eval in the repository root):
   nanoforge export RUN --format hf --out EXPORT
@@ -123,7 +123,7 @@ def main():
     ap.add_argument("--model-name", default=None, help="model field sent (default: the first of /v1/models)")
     ap.add_argument("--only", choices=["hf", "api", "both"], default="both")
     ap.add_argument("--lm-eval", default=os.path.join(
-        os.environ.get("LMEVAL_VENV", "/work/venvs/lmeval"), "bin", "lm_eval"))
+        os.environ.get("LMEVAL_VENV", "lmeval-venv"), "bin", "lm_eval"))
     ap.add_argument("--hf-device", default="cpu")
     ap.add_argument("--limit", default=None, help="lm-eval --limit (items)")
     ap.add_argument("--out", default=os.path.join(HERE, "out"))
