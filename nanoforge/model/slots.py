@@ -84,13 +84,11 @@ class SlotStep:
     def __init__(self, cache: SlotCache, decode: list[int], prefill: list[tuple[int, int]], owners: list | None = None):
         self.cache, self.decode, self.prefill, self.owners = cache, decode, prefill, owners
         lengths = cache.lengths
-        starts = [lengths[s] for s in decode] + [lengths[s] for s, _ in prefill]
-        cache.reserve(cache.slots, max([lengths[s] + 1 for s in decode] + [lengths[s] + n for s, n in prefill]))
-        device = cache.device
         positions = [lengths[s] for s in decode]
-        for (_, n), start in zip(prefill, starts[len(decode):]):
-            positions.extend(range(start, start + n))
-        self.positions = torch.tensor(positions, dtype=torch.long, device=device)
+        for slot, n in prefill:
+            positions.extend(range(lengths[slot], lengths[slot] + n))
+        cache.reserve(cache.slots, max(positions) + 1)
+        self.positions = torch.tensor(positions, dtype=torch.long, device=cache.device)
         self.n_tokens = len(positions)
         if decode:
             self._plan_decode(decode, [lengths[s] for s in decode])

@@ -53,7 +53,6 @@ class Sequence:
     sampling: RowSampling
     reply: ReplyText | None
     sampled: list[bool] = field(default_factory=list)
-    turn_start: int = 0
     new_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -122,7 +121,7 @@ class Engine:
             seq.sampling.cfg = sampling
         if seq.sampling.seen is not None:
             seq.sampling.seen[torch.tensor(seq.tokens, device=self.device)] = True
-        seq.turn_start, seq.new_ids, seq.logprobs, seq.top_logprobs = len(seq.tokens), [], [], []
+        seq.new_ids, seq.logprobs, seq.top_logprobs = [], [], []
         seq.finish_reason, seq.stop_id = None, None
         seq.reply = ReplyText(self.tokenizer, seq.sampling.cfg.stop_strings) if self.tokenizer is not None else None
         if seq.slot is None:
@@ -309,8 +308,7 @@ class Engine:
                                 request.logit_bias, request.top_logprobs)
         reply = ReplyText(self.tokenizer, request.sampling.stop_strings) if self.tokenizer is not None else None
         tokens = list(request.prompt)
-        return Sequence(request, index, tokens, sampling, reply, sampled=[False] * len(tokens),
-                        turn_start=len(tokens))
+        return Sequence(request, index, tokens, sampling, reply, sampled=[False] * len(tokens))
 
     def _check(self, request: Request) -> None:
         request.sampling.validate()
