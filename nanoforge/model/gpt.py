@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from nanoforge.core.config import ModelConfig
 from nanoforge.model.kvcache import KVCache
+from nanoforge.model.linear import Linear
 from nanoforge.model.slots import SlotStep, expand_kv_for_cuda
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.model.moe import MLP, MoE
@@ -138,10 +139,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.dropout = cfg.attention_dropout
-        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.q_proj = Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k_proj = Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
         if cfg.qk_norm:
             # Qwen3: normalise each head's q and k before RoPE, which bounds the attention logits
             # and lets training run at higher learning rates without logit blow-up.
@@ -241,7 +242,7 @@ class GPT(nn.Module):
         cfg.validate()
         self.cfg = cfg
         self.model = Decoder(cfg)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.activation_checkpointing = False  # set by the training loop (--activation-checkpointing)
         self.init_weights()
 

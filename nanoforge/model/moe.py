@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanoforge.core.config import ModelConfig
+from nanoforge.model.linear import Linear
 
 
 class MLP(nn.Module):
@@ -16,9 +17,9 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
-        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+        self.gate_proj = Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.up_proj = Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.down_proj = Linear(cfg.ffn_dim, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, C)
@@ -42,7 +43,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_experts, self.k = cfg.n_experts, cfg.experts_per_token
-        self.gate = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)  # the router
+        self.gate = Linear(cfg.d_model, cfg.n_experts, bias=False)  # the router
         self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.n_experts))
         self.aux_loss = torch.zeros(())
 
