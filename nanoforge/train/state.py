@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from nanoforge import __version__
+from nanoforge.core.checksums import DamagedFile
 from nanoforge.core.config import TrainConfig
 from nanoforge.core.device import resolve_precision
 from nanoforge.core.errors import NanoforgeError
@@ -109,7 +110,10 @@ def rollback(run: Run, reason: str) -> None:
 def resume(run: Run, quiet: bool) -> None:
     """Weights, optimizer, scaler, data position, RNG and run state from the run's latest checkpoint."""
     last = ckpt.latest_checkpoint(run.run_dir)  # there is one: train/rundir.py fresh_run_guard checked
-    saved = restore(last, run.model, run.optimizer, run.stage)
+    try:
+        saved = restore(last, run.model, run.optimizer, run.stage)
+    except DamagedFile as e:
+        raise DamagedFile(f"--resume: {e}; {ckpt.previous_intact_advice(last)}") from None
     for key, value in asdict(RunState.from_dict(saved["run_state"])).items():
         setattr(run.state, key, value)  # the guard holds this same object
     run.guard.reset(run.state.precision)

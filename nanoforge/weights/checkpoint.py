@@ -5,10 +5,13 @@
         trainer.pt          optimizer, grad-scaler and RNG states: tensors and plain containers only,
                             so it loads with torch.load(weights_only=True) and never unpickles code
         state.json          step, data position, counters, config, versions
+        checksums.sha256    the sha256 of each file above (core/checksums.py), verified where each is read
 
 The directory is written under a temporary name, every file is fsynced, then it is renamed into place and
 the parent directory fsynced. A reader therefore sees either a complete checkpoint or none: a process
-killed mid-write leaves only a `.tmp-*` directory, which is ignored and cleaned up by the next save.
+killed mid-write leaves only a `.tmp-*` directory, which is ignored and cleaned up by the next save. A file
+damaged since (a flipped byte, a truncation, a non-finite weight) is refused where it is read, with a DamagedFile
+naming it; checkpoints of older versions, without checksums.sha256, load unchecked.
 Building a model from a checkpoint is weights/load.py's."""
 import json
 import os
@@ -22,6 +25,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from nanoforge.core.checksums import DamagedFile, verify_file, write_dir_checksums
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.core.fsutil import fsync_dir, fsync_file, read_json, replace_dir
 
@@ -97,6 +101,7 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
         state = {"format_version": FORMAT_VERSION, "step": step, **state}
         # state.json last: its presence marks the directory complete even before the rename.
         (tmp / "state.json").write_text(json.dumps(state, indent=1, ensure_ascii=False), encoding="utf-8")
+        write_dir_checksums(tmp)  # (fsynced)
         for name in ("model.safetensors", "trainer.pt", "state.json"):
             fsync_file(tmp / name)
         fsync_dir(tmp)
@@ -115,7 +120,31 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
     return final
 
 
+def verify_checkpoint(ckpt: Path) -> None:
+    """Read every file of a checkpoint as a resume would (checksums, weights finite); DamagedFile if one fails."""
+    load_state(ckpt)
+    read_weights(ckpt / "model.safetensors")
+    load_trainer_file(ckpt)
+
+
+def previous_intact_advice(damaged: Path) -> str:
+    """What to do about a damaged checkpoint of a run: set it aside and resume from the newest intact one
+    before it (named, with its step), or start again when there is none."""
+    run_dir = damaged.parent.parent
+    held = list_checkpoints(run_dir)
+    for earlier in reversed(held[:held.index(damaged)] if damaged in held else held):
+        try:
+            verify_checkpoint(earlier)
+        except NanoforgeError:
+            continue
+        return (f"the previous checkpoint {earlier} is intact: move the damaged one out of checkpoints/ "
+                f"(mv {damaged} {run_dir / ('damaged-' + damaged.name)}) and resume again to continue from step "
+                f"{int(STEP_DIR.match(earlier.name).group(1))}")
+    return "no earlier checkpoint of the run is intact: start the run again without --resume, in another --out"
+
+
 def load_state(ckpt: Path) -> dict[str, Any]:
+    verify_file(ckpt / "state.json")
     state = read_json(ckpt / "state.json", "checkpoint state")
     if state.get("format_version") != FORMAT_VERSION:
         raise NanoforgeError(f"{ckpt / 'state.json'}: checkpoint format {state.get('format_version')!r} "
@@ -128,17 +157,33 @@ def load_weights_file(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """A model.safetensors file (a checkpoint's, or a LoRA run's base) -> its tensors. Never a pickle."""
+    """A model.safetensors file (a checkpoint's, or a LoRA run's base) -> its tensors, checked against its
+    recorded checksum and for non-finite values. Never a pickle."""
+    verify_file(path)
     try:
-        return load_file(str(path))
+        weights = load_file(str(path))
     except (OSError, SafetensorError, ValueError) as e:
-        raise NanoforgeError(f"{path}: cannot read weights (truncated or corrupted?): {e}") from None
+        raise DamagedFile(f"{path}: cannot read weights (truncated or corrupted?): {e}") from None
+    check_finite(weights, path)
+    return weights
+
+
+def check_finite(weights: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Refuse weights (read from `path`) with a NaN or an infinity, naming the first such tensor: a model that
+    computes NaN fails later with a traceback or, in eval, a silent `loss nan`."""
+    for name, tensor in weights.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+            what = " and ".join([f"{nan:,} NaN"] * bool(nan) + [f"{inf:,} infinite"] * bool(inf))
+            raise DamagedFile(f"{path}: tensor {name} holds non-finite values ({what} of {tensor.numel():,}); "
+                              "the weights are damaged or diverged: use another checkpoint")
 
 
 def load_trainer_file(ckpt: Path) -> dict[str, Any]:
     path = ckpt / "trainer.pt"
+    verify_file(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a damaged zip; all mean the same to the user
-        raise NanoforgeError(f"{path}: cannot read optimizer state (truncated or corrupted?): {e}") from None
+        raise DamagedFile(f"{path}: cannot read optimizer state (truncated or corrupted?): {e}") from None
 

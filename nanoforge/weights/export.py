@@ -7,7 +7,9 @@ the tokenizer files with the chat template, and generation_config.json. `export_
 llama.cpp (and so Ollama, LM Studio, ...): the weights under llama.cpp's tensor names, the shape as metadata, the
 byte-level BPE vocabulary with its merges. `export_minimind` writes MiniMind's own `.pth` (weights/minimind.py),
 for its eval_llm.py and `--from_weight`. All read their model through weights/load.py (reading HF directories is
-weights/hf.py's), and write under a temporary name renamed into place: a failed export leaves nothing behind."""
+weights/hf.py's), and write under a temporary name renamed into place: a failed export leaves nothing behind.
+Each carries the sha256 of its files (core/checksums.py: checksums.sha256 in an HF directory, which transformers
+ignores; FILE.sha256 beside a .gguf or .pth), checked where nanoforge reads an export back."""
 import contextlib
 import importlib.metadata
 import json
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 
 from nanoforge.chat.template import without_generation_markers
+from nanoforge.core.checksums import replace_with_checksum, write_dir_checksums
 from nanoforge.core.config import ModelConfig
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.core.fsutil import replace_dir, write_json
@@ -58,6 +61,7 @@ def write_hf_dir(model, tokenizer, out_dir: str | os.PathLike, force: bool = Fal
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save(tmp)
         chat_eos(tmp / "tokenizer_config.json", tokenizer)
+        write_dir_checksums(tmp)  # checksums.sha256: transformers ignores it; weights/hf.py checks it
         replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -210,7 +214,7 @@ def write_gguf(model, tokenizer, out_file: str | os.PathLike, dtype: str = "f32"
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.replace(tmp, out)
+        replace_with_checksum(tmp, out)  # and model.gguf.sha256
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -15,8 +15,10 @@ from safetensors.torch import load_file
 
 from nanoforge.core import safejson
 from nanoforge.core.config import ConfigError, ModelConfig
+from nanoforge.core.checksums import DamagedFile, verify_file
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.core.fsutil import read_json
+from nanoforge.weights.checkpoint import check_finite
 from nanoforge.weights.minimind import MINIMIND_AUX_COEF, minimind_ffn, read_pth
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -35,6 +37,7 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise NanoforgeError(f"{hf_dir}: no config.json; not an HF model directory")
+    verify_file(path)
     return read_json(path, "config.json")
 
 
@@ -139,7 +142,8 @@ def _from_minimind(config: dict[str, Any], where) -> dict[str, Any]:
 
 
 def read_hf_weights(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of model.safetensors (or of the shards its index lists), as float32. Never a pickle."""
+    """All tensors of model.safetensors (or of the shards its index lists), as float32, checked (checksums,
+    non-finite values). Never a pickle."""
     hf_dir = Path(hf_dir)
     index = hf_dir / "model.safetensors.index.json"
     if (hf_dir / "model.safetensors").is_file():
@@ -155,11 +159,14 @@ def read_hf_weights(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     else:
         raise NanoforgeError(f"{hf_dir}: no model.safetensors or pytorch_model.bin")
     weights: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in files:  # each checked against an export's checksums.sha256, when there is one
+        verify_file(f)
         try:
-            weights.update(load_file(str(f)))
+            part = load_file(str(f))
         except (OSError, SafetensorError, ValueError) as e:
-            raise NanoforgeError(f"{f}: cannot read weights: {e}") from None
+            raise DamagedFile(f"{f}: cannot read weights: {e}") from None
+        check_finite(part, f)
+        weights.update(part)
     return split_experts({k: v.to(torch.float32) for k, v in weights.items()})
 
 

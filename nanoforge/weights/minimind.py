@@ -6,7 +6,8 @@ In: read with torch's weights-only unpickler (tensors and plain containers, neve
 the tensors; what tensors cannot say (RoPE theta, the norm's epsilon, top-k) is MiniMindConfig's default. A `.pth`
 holds no tokenizer: `--tokenizer DIR` pairs one with it (`pair_tokenizer`, from the command line), else one is
 looked for beside the file and in MiniMind's checkout layout (`out/X.pth` next to `model/tokenizer.json`).
-Out: a `.pth` that MiniMind's eval_llm.py and its trainers' `--from_weight` load strictly; they build
+Out: a `.pth` (with FILE.pth.sha256 beside it, checked when nanoforge reads it back) that MiniMind's eval_llm.py
+and its trainers' `--from_weight` load strictly; they build
 MiniMindConfig(hidden_size, num_hidden_layers, use_moe) with every other field at its default, so the model
 must have exactly those defaults (`minimind_mismatches`)."""
 import math
@@ -18,8 +19,10 @@ from pathlib import Path
 
 import torch
 
+from nanoforge.core.checksums import replace_with_checksum, verify_file
 from nanoforge.core.config import ConfigError, ModelConfig
 from nanoforge.core.errors import NanoforgeError
+from nanoforge.weights.checkpoint import check_finite
 
 # MiniMindConfig's defaults (model/model_minimind.py at commit d65ef2c) that a state dict does not show
 MINIMIND_ROPE_THETA, MINIMIND_NORM_EPS, MINIMIND_POSITIONS, MINIMIND_AUX_COEF = 1e6, 1e-6, 32768, 5e-4
@@ -57,6 +60,7 @@ def read_pth(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
         raise NanoforgeError(f"{path}: no such file")
+    verify_file(path)  # against FILE.sha256, written by `export --format minimind`
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, ValueError, OSError):
@@ -74,6 +78,7 @@ def read_pth(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         for prefix in _WRAPPERS:
             key = key.removeprefix(prefix)
         out[str(key)] = tensor.to(torch.float32)
+    check_finite(out, path)
     return out
 
 
@@ -150,7 +155,7 @@ def write_pth(model, out: str | os.PathLike, stage: str = "", dtype: torch.dtype
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
     try:
         torch.save(state, tmp)
-        os.replace(tmp, out)
+        replace_with_checksum(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
     return out
