@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,13 @@ def tree_state(root: Path) -> dict:
             found[p] = (os.readlink(p) if p.is_symlink() else "dir" if p.is_dir() else
                         (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns))
     return found
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing holds now (tests never take a fixed one)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def tiny_corpus(directory: Path) -> list[Path]:

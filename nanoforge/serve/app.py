@@ -22,9 +22,9 @@ Sampling defaults are those of `nanoforge chat` (temperature 0.7, top_p 0.9, plu
 # at runtime. fastapi and uvicorn are the optional `serve` extra: only `nanoforge serve` imports this module.
 import contextlib
 import errno
+import functools
 import logging
 import secrets
-import socket
 import sys
 import time
 from pathlib import Path
@@ -32,8 +32,9 @@ from typing import Any, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.defaults import CHAT_SAMPLING
@@ -42,15 +43,18 @@ from nanoforge.infer.chat import load_for_inference
 from nanoforge.serve.chat_reply import ChatChunks, chat_body, chat_choice
 from nanoforge.serve.chat_request import parse_chat_request
 from nanoforge.serve.completions import TextChunks, parse_completion_request, text_body
+from nanoforge.serve.connections import Gate, GuardedProtocol, OutOfDescriptors, bind_listeners, connection_cap
 from nanoforge.infer.generate import SamplingConfig
 from nanoforge.serve.logprobs import TokenText
 from nanoforge.serve.options import ServeOptions
 from nanoforge.serve.protocol import APIError, Chunks, GenerationRequest, Limits
+from nanoforge.serve.repeats import RepeatFilter
 from nanoforge.serve.worker import Choice, Worker
 from nanoforge.chat.calculator import BUILTIN_TOOLS, run_tool_call
 
 DEFAULT_MAX_BODY_BYTES = 1_000_000
 PAGE = Path(__file__).with_name("static") / "chat.html"
+SERVER_LOGGERS = ["nanoforge.serve", "uvicorn.error", "asyncio"]  # each kind of record once per window, counted
 
 log = logging.getLogger("nanoforge.serve")
 
@@ -61,7 +65,7 @@ def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_tokens_cap: int | None = None,
                max_pending: int = ServeOptions.max_pending, precision: str = "fp32",
                defaults: SamplingConfig | None = None, request_timeout: float | None = ServeOptions.request_timeout,
-               max_batch: int = ServeOptions.max_batch):
+               max_batch: int = ServeOptions.max_batch, on_shutdown: Callable[[], None] | None = None):
     """The FastAPI app serving `model` under the name `model_name`.
 
     api_key         when set, every /v1 request needs `Authorization: Bearer <api_key>` (else 401)
@@ -72,7 +76,8 @@ def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
     defaults        sampling used for fields a request leaves out (default: `nanoforge chat`'s)
     request_timeout seconds from a request's arrival (queue wait included) after which its generation stops
                     at the next token with finish_reason "length", streaming or not (a 200 with the text so
-                    far, never a 504: a stream's 200 is sent before generation starts); None or 0: no limit"""
+                    far, never a 504: a stream's 200 is sent before generation starts); None or 0: no limit
+    on_shutdown     called as the server stops, after the replies in progress are stopped"""
     defaults = defaults or CHAT_SAMPLING
     limits = Limits(model.context_length, max_tokens_cap, defaults, model.cfg.vocab_size, max_batch)
     worker = Worker(model, tokenizer, precision, max_pending, request_timeout, max_batch)
@@ -81,9 +86,11 @@ def create_app(model, tokenizer, model_name: str, api_key: str | None = None,
     async def lifespan(app):
         yield
         worker.shutdown()  # stop replies in progress, so Ctrl-C does not wait for them to finish
+        if on_shutdown is not None:
+            on_shutdown()
 
     app = FastAPI(title="nanoforge", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    app.state.worker = worker
+    app.state.worker, app.state.model_name = worker, model_name
     _add_error_handlers(app)
     _add_model_routes(app, worker, model_name, api_key)
     _add_generation_routes(app, worker, tokenizer, limits, model_name, api_key, max_body_bytes)
@@ -102,6 +109,10 @@ def _add_error_handlers(app) -> None:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         message = f"{request.method} {request.url.path}: {exc.detail}"
         return JSONResponse(APIError(exc.status_code, message, code=code).body(), status_code=exc.status_code)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _hung_up(request, exc: ClientDisconnect):
+        return Response(status_code=400)  # nobody reads it; serve/connections.py logs the hang-up, once per kind
 
     @app.exception_handler(Exception)
     async def _unexpected(request, exc: Exception):
@@ -252,14 +263,11 @@ async def _answer(worker: Worker, req: GenerationRequest, stop_ids: list[int], r
 
 # ----------------------------------------------------------------------------------------------- running it
 
-def _check_can_listen(host: str, port: int) -> None:
-    """Bind (host, port) once, as uvicorn will, so a port in use or a host that is not this machine's is a
-    clear error now instead of a log line after the model has loaded."""
+def _listen(host: str, port: int, gate: Gate):
+    """The server's sockets, bound now: a port in use or a host that is not this machine's is a clear error before
+    the model loads, not a log line after it."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no obstacle
-            sock.bind(address)
+        return bind_listeners(host, port, gate)
     except OSError as e:
         why = "is already in use; choose another --port" if e.errno == errno.EADDRINUSE else f"cannot be used: {e}"
         raise NanoforgeError(f"{host}:{port} {why}") from None
@@ -269,16 +277,36 @@ def run_server(run_dir, options: ServeOptions, device: str = "auto", precision: 
                max_tokens_cap: int | None = None) -> None:
     """`nanoforge serve RUN`: serve the run's latest checkpoint, named after the run directory, until Ctrl-C."""
     host, port, api_key = options.host, options.port, options.api_key
-    _check_can_listen(host, port)  # before minutes of loading, and before saying "serving"
-    model, tokenizer, _, precision = load_for_inference(run_dir, device, precision, announce=True)
-    name = Path(run_dir).resolve().name
-    app = create_app(model, tokenizer, name, api_key=api_key, max_tokens_cap=max_tokens_cap, precision=precision,
-                     request_timeout=options.request_timeout or None, max_pending=options.max_pending,
-                     max_batch=options.max_batch)
+    gate = Gate(options.max_connections, options.header_timeout, options.body_timeout)
+    repeats = RepeatFilter(drop=(OutOfDescriptors,))
+    listeners = _listen(host, port, gate)  # before minutes of loading, and before saying "serving"
+    try:
+        model, tokenizer, _, precision = load_for_inference(run_dir, device, precision, announce=True)
+        app = create_app(model, tokenizer, Path(run_dir).resolve().name, api_key=api_key,
+                         max_tokens_cap=max_tokens_cap, precision=precision,
+                         request_timeout=options.request_timeout or None, max_pending=options.max_pending,
+                         max_batch=options.max_batch, on_shutdown=lambda: repeats.flush(everything=True))
+        _announce(app, options, gate)
+        # asyncio's own loop: uvloop would accept connections without the Listener's accept()
+        config = uvicorn.Config(app, http=functools.partial(GuardedProtocol, gate=gate), loop="asyncio",
+                                log_level=options.log_level)
+        with repeats.installed(SERVER_LOGGERS):  # after Config set up the log; flushed at shutdown (uvicorn then
+            # re-raises the signal that stopped it, which may end the process before this block's end)
+            uvicorn.Server(config).run(sockets=listeners)
+    finally:
+        for listener in listeners:
+            listener.close()
+
+
+def _announce(app, options: ServeOptions, gate: Gate) -> None:
+    """Say where the server listens (and lower the connection cap to what the process's file limit allows)."""
+    host, port, name = options.host, options.port, app.state.model_name
+    gate.max_connections, note = connection_cap(gate.max_connections)
+    if note:
+        print(note, file=sys.stderr)
     shown = f"[{host}]" if ":" in host else host
     print(f"serving {name!r}: web chat at http://{shown}:{port}/, OpenAI API at http://{shown}:{port}/v1"
-          + (" (API key required)" if api_key else ""), file=sys.stderr)
-    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+          + (" (API key required)" if options.api_key else ""), file=sys.stderr)
+    if host not in ("127.0.0.1", "localhost", "::1") and not options.api_key:
         print(f"warning: listening on {host} without --api-key: anyone who can reach this machine can use the "
               f"model", file=sys.stderr)
-    uvicorn.run(app, host=host, port=port, log_level=options.log_level)

@@ -19,4 +19,10 @@ class ServeOptions:
                               "503 server_busy")
     max_batch: int = option(32, "[1, inf)", help="requests generated together (KV cache slots); more wait for a "
                             "free slot")
+    header_timeout: float = option(10.0, "[0, inf)", help="seconds a request's headers may take to arrive, from the "
+                                   "connection's start or its last reply; then 408 and closed (0: no limit)")
+    body_timeout: float = option(30.0, "[0, inf)", help="seconds a request's body may take to arrive after its "
+                                 "headers; then 408 and closed (0: no limit)")
+    max_connections: int = option(256, "[1, inf)", help="open connections served; 8 more may ask GET /health, "
+                                  "further ones are closed at once (lowered to what ulimit -n allows)")
     log_level: str = option("info", choices=("critical", "error", "warning", "info", "debug"), help="uvicorn's log")

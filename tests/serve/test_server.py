@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from nanoforge.infer import defaults as chat_defaults  # noqa: E402
 from nanoforge.infer.generate import SamplingConfig, complete  # noqa: E402
 from nanoforge.chat.replies import parse_reply  # noqa: E402
 
+from conftest import free_port  # noqa: E402
 from test_generate import make_tiny_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,16 +31,10 @@ KEY = "test-key-123"
 ERROR_FIELDS = {"message", "type", "param", "code"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerProcess:
     """`python -m nanoforge serve RUN --port P ...` in its own process, up once /health answers."""
 
-    def __init__(self, run_dir: Path, log_path: Path, *args: str):
+    def __init__(self, run_dir: Path, log_path: Path, *args: str, preexec_fn=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -50,7 +44,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "nanoforge", "serve", str(run_dir), "--port", str(self.port),
              "--device", "cpu", "--log-level", "warning", *args],
-            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
         self.wait_healthy()
 
     def output(self) -> str:
