@@ -14,6 +14,7 @@ from nanoforge.core.config import build_config
 from nanoforge.core.device import cpu_info, native_bf16, precision_note, resolve_precision
 from nanoforge.train.plan import make_plan
 
+from conftest import free_port
 from test_loop import corpus_files, pretrain_dir  # noqa: F401  (fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,7 +116,7 @@ def test_every_command_picks_the_same_precision(cpu, pretrain_dir, tmp_path, mon
     from nanoforge.cli import main
 
     monkeypatch.setattr(nanoforge.core.device, "cpu_info", lambda: cpu)
-    monkeypatch.setattr(nanoforge.serve.app.uvicorn, "run", lambda *a, **k: None)  # serve: load, announce, return
+    monkeypatch.setattr(nanoforge.serve.app.uvicorn.Server, "run", lambda *a, **k: None)  # serve: load, announce, return
     monkeypatch.setattr(nanoforge.recipes.bench, "_run_child", nanoforge.recipes.bench._child)  # bench: measure in this process
     run, cpu_flag = tmp_path / "run", ["--device", "cpu"]
 
@@ -132,7 +133,7 @@ def test_every_command_picks_the_same_precision(cpu, pretrain_dir, tmp_path, mon
         "eval": said("eval", str(run), "--max-tokens", "32", *cpu_flag),
         "generate": said("generate", str(run), "--prompt", "a", "--max-new-tokens", "2", *cpu_flag),
         "chat": said("chat", str(run), "--max-new-tokens", "2", *cpu_flag, stdin="hi\n"),
-        "serve": said("serve", str(run), "--port", "18731", *cpu_flag),
+        "serve": said("serve", str(run), "--port", str(free_port()), *cpu_flag),
         "bench": said("bench", "--preset", "tiny", "--steps", "1", "--warmup", "0", "--quiet", *cpu_flag),
         "plan": said("plan", "--preset", "tiny", "--device", "cpu", "--tokens-per-s", "1000"),
     }
