@@ -6,6 +6,7 @@ import shutil
 import struct
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -344,13 +345,12 @@ def test_a_run_stopped_by_sigterm_still_writes_its_report(prepared, tmp_path):
             png_size(png)
 
 
-def wandb_history(run_file: Path) -> list[dict]:
-    """The history rows (one per wandb.log call) of an offline run's .wandb file: a LevelDB-style log of
-    protobuf records (32 KiB blocks of [crc32, length, type] + data; after a 7-byte ':W&B' header), which
-    wandb's own Python reader no longer ships."""
+def wandb_records(run_file: Path) -> Iterator:
+    """The protobuf records of an offline run's .wandb file: a LevelDB-style log (32 KiB blocks of [crc32, length,
+    type] + data; after a 7-byte ':W&B' header), which wandb's own Python reader no longer ships."""
     from wandb.proto import wandb_internal_pb2
 
-    data, rows, pending, pos, block = run_file.read_bytes(), [], b"", 7, 32768
+    data, pending, pos, block = run_file.read_bytes(), b"", 7, 32768
     assert data[:4] == b":W&B"
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
@@ -365,15 +365,22 @@ def wandb_history(run_file: Path) -> list[dict]:
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pending)
             pending = b""
-            if record.WhichOneof("record_type") == "history":
-                row: dict = {}
-                for item in record.history.item:  # a logged table is a nested key per field: samples/_type, ...
-                    *outer, key = list(item.nested_key) or [item.key]
-                    node = row
-                    for name in outer:
-                        node = node.setdefault(name, {})
-                    node[key] = json.loads(item.value_json)
-                rows.append(row)
+            yield record
+
+
+def wandb_history(run_file: Path) -> list[dict]:
+    """The history rows (one per wandb.log call) of an offline run's .wandb file."""
+    rows = []
+    for record in wandb_records(run_file):
+        if record.WhichOneof("record_type") == "history":
+            row: dict = {}
+            for item in record.history.item:  # a logged table is a nested key per field: samples/_type, ...
+                *outer, key = list(item.nested_key) or [item.key]
+                node = row
+                for name in outer:
+                    node = node.setdefault(name, {})
+                node[key] = json.loads(item.value_json)
+            rows.append(row)
     return rows
 
 

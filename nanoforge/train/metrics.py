@@ -173,6 +173,20 @@ def format_duration(seconds: float) -> str:
     return f"{hours}h{m:02d}m{s:02d}s" if hours else f"{m}m{s:02d}s"
 
 
+# wandb.init's arguments we fill when the user's environment does not: wandb takes an argument over its environment
+# variable, so passing ours would silence WANDB_DIR (files under RUN/wandb), WANDB_NAME (the run directory's name)
+# and WANDB_RESUME (a resumed run may continue its wandb run)
+WANDB_DEFAULTS = {"WANDB_DIR": "dir", "WANDB_NAME": "name", "WANDB_RESUME": "resume"}
+
+
+def wandb_init_args(run_dir: Path, project: str, config: dict | None) -> dict[str, Any]:
+    """wandb.init's keywords: the project (--wandb-project), the run's config, and for each of WANDB_DEFAULTS left
+    unset our default. What we never pass (WANDB_MODE, WANDB_ENTITY, WANDB_RUN_ID, ...) wandb reads itself."""
+    ours = {"dir": str(run_dir), "name": run_dir.name, "resume": "allow"}
+    return {"project": project, "config": config,
+            **{key: ours[key] for env, key in WANDB_DEFAULTS.items() if not os.environ.get(env)}}
+
+
 class MetricsLog:
     """Appends to metrics.jsonl and TensorBoard from rank 0; prints a progress line."""
 
@@ -195,8 +209,7 @@ class MetricsLog:
                 import wandb
             except ImportError:
                 raise NanoforgeError("wandb_project is set but wandb is not installed: pip install wandb") from None
-            self.wandb = wandb.init(project=wandb_project, dir=str(self.run_dir), config=config,
-                                    name=self.run_dir.name, resume="allow")
+            self.wandb = wandb.init(**wandb_init_args(self.run_dir, wandb_project, config))
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         # "time" (Unix seconds) lets the run report give the wall time; it is not a metric to plot
