@@ -12,7 +12,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from nanoforge.data.shards import TokenShards
+from nanoforge.data.shards import TokenShards, data_identity, identity_change
 from nanoforge.core.errors import NanoforgeError
 
 IGNORE = -100  # the label of a position without loss (prompt, padding): the one definition, used by every loss
@@ -63,13 +63,22 @@ class EpochOrder:
         return items[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
 
     def state_dict(self) -> dict:
-        """Where we are in the data, as plain JSON-able values (goes into the checkpoint's state.json)."""
+        """Where we are in the data, as plain JSON-able values (goes into the checkpoint's state.json), and which
+        data that is (`data_identity` of self.shards, set by each kind)."""
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "seq_len": self.seq_len,
-                **self.data_size}
+                **self.data_size, "identity": data_identity(self.shards.manifest)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from `state`, whose seq_len, seed and data size (`data_size`, set by each kind) must be this
-        run's: else the position would point at different items. Batch size and process count may change."""
+        """Continue from `state`, whose data (by content: a checkpoint of an older nanoforge has no identity), seq_len,
+        seed and data size (`data_size`, set by each kind) must be this run's: else the position would point at
+        different items. Batch size and process count may change."""
+        changed = identity_change(state["identity"], data_identity(self.shards.manifest)) \
+            if "identity" in state else None
+        if changed:
+            raise NanoforgeError(f"cannot resume: {self.shards.directory} is not the data this run trained on: "
+                                 f"{changed}. The saved position ({self.unit} {state['cursor']} of epoch "
+                                 f"{state['epoch']}) would point at other {self.unit}s; resume with the data the run "
+                                 "started on, or start a new run in another --out")
         for key, have in {"seed": self.seed, "seq_len": self.seq_len, **self.data_size}.items():
             if key in state and state[key] != have:
                 raise NanoforgeError(f"cannot resume the data position: it was saved with {key}={state[key]} but "

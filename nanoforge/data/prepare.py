@@ -3,6 +3,7 @@ manifest; data/chunks.py reads and tokenizes the input in parallel.
 
 Everything is written into a temporary directory next to out_dir and renamed into place at the end: an error
 or Ctrl-C leaves out_dir as it was and no temporary directory behind."""
+import hashlib
 import math
 import os
 import shutil
@@ -27,6 +28,7 @@ from nanoforge.core.fsutil import check_out_dir, fsync_dir, fsync_file, replace_
 from nanoforge.chat.tokenizer import Tokenizer, load_tokenizer
 
 SPLITS = ("train", "val")
+SHARD_FILES = ("bin", "idx", "mask")  # the files of one shard, {split}_{k:05d}.{suffix}, in SplitWriter._files
 SHARD_TOKENS = 100_000_000  # start a new shard after this many tokens (200 MB of uint16)
 CHUNK_BYTES = 2 << 20  # raw JSONL handed to a worker at a time
 
@@ -169,12 +171,11 @@ class SplitWriter:
             take = max(1, int(np.searchsorted(starts, self.max_shard_tokens - shard["tokens"], side="left")))
             ntok = int(doc_lens[:take].sum())
             ends_here = take - (open_last and take == len(doc_lens))  # documents whose end is written now
-            bin_f, idx_f, mask_f = self._files
-            bin_f.write(np.ascontiguousarray(tokens[:ntok], dtype=self.dtype).tobytes())
+            self._put(0, np.ascontiguousarray(tokens[:ntok], dtype=self.dtype).tobytes())
             ends = shard["tokens"] + np.cumsum(doc_lens[:ends_here], dtype=np.int64)
-            idx_f.write(ends.astype(np.int64).tobytes())
-            if mask_f is not None:
-                mask_f.write(np.ascontiguousarray(mask[:ntok], dtype=np.uint8).tobytes())
+            self._put(1, ends.astype(np.int64).tobytes())
+            if self.with_mask:
+                self._put(2, np.ascontiguousarray(mask[:ntok], dtype=np.uint8).tobytes())
                 mask = mask[ntok:]
             shard["tokens"] += ntok
             shard["docs"] += ends_here
@@ -188,10 +189,18 @@ class SplitWriter:
         self.shards.append({"name": name, "tokens": 0, "docs": 0})
         files = [open(self.directory / f"{name}.bin", "wb"), open(self.directory / f"{name}.idx", "wb")]
         files.append(open(self.directory / f"{name}.mask", "wb") if self.with_mask else None)
-        files[1].write(np.zeros(1, dtype=np.int64).tobytes())  # the first document starts at 0
         self._files = files
+        self._hashers = {suffix: hashlib.sha256() for suffix, f in zip(SHARD_FILES, files) if f is not None}
+        self._put(1, np.zeros(1, dtype=np.int64).tobytes())  # the first document starts at 0
+
+    def _put(self, i: int, data: bytes) -> None:
+        """Append to file i (bin, idx, mask) of the open shard, hashing it: the shard's sha256 in the manifest
+        is its content's identity (a resumed run checks its data by it, data/shards.py data_identity)."""
+        self._files[i].write(data)
+        self._hashers[SHARD_FILES[i]].update(data)
 
     def _close_shard(self, sync: bool = True) -> None:
+        self.shards[-1]["sha256"] = {suffix: h.hexdigest() for suffix, h in self._hashers.items()}
         for f in filter(None, self._files):
             if sync:
                 f.flush()

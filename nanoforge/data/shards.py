@@ -1,7 +1,8 @@
 """Reading prepared data: a prepared directory's manifest, checked, and memmap views of its token shards
 (data/prepare.py writes them). A prepared directory holds everything a training run needs, nothing else:
 
-    manifest.json               format version, kind, tokenizer hash, sources, per-split counts
+    manifest.json               format version, kind, tokenizer hash, sources, per-split counts and per shard
+                                the sha256 of its files (the data's identity: `data_identity`)
     tokenizer/                  a copy of the tokenizer, so the directory is self-contained
     {split}_{k:05d}.bin         flat token ids (uint16 when the vocabulary fits, else uint32)
     {split}_{k:05d}.idx         int64 document start offsets within the shard, plus the final end offset
@@ -11,6 +12,8 @@ dpo documents come in pairs (manifest "layout": "pairs"): 2i is pair i's chosen 
 one; the mask covers only the FINAL assistant reply and its <|im_end|>, and the train/val split is drawn per pair.
 Flat binary shards read by memmap (as nanoGPT's train.bin): the OS pages data in and out, so training memory
 stays flat however large the corpus, and any window is one slice away."""
+import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +50,48 @@ def check_tokenizer(directory, tokenizer) -> None:
             f"{expected['vocab_size']}) than the one in use (sha256 {tokenizer.sha256[:12]}, vocab "
             f"{tokenizer.vocab_size}); re-run `nanoforge prepare` with this tokenizer, or train with "
             f"{Path(directory) / 'tokenizer'}")
+
+
+def data_identity(manifest: dict) -> dict:
+    """What a run records about its prepared data, to know it again on --resume: `shards`, a digest of every
+    shard's content (the sha256 prepare recorded; None for data prepared before it did), `sources`, a digest of
+    what the data was prepared from and how (input sha256s, tokenizer, kind, split counts: for older manifests),
+    and the inputs themselves (name, bytes, sha256), to say what changed."""
+    def digest(value) -> str:
+        return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+    splits = manifest.get("splits", {})
+    shard_sums = {split: [shard.get("sha256") for shard in entry.get("shards", [])] for split, entry in splits.items()}
+    inputs = [{"name": Path(str(s.get("path", ""))).name, "bytes": s.get("bytes"), "sha256": s.get("sha256")}
+              for s in manifest.get("sources", [])]
+    made = {"kind": manifest.get("kind"), "tokenizer": manifest.get("tokenizer", {}).get("sha256"),
+            "val_fraction": manifest.get("val_fraction"), "inputs": [(i["sha256"], i["bytes"]) for i in inputs],
+            "splits": {split: (entry.get("tokens"), entry.get("docs")) for split, entry in splits.items()}}
+    complete = all(all(sums) for sums in shard_sums.values())
+    return {"shards": digest(shard_sums) if complete else None, "sources": digest(made), "inputs": inputs}
+
+
+def identity_change(saved: dict, now: dict) -> str | None:
+    """How the data `now` differs from the data `saved` (both `data_identity`), in words; None if it is the same
+    (by the shards' content where both record it, else by what it was prepared from)."""
+    key = "shards" if saved.get("shards") and now.get("shards") else "sources"
+    if saved.get(key) == now.get(key):
+        return None
+    before = {i["name"]: i for i in saved.get("inputs", [])}
+    after = {i["name"]: i for i in now.get("inputs", [])}
+    changes = [f"{name} is another file ({_input(before[name])} at the start, {_input(after[name])} now)"
+               for name in before if name in after and before[name]["sha256"] != after[name]["sha256"]]
+    if set(before) != set(after):
+        changes.append(f"it was prepared from {', '.join(sorted(before)) or '?'} at the start, now from "
+                       f"{', '.join(sorted(after)) or '?'}")
+    if not changes:
+        changes.append("its inputs are the same files, but its shards hold other tokens (prepared with other "
+                       "options or tokenizer, or edited since)")
+    return "; ".join(changes)
+
+
+def _input(source: dict) -> str:
+    return f"sha256 {str(source.get('sha256'))[:12]}, {source.get('bytes')} bytes"
 
 
 class TokenShards:

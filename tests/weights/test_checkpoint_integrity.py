@@ -103,7 +103,7 @@ def test_a_damaged_checkpoint_is_refused_by_every_command(world, tmp_path, how, 
     with ThreadPoolExecutor(max_workers=3) as pool:
         results = dict(zip(commands, pool.map(lambda a: nf(*a, stdin="hi\n" if a[0] == "chat" else None),
                                               commands.values())))
-    for name, r in results.items():
+    for r in results.values():
         one_clear_line(r, *words)
     assert str(run / "checkpoints" / "step_000004" / "model.safetensors") in results["generate"].stderr
     assert f"the previous checkpoint {run / 'checkpoints' / 'step_000002'} is intact" in results["resume"].stderr
