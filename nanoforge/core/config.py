@@ -274,7 +274,10 @@ def _one_of(cfg, name: str, choices: tuple[str, ...]) -> None:
 
 
 MODEL_FIELDS = {f.name: f for f in fields(ModelConfig)}
-DROPOUTS = ("dropout", "attn_dropout")  # model fields that regularise training and leave the shape alone
+# Model fields that regularise or initialise training and leave what trained weights compute alone: a run from
+# --init may set them. Every other model field is the model's shape, which its weights fix.
+TRAINING_ONLY = ("dropout", "attn_dropout", "moe_aux_weight", "init_std")
+SHAPE_FIELDS = tuple(name for name in MODEL_FIELDS if name not in TRAINING_ONLY)
 TRAIN_FIELDS = {f.name: f for f in fields(TrainConfig)}
 assert not set(MODEL_FIELDS) & set(TRAIN_FIELDS), "model and train field names must be disjoint"
 

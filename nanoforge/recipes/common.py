@@ -12,7 +12,7 @@ from nanoforge.data.batches import EvalBatches, PretrainBatches, SFTBatches
 from nanoforge.data.shards import TokenShards
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.generate import SamplingConfig
-from nanoforge.infer.samples import generate_samples, load_prompts, write_samples
+from nanoforge.infer.samples import generate_samples, write_samples
 from nanoforge.model.gpt import GPT
 from nanoforge.model.lora import LoraModel
 from nanoforge.report.markdown import write_run_report
@@ -33,12 +33,6 @@ def initial_gpt(mcfg: ModelConfig, tcfg: TrainConfig, init_path: Path | None, re
     if init_path is not None and not resume:
         model.load_weights(init_weights(init_path))
     return model
-
-
-def sample_prompts(tcfg: TrainConfig) -> list[str] | None:
-    """The prompts of --sample-prompts, read and checked now, so a missing or malformed file stops the run
-    before any work (the error names the file and line); None means the built-in set."""
-    return load_prompts(tcfg.sample_prompts) if tcfg.sample_prompts else None
 
 
 def make_sampler(run_dir: Path, tcfg: TrainConfig, tokenizer, prompts: list[str] | None, chat: bool):

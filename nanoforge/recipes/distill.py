@@ -4,22 +4,31 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from nanoforge.core.config import PRESETS
-from nanoforge.data.shards import check_tokenizer
-from nanoforge.data.sources import data_kind
 from nanoforge.core.device import resolve_device
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.recipes.common import (SFT_DEFAULTS, initial_gpt, lm_batches, make_sampler, sample_prompts,
-                                     train_and_report)
+from nanoforge.recipes.common import SFT_DEFAULTS, initial_gpt, lm_batches, make_sampler, train_and_report
 from nanoforge.train.distributed import setup
 from nanoforge.train.loop import Stage
-from nanoforge.train.microbatch import fit_micro_batch
 from nanoforge.train.objectives import causal_lm_loss, make_distill_loss
 from nanoforge.recipes.options import DistillOptions
-from nanoforge.train.rundir import (PreparedRun, check_same_origin, copy_tokenizer, finetune_setup, fit_vocab,
-                                    fresh_run_guard, open_run, resolve_data, resolve_run_options, saved_run_info,
-                                    write_run_config)
+from nanoforge.train.rundir import (StageSetup, check_same_origin, fresh_run_guard, resolve_run_options,
+                                    saved_run_info, setup_from_init, setup_from_scratch)
 from nanoforge.weights.load import init_tokenizer_dir, load_model
 
+# config.toml's [run] init of a student that began as a fresh model of a preset (not the weights of an --init)
+PRESET_ORIGIN = "preset:"
+
+
+def student_preset(out: str | Path, init: str | None, resume: bool) -> str | None:
+    """The preset a fresh student is built from (on --resume: was, and --init, if given, must name it again);
+    None for a student that starts from the weights of --init."""
+    if not resume:
+        return init if init in PRESETS else None
+    origin = str(saved_run_info(out).get("init", ""))
+    if not origin.startswith(PRESET_ORIGIN):
+        return None
+    check_same_origin(Path(out), "--init", init, origin[len(PRESET_ORIGIN):])
+    return origin[len(PRESET_ORIGIN):]
 
 
 @fresh_run_guard
@@ -50,24 +59,14 @@ def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str
         teacher_model.to(batch["input_ids"].device)
         return loss(model, batch)
 
-    if not resume and init in PRESETS:
-        # a fresh student of a preset's shape, speaking the teacher's tokenizer
-        run_dir, mcfg, tcfg, _, explicit = open_run(out, False, init, config_file, overrides)
-        fit_vocab(mcfg, teacher_tok, explicit)
-        fit_micro_batch(mcfg, tcfg, loss_fn=probe_loss)  # --micro-batch auto|N: before any batch source is sized
-        data_dir = resolve_data(data_kind(data), data, run_dir, str(init_tokenizer_dir(teacher_path)),
-                                mcfg, tcfg, quiet)
-        check_tokenizer(data_dir, teacher_tok)
-        run_info = {"stage": "distill", "init": f"preset:{init}", "tokenizer": "tokenizer",
-                    "data": str(data_dir.resolve()), **options}
-        copy_tokenizer(init_tokenizer_dir(teacher_path), run_dir)
-        write_run_config(run_dir, mcfg, tcfg, run_info)
-        run = PreparedRun(run_dir, mcfg, tcfg, run_info, None, teacher_tok, data_dir)
+    preset = student_preset(out, init, resume)
+    origin = {"init": PRESET_ORIGIN + preset} if preset else {}
+    spec = StageSetup("distill", SFT_DEFAULTS, {**origin, **options}, probe_loss=probe_loss)
+    if preset:  # a fresh student of a preset's shape, speaking the teacher's tokenizer
+        run = setup_from_scratch(spec, None if resume else preset, str(init_tokenizer_dir(teacher_path)), data, out,
+                                 config_file, overrides, resume, quiet)
     else:
-        run = finetune_setup("distill", init, data, out, config_file, overrides, resume, quiet, SFT_DEFAULTS, options,
-                             probe_loss)
-        if str(run.info["init"]).startswith("preset:"):  # resuming a student that began as a preset
-            run.init = None
+        run = setup_from_init(spec, init, data, out, config_file, overrides, resume, quiet)
     mcfg, tcfg, tok = run.mcfg, run.tcfg, run.tokenizer
     if tok.sha256 != teacher_tok.sha256:
         raise NanoforgeError(f"the student's tokenizer ({tok.sha256[:12]}, {tok.vocab_size} tokens) is not the "
@@ -76,7 +75,6 @@ def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str
     if mcfg.vocab_size != teacher_model.cfg.vocab_size:
         raise NanoforgeError(f"student vocab_size {mcfg.vocab_size} differs from the teacher's "
                              f"{teacher_model.cfg.vocab_size}")
-    prompts = sample_prompts(tcfg)
     batches, val_batches, val_bpt = lm_batches(run.data, tcfg, tok, quiet)
     model = initial_gpt(mcfg, tcfg, run.init, resume)
     # setup(): under torchrun cuda:LOCAL_RANK (plain "cuda" is cuda:0 on every rank until setup has run, e.g.
@@ -84,5 +82,5 @@ def distill(teacher: str | None, init: str | None, data: Sequence[str], out: str
     teacher_model.to(setup(resolve_device(tcfg.device)))
     # samples speak the way the data does: chat turns for conversation data, plain text for pretraining text
     stage = Stage("distill", batches, loss, val_batches, None, run.info,
-                  sampler=make_sampler(run.run_dir, tcfg, tok, prompts, chat=batches.shards.kind == "sft"))
+                  sampler=make_sampler(run.run_dir, tcfg, tok, run.prompts, chat=batches.shards.kind == "sft"))
     return train_and_report(stage, model, run, resume, quiet)

@@ -9,12 +9,12 @@ from nanoforge.data.shards import TokenShards
 from nanoforge.core.device import resolve_device
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.model.gpt import GPT
-from nanoforge.recipes.common import SFT_DEFAULTS, initial_gpt, make_sampler, sample_prompts, train_and_report
+from nanoforge.recipes.common import SFT_DEFAULTS, initial_gpt, make_sampler, train_and_report
 from nanoforge.train.distributed import main_first, setup, world
 from nanoforge.train.loop import Stage
 from nanoforge.train.objectives import dpo_loss
 from nanoforge.recipes.options import DPOOptions
-from nanoforge.train.rundir import finetune_setup, fresh_run_guard, resolve_run_options
+from nanoforge.train.rundir import StageSetup, fresh_run_guard, resolve_run_options, setup_from_init
 
 # MiniMind's DPO default (lr 4e-8) leaves the loss at log 2 (its users' reports); measured on the tiny preset,
 # held-out margin and accuracy move from lr 1e-4 up (see docs/perf.md). The SFT rate is a safe middle here.
@@ -28,10 +28,9 @@ def dpo(init: str | None, data: Sequence[str], out: str | Path, config_file: str
     """`nanoforge dpo`: direct preference optimisation on chosen/rejected pairs. The reference model is the
     --init model; its log-probabilities are computed once, before training, and cached in the run."""
     beta = resolve_run_options(Path(out), options or DPOOptions(), resume, given)["beta"]
-    run = finetune_setup("dpo", init, data, out, config_file, dict(overrides or {}), resume, quiet, DPO_DEFAULTS,
-                         {"beta": beta})
+    spec = StageSetup("dpo", DPO_DEFAULTS, {"beta": beta}, rows_per_item=2)  # an item: chosen and rejected
+    run = setup_from_init(spec, init, data, out, config_file, dict(overrides or {}), resume, quiet)
     mcfg, tcfg, tok, data_dir = run.mcfg, run.tcfg, run.tokenizer, run.data
-    prompts = sample_prompts(tcfg)
     train_shards, val_shards = TokenShards(data_dir, "train"), TokenShards(data_dir, "val")
     if train_shards.kind != "dpo":
         raise NanoforgeError(f"{data_dir}: prepared as {train_shards.kind!r} data; dpo needs chosen/rejected "
@@ -57,5 +56,5 @@ def dpo(init: str | None, data: Sequence[str], out: str | Path, config_file: str
         val = DPOBatches(val_shards, ref["val"], tcfg.batch_size, tcfg.seq_len, shuffle=False, pad_id=tok.pad_id)
         val_batches = lambda: val.eval_batches(tcfg.eval_batches)  # noqa: E731
     stage = Stage("dpo", batches, functools.partial(dpo_loss, beta=beta), val_batches, None, run.info,
-                  count_fn=count_pairs, sampler=make_sampler(run.run_dir, tcfg, tok, prompts, chat=True))
+                  count_fn=count_pairs, sampler=make_sampler(run.run_dir, tcfg, tok, run.prompts, chat=True))
     return train_and_report(stage, model, run, resume, quiet)

@@ -10,11 +10,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from nanoforge.core.config import DROPOUTS, MODEL_FIELDS
-from nanoforge.core.device import build_run_config, resolve_device
+from nanoforge.core.device import resolve_device
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.chat.tools import parse_tool_names
-from nanoforge.weights.load import init_config, init_tokenizer_dir
 from nanoforge.model.gpt import GPT
 from nanoforge.rl.agent import agent_rollout, check_agent_prompts
 from nanoforge.rl.losses import ADVANTAGES, LOSSES, NORMS
@@ -23,12 +21,11 @@ from nanoforge.rl.reward_model import load_reward_model
 from nanoforge.rl.rewards import RewardFn, check_records, combine, parse_rewards, parse_weights
 from nanoforge.rl.rollout import check_prompts, rollout
 from nanoforge.rl.grpo_batches import RolloutBatches, policy_count, policy_objective
-from nanoforge.chat.tokenizer import load_tokenizer
 from nanoforge.train.distributed import setup, world
 from nanoforge.train.loop import Stage
-from nanoforge.train.rundir import (PreparedRun, copy_tokenizer, fresh_run_guard, given_fields, resolve_run_options,
-                                    resumed_run, write_run_config)
-from nanoforge.recipes.common import initial_gpt, make_sampler, sample_prompts, train_and_report
+from nanoforge.train.rundir import (PreparedRun, StageSetup, fresh_run_guard, given_fields, resolve_run_options,
+                                    setup_from_init)
+from nanoforge.recipes.common import initial_gpt, make_sampler, train_and_report
 from nanoforge.rl.options import RLOptions
 
 # Training defaults under --config and the flags. RL moves a model that already answers: small steps (1e-6..1e-5
@@ -77,45 +74,31 @@ def resolve_options(out: Path, options: RLOptions, resume: bool, given=None) -> 
 
 def rl_setup(stage: str, init: str | None, data: str | None, out: Path, config_file: str | None,
              overrides: dict[str, Any], resume: bool, options: dict[str, Any]) -> PreparedRun:
-    """The run directory and config of an RL run (finetune_setup's, with a prompts file instead of prepared data:
-    its data is the prompt records)."""
-    if resume:
-        run_dir, mcfg, tcfg, run_info, init_path = resumed_run(stage, init, out, config_file, overrides)
-        tokenizer_dir, data = run_dir / "tokenizer", data or run_info["data"]
-    else:
-        if not init:
-            raise NanoforgeError("--init is required: the SFT run, checkpoint or HF model directory to train")
-        if not data:
-            raise NanoforgeError("--data is required: a JSONL file of prompts (chats ending in a user turn, or "
-                                 'GSM8K\'s {"question", "answer"})')
-        init_path, init_cfg = init_config(init)
-        shape = [k for k in overrides if k in MODEL_FIELDS and k not in DROPOUTS]
-        if shape:
-            raise NanoforgeError(f"the model shape comes from --init {init}; drop "
-                                 + ", ".join(f"--{k.replace('_', '-')}" for k in shape))
-        base = {"model": init_cfg.get("model", {}),
-                "train": {**GRPO_DEFAULTS, "seq_len": init_cfg.get("model", {}).get("max_seq_len", 512)}}
-        run_dir = out
-        mcfg, tcfg = build_run_config(None, config_file, overrides, base=base)
-        tokenizer_dir = init_tokenizer_dir(init_path)
-        run_info = {"stage": stage, "init": str(init_path.resolve()), "tokenizer": "tokenizer",
-                    **{k: v for k, v in options.items() if v is not None}}
-    if mcfg.dropout:
-        raise NanoforgeError(f"dropout {mcfg.dropout}: RL needs the policy that samples and the one that is trained "
-                             "to be the same distribution; use --dropout 0")
-    if tcfg.fsdp:
+    """The setup of an RL run (grpo, ppo): setup_from_init's, with GRPO_DEFAULTS under --config and the flags,
+    the RL options saved under [run], and a prompts file for its data (open_prompts)."""
+    spec = StageSetup(stage, GRPO_DEFAULTS, options, open_data=partial(open_prompts, options=options))
+    return setup_from_init(spec, init, data, out, config_file, overrides, resume, quiet=False)
+
+
+def open_prompts(run: PreparedRun, data: str | None, options: dict[str, Any]) -> None:
+    """An RL run's data: the prompt records of --data (on --resume without it, the run's own file), read once the
+    run's config and tokenizer are checked to suit RL."""
+    if run.mcfg.dropout:
+        raise NanoforgeError(f"dropout {run.mcfg.dropout}: RL needs the policy that samples and the one that is "
+                             "trained to be the same distribution; use --dropout 0")
+    if run.tcfg.fsdp:
         raise NanoforgeError("--fsdp: rollouts generate with the whole model on each rank; use DDP (the default "
                              "under torchrun)")
-    records = read_prompts(data)
-    check_records(options.get("reward"), records)
-    run_info["data"] = str(Path(data).resolve())
-    tok = load_tokenizer(tokenizer_dir)
-    if options.get("think") and not tok.supports_tools:
+    if options.get("think") and not run.tokenizer.supports_tools:
         raise NanoforgeError("--think needs a chat template with think blocks (MiniMind-3's format); this "
                              "tokenizer's template has none")
-    copy_tokenizer(tokenizer_dir, run_dir)
-    write_run_config(run_dir, mcfg, tcfg, run_info)
-    return PreparedRun(run_dir, mcfg, tcfg, run_info, init_path, tok, records)
+    data = data or run.info.get("data")
+    if not data:
+        raise NanoforgeError("--data is required: a JSONL file of prompts (chats ending in a user turn, or "
+                             'GSM8K\'s {"question", "answer"})')
+    run.data = read_prompts(data)
+    check_records(options.get("reward"), run.data)
+    run.info["data"] = str(Path(data).resolve())
 
 
 def chosen_rewards(o: dict[str, Any]) -> list[tuple[str, RewardFn]]:
@@ -152,7 +135,6 @@ def grpo(init: str | None, data: str | None, out: str | Path, options: RLOptions
     rewards = chosen_rewards(o)
     run = rl_setup("grpo", init, data, out, config_file, dict(overrides or {}), resume, o)
     mcfg, tcfg, tok, records = run.mcfg, run.tcfg, run.tokenizer, run.data
-    prompts = sample_prompts(tcfg)
     device = setup(resolve_device(tcfg.device))  # under torchrun: this rank's device
     w = world()
     iterator = PromptIterator(records, o["prompts_per_step"], tcfg.seed, w.rank, w.world_size)
@@ -173,7 +155,7 @@ def grpo(init: str | None, data: str | None, out: str | Path, options: RLOptions
     loss = policy_objective(o["loss"], o["epsilon"], o.get("epsilon_high"), o["beta"], o["loss_norm"], o["temperature"],
                             batches)
     stage = Stage("grpo", batches, loss, None, None, run.info, count_fn=policy_count(o["loss_norm"]),
-                  sampler=make_sampler(run.run_dir, tcfg, tok, prompts, chat=True))
+                  sampler=make_sampler(run.run_dir, tcfg, tok, run.prompts, chat=True))
     if not quiet:
         reward_name = (f"agent (tools {','.join(tools)}, max turns {o['max_turns']})" if tools else
                        f"{o.get('reward') or ''}{' + model' if o.get('reward_model') else ''}")

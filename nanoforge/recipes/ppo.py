@@ -22,7 +22,7 @@ from nanoforge.rl.rollout import check_prompts
 from nanoforge.train.distributed import setup, world
 from nanoforge.train.loop import Stage
 from nanoforge.train.rundir import fresh_run_guard, resolve_run_options
-from nanoforge.recipes.common import initial_gpt, make_sampler, sample_prompts, train_and_report
+from nanoforge.recipes.common import initial_gpt, make_sampler, train_and_report
 
 
 FLAGS = {f.name: "--" + f.name.replace("_", "-") for f in fields(PPOOptions)}
@@ -58,7 +58,6 @@ def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions
     if tcfg.optimizer == "muon":
         raise NanoforgeError("--optimizer muon: not for ppo (its policy + critic module has no single lm_head "
                              "for Muon to leave to AdamW); use --optimizer adamw")
-    prompts = sample_prompts(tcfg)
     device = setup(resolve_device(tcfg.device))
     w = world()
     iterator = PromptIterator(records, o["prompts_per_step"], tcfg.seed, w.rank, w.world_size)
@@ -69,7 +68,7 @@ def ppo(init: str | None, data: str | None, out: str | Path, options: PPOOptions
     batches = PPOBatches(model, tok, iterator, cfg_ppo, reward_function(o, rewards, device), tcfg.seed,
                          o["ppo_epochs"], tcfg.grad_accum, reference, tcfg.precision)
     tcfg.batch_size = batches.micro_rows
-    sampler = make_sampler(run.run_dir, tcfg, tok, prompts, chat=True)
+    sampler = make_sampler(run.run_dir, tcfg, tok, run.prompts, chat=True)
     stage = Stage("ppo", batches, ppo_objective(cfg_ppo), None, None, run.info,
                   count_fn=ppo_count,
                   sampler=(lambda m, step, log: sampler(m.policy, step, log)) if sampler else None)

@@ -6,11 +6,11 @@ from typing import Any, Sequence
 from nanoforge.core.config import build_config, config_dicts
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.model.lora import LoraConfig, LoraModel
-from nanoforge.recipes.common import (SFT_DEFAULTS, initial_gpt, lm_batches, make_sampler, sample_prompts,
-                                     train_and_report)
+from nanoforge.recipes.common import SFT_DEFAULTS, initial_gpt, lm_batches, make_sampler, train_and_report
 from nanoforge.train.loop import Stage
 from nanoforge.train.objectives import causal_lm_loss
-from nanoforge.train.rundir import copy_tokenizer, finetune_setup, fresh_run_guard, saved_run_info, write_run_config
+from nanoforge.train.rundir import (StageSetup, copy_tokenizer, fresh_run_guard, saved_run_info, setup_from_init,
+                                    write_run_config)
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.weights.load import (adapter_metadata, check_base, init_tokenizer_dir, init_weights,
                                    load_adapter_checkpoint)
@@ -28,9 +28,8 @@ def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str
     if resume and saved_run_info(out).get("stage") == "lora":
         lora = LoraConfig.from_dict(saved_run_info(out))
     name = "lora" if lora else "sft"
-    run = finetune_setup(name, init, data, out, config_file, dict(overrides or {}), resume, quiet,
-                         LORA_DEFAULTS if lora else SFT_DEFAULTS, lora.to_dict() if lora else None)
-    prompts = sample_prompts(run.tcfg)
+    spec = StageSetup(name, LORA_DEFAULTS if lora else SFT_DEFAULTS, lora.to_dict() if lora else {})
+    run = setup_from_init(spec, init, data, out, config_file, dict(overrides or {}), resume, quiet)
     batches, val_batches, _ = lm_batches(run.data, run.tcfg, run.tokenizer, quiet, need="sft")
     model = initial_gpt(run.mcfg, run.tcfg, None if lora else run.init, resume)
     if lora:
@@ -43,7 +42,7 @@ def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str
         model.load_weights(base_weights)
         model = LoraModel(model, lora)
     stage = Stage(name, batches, causal_lm_loss, val_batches, None, run.info,
-                  sampler=make_sampler(run.run_dir, run.tcfg, run.tokenizer, prompts, chat=True))
+                  sampler=make_sampler(run.run_dir, run.tcfg, run.tokenizer, run.prompts, chat=True))
     return train_and_report(stage, model, run, resume, quiet)
 
 

@@ -1,6 +1,7 @@
 """A run directory and everything about opening one: one training process at a time (its lock), the config a
 new or resumed run trains with, the data it reads (prepared here on the fly from raw JSONL), the tokenizer it
-keeps, and what a fine-tuning run takes from its --init.
+keeps, and what a run takes from its --init (setup_from_init) or, with a fresh model, from its preset
+(setup_from_scratch).
 
     RUN/config.toml      the config actually used ([model], [train], [run])
     RUN/tokenizer/       the tokenizer the run was trained with
@@ -16,11 +17,11 @@ import functools
 import inspect
 import shutil
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from nanoforge.core import dirlock
-from nanoforge.core.config import (DROPOUTS, MODEL_FIELDS, PRESETS, ConfigError, ModelConfig, TrainConfig, build_config,
-                              config_to_toml, load_toml)
+from nanoforge.core.config import (MODEL_FIELDS, PRESETS, SHAPE_FIELDS, TRAINING_ONLY, ConfigError, ModelConfig,
+                                   TrainConfig, build_config, config_to_toml, load_toml)
 from nanoforge.core.device import build_run_config, resolve_device
 from nanoforge.data.columnar import is_columnar
 from nanoforge.data.prepare import prepare_dataset
@@ -32,6 +33,7 @@ from nanoforge.core.fsutil import write_text_atomic
 from nanoforge.weights.load import init_config, init_tokenizer_dir
 from nanoforge.train.microbatch import fit_micro_batch
 from nanoforge.chat.tokenizer import load_tokenizer
+from nanoforge.infer.samples import load_prompts
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.train.distributed import is_main, main_first
 
@@ -39,15 +41,32 @@ from nanoforge.train.distributed import is_main, main_first
 @dataclasses.dataclass
 class PreparedRun:
     """A run ready for its batches, model and objective: the directory it writes, its config, what config.toml's
-    [run] records, the --init it starts from (None: its own weights), its tokenizer, and its data (a prepared
-    directory; an RL run's prompt records)."""
+    [run] records, the --init it starts from (None: its own weights), its tokenizer, its data (a prepared
+    directory; an RL run's prompt records), its --sample-prompts (None: the built-in set), and the model fields
+    its command line or saved config set (the others may be fitted: fit_vocab)."""
     run_dir: Path
     mcfg: ModelConfig
     tcfg: TrainConfig
     info: dict[str, Any]
-    init: Path | None
-    tokenizer: Any
-    data: Any
+    init: Path | None = None
+    tokenizer: Any = None
+    data: Any = None
+    prompts: list[str] | None = None
+    explicit: set[str] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass
+class StageSetup:
+    """What a recipe tells its run's setup: its stage, training defaults (from --init) under --config and flags,
+    its options (config.toml's [run]), and how it reads --data: prepared data of `kind` (None: as given), with
+    `rows_per_item` sequences per item and `probe_loss` for --micro-batch auto; or `open_data(run, data)`."""
+    stage: str
+    train_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    kind: str | None = None
+    rows_per_item: int = 1
+    probe_loss: Callable | None = None
+    open_data: Callable[[PreparedRun, Any], None] | None = None
 
 
 RUN_LOCK = ".lock"  # in a run directory: held by the one process training into it (nanoforge/core/dirlock.py)
@@ -97,25 +116,22 @@ def lock_run_directory(out: Path) -> dirlock.DirLock:
     return dirlock.acquire(out / RUN_LOCK, f"run directory {out}")
 
 
-def open_run(out: str | Path, resume: bool, preset: str | None, config_file: str | None,
-             overrides: dict[str, Any]) -> tuple[Path, ModelConfig, TrainConfig, dict[str, Any], set[str]]:
-    """Check the run directory and merge the config. On --resume the saved config is the base and the
-    command line may change training fields (e.g. extend --max-steps), never the model's shape."""
+def open_run(stage: str, out: str | Path, resume: bool, preset: str | None, config_file: str | None,
+             overrides: dict[str, Any]) -> PreparedRun:
+    """Check the run directory and merge the config. On --resume the saved config is the base (of a run of this
+    stage) and the command line may change training fields (e.g. extend --max-steps), never the model's shape."""
     run_dir = Path(out)
     saved = load_toml(run_dir / "config.toml") if resume else None  # fresh_run_guard checked it has a checkpoint
     if resume:
+        if saved.get("run", {}).get("stage") != stage:
+            raise NanoforgeError(f"--resume: {run_dir} is a {saved.get('run', {}).get('stage')!r} run, not {stage}")
         check_resume_shape(run_dir, saved.get("model", {}), preset, config_file, overrides)
         preset = None  # it asked for the saved shape; its [train] defaults must not undo the run's own settings
     mcfg, tcfg = build_run_config(preset, config_file, overrides, base=saved)
     explicit = set(overrides) | set((saved or {}).get("model", {}))
     if config_file:
         explicit |= set(load_toml(config_file).get("model", {}))
-    return run_dir, mcfg, tcfg, (saved or {}).get("run", {}), explicit
-
-
-# Model fields a preset's defaults do not pin on --resume: a fresh run fits vocab_size to the tokenizer, and the
-# others do not change the shape. Given explicitly (a flag or a [model] key) they are compared like the rest.
-FITTED_OR_REGULARISING = {"vocab_size", *DROPOUTS, "moe_aux_weight", "init_std"}
+    return PreparedRun(run_dir, mcfg, tcfg, (saved or {}).get("run", {}), explicit=explicit)
 
 
 def check_resume_shape(run_dir: Path, saved_model: dict[str, Any], preset: str | None, config_file: str | None,
@@ -139,7 +155,7 @@ def requested_model_fields(preset: str | None, config_file: str | None,
     if preset:
         explicit = PRESETS[preset]["model"] if preset in PRESETS else {}
         for key, value in dataclasses.asdict(build_config(preset)[0]).items():
-            if key in explicit or key not in FITTED_OR_REGULARISING:
+            if key in explicit or key not in ("vocab_size", *TRAINING_ONLY):  # (a fresh run fits vocab_size)
                 fields[key] = (value, f"--preset {preset}")
     if config_file:
         fields.update({k: (v, f"--config {config_file}") for k, v in load_toml(config_file).get("model", {}).items()})
@@ -147,17 +163,27 @@ def requested_model_fields(preset: str | None, config_file: str | None,
     return fields
 
 
+def check_init_shape(init: str, init_model: dict[str, Any], config_file: str | None,
+                     overrides: dict[str, Any]) -> None:
+    """A run from --init takes the model's shape from it: a --config [model] key or a model flag that asks for
+    another value of a shape field (config.SHAPE_FIELDS) is refused, each named with --init's value."""
+    have = {**dataclasses.asdict(ModelConfig()), **init_model}
+    diffs = [f"{key} {have[key]!r}, requested {value!r} (by {source})"
+             for key, (value, source) in requested_model_fields(None, config_file, overrides).items()
+             if key in SHAPE_FIELDS and value != have[key]]
+    if diffs:
+        raise NanoforgeError(f"--init {init} has another model shape than this command asks for: {'; '.join(diffs)}. "
+                             "The model shape comes from --init: drop those options (a --config for a run from "
+                             "--init has only [train], e.g. configs/mini-sft.toml)")
+
+
 def check_same_origin(run_dir: Path, flag: str, given: str | None, saved: str | None) -> None:
     """--resume with the --init (or --teacher) that started the run. The run saved the checkpoint it resolved
     then; the same run directory given again may hold newer checkpoints since, and still names that one."""
-    if not given or not saved:
+    if not given or not saved or given == saved:
         return
-    if saved.startswith("preset:"):
-        same = given == saved.split(":", 1)[1]
-    else:
-        given_path, saved_path = Path(given).resolve(), Path(saved)
-        same = given_path == saved_path or given_path in saved_path.parents
-    if not same:
+    given_path, saved_path = Path(given).resolve(), Path(saved)
+    if given_path != saved_path and given_path not in saved_path.parents:
         raise NanoforgeError(f"--resume: {run_dir} started from {flag} {saved} (its config.toml), but this command "
                              f"gives {flag} {given}; drop {flag} (the run keeps its own) or give the same one")
 
@@ -205,10 +231,10 @@ def fit_vocab(mcfg: ModelConfig, tokenizer, explicit: set[str]) -> None:
         raise ConfigError(f"vocab_size={mcfg.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}")
 
 
-def resolve_data(kind: str, data: Sequence[str], run_dir: Path, tokenizer_path: str | None, mcfg: ModelConfig,
-                 tcfg: TrainConfig, quiet: bool) -> Path:
-    """A prepared directory is used as is; raw JSONL files are prepared into RUN/data (once). Under torchrun
-    rank 0 prepares; the others find RUN/data ready."""
+def resolve_data(kind: str, data: Sequence[str], run_dir: Path, tokenizer, mcfg: ModelConfig, tcfg: TrainConfig,
+                 quiet: bool) -> Path:
+    """A prepared directory is used as is; raw JSONL files are prepared into RUN/data (once), with `tokenizer`
+    (None: one trained on them). Under torchrun rank 0 prepares; the others find RUN/data ready."""
     paths = [Path(p) for p in data]
     target = run_dir / "data"
     log = (lambda *a: None) if quiet else print
@@ -221,13 +247,11 @@ def resolve_data(kind: str, data: Sequence[str], run_dir: Path, tokenizer_path: 
         if all(is_prepared(p) for p in paths):  # several prepared parts: a manifest over their shards
             merge_prepared(paths, target, log=log)
             return target
-        if tokenizer_path:
-            tokenizer = load_tokenizer(tokenizer_path)
-        elif any(is_columnar(p) for p in paths):
+        if tokenizer is None and any(is_columnar(p) for p in paths):
             raise NanoforgeError("training a tokenizer reads JSONL or text, not Parquet or a datasets directory: "
                                  "give --tokenizer (e.g. one trained with `nanoforge tokenizer train` on a JSONL "
                                  "sample)")
-        else:
+        if tokenizer is None:
             log(f"no --tokenizer given: training a {mcfg.vocab_size}-token BPE tokenizer on the data")
             tokenizer = train_tokenizer(paths, vocab_size=mcfg.vocab_size, out_dir=run_dir / "tokenizer")
         prepare_dataset(kind, paths, tokenizer, target, val_fraction=tcfg.val_fraction, workers=tcfg.workers,
@@ -259,56 +283,63 @@ def copy_tokenizer(src: Path, run_dir: Path) -> None:
     shutil.copytree(src, dst)
 
 
-def resumed_run(stage: str, init: str | None, out: str | Path, config_file: str | None, overrides: dict[str, Any]):
-    """--resume of a run that started from --init: its saved config, checked to be this stage's and from the same
-    --init. Returns (run_dir, mcfg, tcfg, run_info, init_path)."""
-    run_dir, mcfg, tcfg, run_info, _ = open_run(out, True, None, config_file, overrides)
-    if run_info.get("stage") != stage:
-        raise NanoforgeError(f"--resume: {run_dir} is a {run_info.get('stage')!r} run, not {stage}")
-    check_same_origin(run_dir, "--init", init, run_info.get("init"))
-    return run_dir, mcfg, tcfg, run_info, Path(run_info["init"])
-
-
-def finetune_setup(stage: str, init: str | None, data: Sequence[str], out: str | Path, config_file: str | None,
-                   overrides: dict[str, Any], resume: bool, quiet: bool, train_defaults: dict[str, Any],
-                   run_options: dict[str, Any] | None = None, probe_loss=None) -> PreparedRun:
-    """What every stage that starts from a trained model shares: the run directory, the config (the model
-    shape from --init, training defaults of the stage under --config and flags), the tokenizer of the init
-    run, and the data prepared with that tokenizer. On --resume, --init, the data and the stage's options
-    (run_options) come from the run's config.toml."""
-    run_dir = Path(out)
+def setup_from_init(spec: StageSetup, init: str | None, data, out: str | Path, config_file: str | None,
+                    overrides: dict[str, Any], resume: bool, quiet: bool) -> PreparedRun:
+    """The setup of every run that starts from trained weights (sft, lora, dpo, distill, grpo, ppo, pretrain
+    --init): the model's shape and tokenizer from --init (check_init_shape refuses another shape), the stage's
+    training defaults under --config and the flags; on --resume the run's config.toml, of this stage and from the
+    same --init. Then its data (finish_setup)."""
     if resume:
-        run_dir, mcfg, tcfg, run_info, init_path = resumed_run(stage, init, out, config_file, overrides)
-        tokenizer_dir = run_dir / "tokenizer"
+        run = open_run(spec.stage, out, True, None, config_file, overrides)
+        check_same_origin(run.run_dir, "--init", init, run.info.get("init"))
+        run.init, tokenizer_dir = Path(run.info["init"]), run.run_dir / "tokenizer"
     else:
         if not init:
-            raise NanoforgeError("--init is required: the run directory or checkpoint to start from")
+            raise NanoforgeError("--init is required: the run, checkpoint or model directory to start from")
         init_path, init_cfg = init_config(init)
+        check_init_shape(init, init_cfg.get("model", {}), config_file, overrides)
         base = {"model": init_cfg.get("model", {}),
-                "train": {**train_defaults, "seq_len": init_cfg.get("train", {}).get("seq_len", 512)}}
-        shape = {k for k in base["model"] if k not in (*DROPOUTS, "moe_aux_weight")}
-        changed = [k for k in overrides if k in shape and overrides[k] != base["model"][k]]
-        if changed:
-            raise NanoforgeError(f"the model shape comes from --init {init}; drop "
-                                 + ", ".join(f"--{k.replace('_', '-')}" for k in changed))
-        in_file = load_toml(config_file).get("model", {}) if config_file else {}
-        changed = [k for k in in_file if k in shape and k in base["model"] and in_file[k] != base["model"][k]]
-        if changed:
-            raise NanoforgeError(f"{config_file}: [model] sets " + ", ".join(
-                f"{k} = {in_file[k]!r} (--init {init} has {base['model'][k]!r})" for k in changed)
-                + "; the model shape comes from --init: use a config with only [train] (e.g. configs/mini-sft.toml)")
+                "train": {**spec.train_defaults, "seq_len": init_cfg.get("train", {}).get("seq_len", 512)}}
         mcfg, tcfg = build_run_config(None, config_file, overrides, base=base)
+        run = PreparedRun(Path(out), mcfg, tcfg, {"stage": spec.stage, "init": str(init_path.resolve()),
+                                                  "tokenizer": "tokenizer", **spec.options}, init=init_path)
         tokenizer_dir = init_tokenizer_dir(init_path)
-        run_info = {"stage": stage, "init": str(init_path.resolve()), "tokenizer": "tokenizer", **(run_options or {})}
-    tok = load_tokenizer(tokenizer_dir)
-    if resume and not data:
-        data_dir = saved_data_dir(run_info, run_dir)
+    run.tokenizer = load_tokenizer(tokenizer_dir)
+    return finish_setup(run, spec, data, resume, quiet, tokenizer_dir)
+
+
+def setup_from_scratch(spec: StageSetup, preset: str | None, tokenizer: str | None, data: Sequence[str],
+                       out: str | Path, config_file: str | None, overrides: dict[str, Any], resume: bool,
+                       quiet: bool) -> PreparedRun:
+    """The setup of a run of a fresh model (pretrain; distill's student of a preset): its shape from the preset,
+    --config and the flags (on --resume the saved one), the embedding sized to its tokenizer: `tokenizer` (a
+    directory or tokenizer.json) or, without one, its data's (trained on raw JSONL). Then its data (finish_setup)."""
+    run = open_run(spec.stage, out, resume, preset, config_file, overrides)
+    if not resume:
+        run.info = {"stage": spec.stage, "tokenizer": "tokenizer", **spec.options}
+    run.tokenizer = load_tokenizer(tokenizer) if tokenizer else None
+    return finish_setup(run, spec, data, resume, quiet, None)
+
+
+def finish_setup(run: PreparedRun, spec: StageSetup, data, resume: bool, quiet: bool,
+                 tokenizer_dir: Path | None) -> PreparedRun:
+    """What every run's setup ends with, before anything is written: its --sample-prompts read, its data (the
+    recipe's open_data, or prepared with the run's tokenizer: raw JSONL into RUN/data, on --resume without --data
+    the saved one) and, for prepared data, a fresh model's embedding fitted and --micro-batch auto|N; then the
+    tokenizer copied into the run (from tokenizer_dir, or the data's) and config.toml written."""
+    run.prompts = load_prompts(run.tcfg.sample_prompts) if run.tcfg.sample_prompts else None
+    run.info = {k: v for k, v in run.info.items() if v is not None}  # an option not set (TOML has no None)
+    if spec.open_data:
+        spec.open_data(run, data)
     else:
-        data_dir = resolve_data(data_kind(data), data, run_dir, str(tokenizer_dir), mcfg, tcfg, quiet)
-    check_tokenizer(data_dir, tok)
-    # --micro-batch auto|N: before any batch source is sized (a DPO item is a pair of sequences)
-    fit_micro_batch(mcfg, tcfg, rows_per_item=2 if stage == "dpo" else 1, loss_fn=probe_loss)
-    run_info["data"] = str(data_dir.resolve())
-    copy_tokenizer(tokenizer_dir, run_dir)
-    write_run_config(run_dir, mcfg, tcfg, run_info)
-    return PreparedRun(run_dir, mcfg, tcfg, run_info, init_path, tok, data_dir)
+        run.data = saved_data_dir(run.info, run.run_dir) if resume and not data else resolve_data(
+            spec.kind or data_kind(data), data, run.run_dir, run.tokenizer, run.mcfg, run.tcfg, quiet)
+        run.tokenizer = run.tokenizer or load_tokenizer(run.data / "tokenizer")
+        check_tokenizer(run.data, run.tokenizer)
+        if run.init is None:
+            fit_vocab(run.mcfg, run.tokenizer, run.explicit)
+        fit_micro_batch(run.mcfg, run.tcfg, rows_per_item=spec.rows_per_item, loss_fn=spec.probe_loss)
+        run.info["data"] = str(run.data.resolve())
+    copy_tokenizer(tokenizer_dir or run.data / "tokenizer", run.run_dir)
+    write_run_config(run.run_dir, run.mcfg, run.tcfg, run.info)
+    return run

@@ -233,7 +233,7 @@ def test_sft_refuses_shape_changes_and_foreign_data(pretrained, tmp_path, tiny_t
         sft(None, [], tmp_path / "y", quiet=True)
     # a pretraining recipe's [model] section is not the init's shape: named, field by field, before any work
     root = Path(__file__).resolve().parents[2]
-    with pytest.raises(NanoforgeError, match=r"mini\.toml: \[model\] sets d_model = 512 \(--init .* has 64\)"):
+    with pytest.raises(NanoforgeError, match=r"d_model 64, requested 512 \(by --config .*mini\.toml\)"):
         sft(str(pretrained), [], tmp_path / "w", config_file=str(root / "configs" / "mini.toml"), quiet=True)
     assert not (tmp_path / "w").exists()
     with pytest.raises(NanoforgeError, match="no such run or checkpoint"):
