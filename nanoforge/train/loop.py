@@ -10,11 +10,10 @@ micro-batches hold different numbers of supervised tokens (SFT) or run on N proc
 from __future__ import annotations
 
 import math
-import os
 import signal
 import time
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -28,9 +27,10 @@ from nanoforge.core.errors import NanoforgeError
 from nanoforge.model.interface import TRAINABLE_INTERFACE, TrainableModel
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.train import distributed
-from nanoforge.train.faults import kill_if_asked
+from nanoforge.train.faults import injections_from_env, kill_if_asked, poison_grads, poison_loss
 from nanoforge.train.guard import NonFiniteGuard
-from nanoforge.train.metrics import MetricsLog, observed_peak, peak_flops, peak_memory_bytes, progress_line
+from nanoforge.train.meter import PhaseClock, Throughput
+from nanoforge.train.metrics import MetricsLog, peak_flops, peak_memory_bytes, progress_line
 from nanoforge.train.optim import build_optimizer, lr_at
 from nanoforge.train.stage import Batch, LossFn, Stage
 from nanoforge.train.state import Run, RunState, resume as resume_run, rollback, save
@@ -45,21 +45,6 @@ class TrainingInterrupted(NanoforgeError):
         self.signum = signum
         super().__init__(f"{signal.Signals(signum).name} received: checkpoint written to {checkpoint}; "
                          f"continue with --resume")
-
-
-INJECT_ENV = "NANOFORGE_INJECT_NONFINITE"
-
-
-def parse_injections(spec: str) -> dict[str, set[int]]:
-    """Test hook, not a user option: NANOFORGE_INJECT_NONFINITE="loss@5,grad@7" makes step 5's loss and step 7's
-    gradients non-finite, to exercise the guard (in-process tests and subprocesses alike)."""
-    out: dict[str, set[int]] = {"loss": set(), "grad": set()}
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        kind, _, step = item.partition("@")
-        if kind not in out or not step.isdigit():
-            raise NanoforgeError(f"{INJECT_ENV}: {item!r} should look like loss@5 or grad@7")
-        out[kind].add(int(step))
-    return out
 
 
 @torch.no_grad()
@@ -115,59 +100,6 @@ class _SignalFlag:
 
 
 @dataclass
-class _Window:
-    """What the progress line averages over the steps since it was last printed."""
-    loss: torch.Tensor
-    steps: torch.Tensor | int = 0  # steps whose loss counts (skipped ones do not)
-    tokens: int = 0
-    supervised: torch.Tensor | int = 0
-    n: int = 0
-    time: float = 0.0
-    phases: dict[str, float] = field(default_factory=lambda: {"data": 0.0, "fwd_bwd": 0.0, "optim": 0.0})
-
-
-class _Throughput:
-    """Loss, tokens/s, MFU and where the time went, over the steps since the last progress line."""
-
-    def __init__(self, device: torch.device, flops_per_token: float, peak: float):
-        self.device, self.flops_per_token, self.peak = device, flops_per_token, peak
-        self.window = _Window(torch.zeros((), device=device))
-        self.step_times: list[float] = []
-
-    def add(self, kept_loss, kept_steps, n_tokens: int, n_supervised, clock: _PhaseClock) -> None:
-        w = self.window
-        if kept_loss is not None:
-            w.loss += kept_loss
-            w.steps += kept_steps
-        dt = clock.total()
-        self.step_times.append(dt)
-        w.tokens, w.supervised, w.time, w.n = w.tokens + n_tokens, w.supervised + n_supervised, w.time + dt, w.n + 1
-        for phase, seconds in clock.phases.items():
-            w.phases[phase] += seconds
-
-    def take(self, run: Run) -> dict[str, Any]:
-        """The window's figures; starts a new window."""
-        w = self.window
-        tokens_per_s = w.tokens / max(w.time, 1e-9)
-        achieved = self.flops_per_token * tokens_per_s / run.world.world_size  # one process's, as the peak is
-        if self.peak and achieved > self.peak:  # the peak was under-measured: see observed_peak
-            run.log.print(f"step {run.state.step}: {achieved / 1e9:,.0f} GFLOP/s, above the measured peak of "
-                          f"{self.peak / 1e9:,.0f}; taking it as the peak")
-            self.peak = observed_peak(self.device, run.state.precision, self.peak, achieved)
-        values = {"loss": (w.loss / max(int(w.steps), 1)).item(), "tokens_per_s": tokens_per_s,
-                  "supervised_tokens_per_s": int(w.supervised) / max(w.time, 1e-9),
-                  "mfu": achieved / self.peak if self.peak else 0.0,  # never above 1: see observed_peak
-                  # where a step's time goes, ms per step (exact on CUDA only with --sync-timing)
-                  **{f"{k}_ms": 1e3 * v / w.n for k, v in w.phases.items()}}
-        self.window = _Window(torch.zeros((), device=self.device))
-        return values
-
-    def seconds_left(self, steps_left: int) -> float:
-        recent = sorted(self.step_times[-50:])
-        return recent[len(recent) // 2] * steps_left
-
-
-@dataclass
 class _Step:
     """What one optimizer step leaves for the progress line and the stop decision."""
     lr: float
@@ -181,7 +113,7 @@ def train(stage: Stage, model: TrainableModel, mcfg: ModelConfig, tcfg: TrainCon
     """Run (or resume) a stage to tcfg.max_steps or the end of tcfg.time_budget. Returns a summary of the run."""
     run = _start(stage, model, mcfg, tcfg, Path(run_dir), resume, quiet)
     flops_per_token = model.flops_per_token(tcfg.seq_len)
-    meter = _Throughput(run.device, flops_per_token,
+    meter = Throughput(run.device, flops_per_token,
                         peak_flops(run.device, run.state.precision) if flops_per_token else 0.0)
     _print_header(run)
     summary: dict[str, Any] = {}
@@ -236,10 +168,10 @@ def _due(step: int, every: int, tcfg: TrainConfig) -> bool:
     return bool(every) and (step % every == 0 or step == tcfg.max_steps)
 
 
-def _train_step(run: Run, flag: _SignalFlag, meter: _Throughput) -> _Step:
+def _train_step(run: Run, flag: _SignalFlag, meter: Throughput) -> _Step:
     """One optimizer step: grad_accum micro-batches, clip, the guarded update, the bookkeeping."""
     tcfg, state, device = run.tcfg, run.state, run.device
-    clock = _PhaseClock(tcfg.sync_timing and device.type == "cuda", device)
+    clock = PhaseClock(tcfg.sync_timing and device.type == "cuda", device)
     micro = [_to_device(run.stage.train_batches.next_batch(), device) for _ in range(tcfg.grad_accum)]
     clock.lap("data")
     loss, extras, n_supervised = _accumulate(run, micro)
@@ -274,8 +206,7 @@ def _accumulate(run: Run, micro: list[Batch]) -> tuple[torch.Tensor, dict[str, t
             with autocast_context(run.device, run.state.precision):
                 loss_sum, _, extra = stage.loss_fn(run.forward_model, batch)
             loss = loss_sum.float() / n_supervised * world.world_size
-            if step in run.injections["loss"]:
-                loss = loss * float("inf")
+            loss = poison_loss(loss, step, run.injections)  # NANOFORGE_INJECT_NONFINITE (train/faults.py)
             run.guard.scaler.scale(loss).backward()
         step_loss += loss.detach() / world.world_size
         for k, v in extra.items():
@@ -285,8 +216,7 @@ def _accumulate(run: Run, micro: list[Batch]) -> tuple[torch.Tensor, dict[str, t
         reduced = distributed.all_reduce_sum(torch.stack([step_loss, *(extras[k].float() for k in keys)]))
         step_loss = reduced[0]
         extras = {k: reduced[j + 1] / world.world_size for j, k in enumerate(keys)}
-    if step in run.injections["grad"]:
-        next(p for p in run.raw.parameters() if p.requires_grad).grad.view(-1)[0] = float("nan")
+    poison_grads(run.raw, step, run.injections)
     return step_loss, extras, n_supervised
 
 
@@ -298,7 +228,7 @@ def _clip(run: Run) -> torch.Tensor:
     return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
 
 
-def _log_progress(run: Run, result: _Step, meter: _Throughput) -> None:
+def _log_progress(run: Run, result: _Step, meter: Throughput) -> None:
     """The progress record (metrics.jsonl, TensorBoard, the console) over the steps since the last one."""
     step, tcfg = run.state.step, run.tcfg
     values: dict[str, Any] = {**meter.take(run), "lr": result.lr, "grad_norm": result.grad_norm.item(),
@@ -380,7 +310,7 @@ def _start(stage: Stage, model: TrainableModel, mcfg: ModelConfig, tcfg: TrainCo
     state, log = RunState(precision=tcfg.precision), _NoLog()
     guard = NonFiniteGuard(optimizer, device, tcfg.precision, tcfg.nonfinite_patience, state, log)
     run = Run(stage, tcfg, run_dir, world, device, model, wrapped, forward_model, optimizer, state, log, guard,
-              config=config_dicts(mcfg, tcfg), injections=parse_injections(os.environ.get(INJECT_ENV, "")))
+              config=config_dicts(mcfg, tcfg), injections=injections_from_env())
     if resume:
         resume_run(run, quiet or not world.is_main)
     if world.is_main:
@@ -401,24 +331,6 @@ def _print_header(run: Run) -> None:
     if tcfg.warmup_steps >= tcfg.max_steps and run.state.step == 0:
         run.log.print(f"note: warmup_steps={tcfg.warmup_steps} covers the whole run of {tcfg.max_steps} steps: "
                       f"the learning rate never gets past its warmup to the peak {tcfg.lr:g} (lower --warmup-steps)")
-
-
-class _PhaseClock:
-    """Where a step's time goes: data, forward+backward, optimizer (exact on CUDA only when it syncs)."""
-
-    def __init__(self, sync_cuda: bool, device: torch.device):
-        self.sync_cuda, self.device = sync_cuda, device
-        self.start = self.last = time.perf_counter()
-        self.phases: dict[str, float] = {}
-
-    def lap(self, phase: str) -> None:
-        if self.sync_cuda:
-            torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
-        self.phases[phase], self.last = now - self.last, now
-
-    def total(self) -> float:
-        return time.perf_counter() - self.start
 
 
 def _sync_due(step: int, tcfg: TrainConfig, stage: Stage, signum: int | None) -> bool:

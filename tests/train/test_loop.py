@@ -19,7 +19,8 @@ from nanoforge.core.device import resolve_precision
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.model.gpt import GPT
 from nanoforge.weights import checkpoint as ckpt
-from nanoforge.train.loop import INJECT_ENV, Stage, train
+from nanoforge.train.faults import INJECT_ENV
+from nanoforge.train.loop import Stage, train
 from nanoforge.train.objectives import causal_lm_loss
 from nanoforge.recipes.pretrain import pretrain
 

@@ -8,7 +8,7 @@ import torch
 
 from nanoforge.core.config import ModelConfig
 from nanoforge.model.gpt import GPT
-from nanoforge.train.loop import INJECT_ENV
+from nanoforge.train.faults import INJECT_ENV
 from nanoforge.recipes.pretrain import pretrain
 
 from test_loop import FAST, corpus_files, pretrain_dir, weights  # noqa: F401  (fixtures)
