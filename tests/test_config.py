@@ -10,6 +10,27 @@ def test_mini_preset_is_minimind_26m_shape():
     assert m.ffn_dim == 1408 and m.head_dim == 64  # MiniMind's intermediate_size for 512
 
 
+@pytest.mark.parametrize("preset, overrides, ffn, head_dim", [
+    ("minimind-3", {}, 2432, 96),  # ceil(768 pi / 64) * 64
+    ("minimind-3", {"d_model": 128}, 448, 16),  # re-derived from the new width, as MiniMindConfig does
+    ("minimind-3-moe", {"d_model": 256}, 832, 32),
+    ("minimind-3", {"d_model": 128, "ffn_hidden": 320}, 320, 16),  # an explicit width wins
+    ("mini", {"d_model": 256}, 704, 32),  # minimind2's 8/3 rule: ceil(256 * 8/3 / 64) * 64
+    ("mini", {"ffn_rule": "pi"}, 1664, 64),
+])
+def test_the_ffn_width_follows_d_model_by_the_presets_rule(preset, overrides, ffn, head_dim, tmp_path):
+    m, _ = build_config(preset, overrides=overrides)
+    assert (m.ffn_dim, m.head_dim) == (ffn, head_dim)
+    f = tmp_path / "c.toml"  # the same from a --config file over the preset
+    f.write_text("[model]\n" + "".join(f"{k} = {v!r}\n".replace("'", '"') for k, v in overrides.items()))
+    assert build_config(preset, f)[0].ffn_dim == ffn
+
+
+def test_an_unknown_ffn_rule_is_refused():
+    with pytest.raises(ConfigError, match="ffn_rule='7/2' is not one of 8/3, pi"):
+        build_config("mini", overrides={"ffn_rule": "7/2"})
+
+
 def test_layers_merge_in_order(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text("[model]\nd_model = 128\nn_heads = 4\nn_kv_heads = 2\n[train]\nlr = 1e-3\nmax_steps = 7\n")

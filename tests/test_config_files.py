@@ -59,7 +59,7 @@ def test_plan_reads_a_recipe():
     proc = subprocess.run([sys.executable, "-m", "nanoforge", "plan", "--config", "configs/mini.toml",
                            "--device", "rtx3090"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert "25.8M parameters (8 layers, d_model 512, 8 heads / 2 KV, vocab 6400)" in proc.stdout
+    assert "25.8M parameters (8 layers, d_model 512, 8 heads of 64 / 2 KV, SwiGLU 1408 (8/3 rule), vocab 6400)" in proc.stdout
 
 
 def test_speedrun_script_trains_with_the_recipe():

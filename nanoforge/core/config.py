@@ -16,6 +16,9 @@ from nanoforge.core.errors import NanoforgeError
 
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # --precision; auto: device.py resolve_precision's rule
+# ffn_rule: how ffn_hidden 0 derives the SwiGLU width from d_model, before rounding up to a multiple of 64.
+# "8/3" is minimind2's (and LLaMA's) rule, "pi" MiniMind-3's (MiniMindConfig's intermediate_size).
+FFN_RULES = {"8/3": lambda d_model: d_model * 8 / 3, "pi": lambda d_model: d_model * math.pi}
 
 
 class ConfigError(NanoforgeError):
@@ -33,13 +36,14 @@ def option(default: Any = None, interval: str | None = None, **flag: Any) -> Any
 class ModelConfig:
     vocab_size: int = option(6400, help="tokens in the embedding; training commands size it to the tokenizer unless "
                              "given")
-    d_model: int = option(512, help="model width")
+    d_model: int = option(512, help="model width; head_dim and, with ffn_hidden 0, the SwiGLU width follow it")
     n_layers: int = option(8, help="transformer blocks")
     n_heads: int = option(8, help="query heads (head_dim = d_model / n_heads)")
     n_kv_heads: int = option(2, help="key/value heads shared by groups of query heads (GQA); = n_heads for plain "
                              "attention")
-    ffn_hidden: int = option(0, help="SwiGLU hidden width; 0 derives MiniMind's rule: 8/3 * d_model rounded up to a "
-                             "multiple of 64.")
+    ffn_hidden: int = option(0, help="SwiGLU hidden width; 0 derives it from d_model by ffn_rule")
+    ffn_rule: str = option("8/3", help="how ffn_hidden 0 is derived: 8/3 (minimind2's: 8/3 x d_model rounded up to a "
+                           "multiple of 64) or pi (MiniMind-3's, the minimind-3 presets': ceil(d_model pi / 64) x 64)")
     max_seq_len: int = option(512, help="longest context the model is built for (RoPE tables)")
     rope_theta: float = option(1e4, help="RoPE base frequency")
     rope_scaling_factor: float = option(1.0, help="YaRN context extension (arXiv 2309.00071): factor > 1 stretches "
@@ -69,7 +73,14 @@ class ModelConfig:
 
     @property
     def ffn_dim(self) -> int:
-        return self.ffn_hidden or 64 * math.ceil(self.d_model * 8 / 3 / 64)
+        return self.ffn_hidden or derived_ffn(self.d_model, self.ffn_rule)
+
+    def describe(self) -> str:
+        """The shape in one line (`nanoforge plan` prints it), the widths derived from d_model included."""
+        return (f"{self.n_layers} layers, d_model {self.d_model}, {self.n_heads} heads of {self.head_dim} / "
+                f"{self.n_kv_heads} KV, SwiGLU {self.ffn_dim}" + ("" if self.ffn_hidden else f" ({self.ffn_rule} rule)")
+                + f", vocab {self.vocab_size}"
+                + (f", {self.n_experts} experts top-{self.experts_per_token}" if self.n_experts else ""))
 
     def validate(self) -> None:
         _finite(self)
@@ -81,6 +92,7 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ConfigError(f"head_dim = d_model/n_heads = {self.head_dim} must be even for RoPE")
         _require(self, "ffn_hidden", self.ffn_hidden >= 0, ">= 0 (0 derives it from d_model)")
+        _one_of(self, "ffn_rule", tuple(FFN_RULES))
         _require(self, "rope_original_max_seq_len", self.rope_original_max_seq_len >= 0, ">= 0 (0: max_seq_len)")
         _require(self, "dropout", 0.0 <= self.dropout < 1.0, "in [0, 1)")
         _require(self, "attn_dropout", self.attn_dropout == -1.0 or 0.0 <= self.attn_dropout < 1.0,
@@ -152,7 +164,7 @@ class TrainConfig:
     save_every: int = option(500, help="steps between checkpoints; 0 saves only at the end and on interruption")
     keep_last: int = option(3, help="checkpoints kept on disk (older ones are deleted)")
     tensorboard: bool = option(True, help="write TensorBoard events to RUN/tb")
-    wandb_project: str = option("", help="log to this wandb project too; empty disables wandb")
+    wandb_project: str = option("", help="log to this wandb project too (empty: off); WANDB_* variables are honoured")
     # guard against non-finite loss or gradients
     nonfinite_patience: int = option(3, help="consecutive bad steps before rolling back to the last checkpoint")
     rollback_lr_factor: float = option(0.5, help="lr multiplier after each rollback")
@@ -262,6 +274,11 @@ def _positive(cfg, *names: str) -> None:
         _require(cfg, name, getattr(cfg, name) > 0, "> 0")
 
 
+def derived_ffn(d_model: int, rule: str) -> int:
+    """ffn_hidden 0's SwiGLU width: FFN_RULES[rule] of d_model rounded up to a multiple of 64 (MiniMind's rounding)."""
+    return 64 * math.ceil(FFN_RULES[rule](d_model) / 64)
+
+
 def _require(cfg, name: str, ok: bool, what: str) -> None:
     """`ok` or a ConfigError: `NAME=VALUE must be WHAT`."""
     if not ok:
@@ -281,7 +298,7 @@ SHAPE_FIELDS = tuple(name for name in MODEL_FIELDS if name not in TRAINING_ONLY)
 TRAIN_FIELDS = {f.name: f for f in fields(TrainConfig)}
 assert not set(MODEL_FIELDS) & set(TRAIN_FIELDS), "model and train field names must be disjoint"
 
-_MINIMIND_3 = dict(d_model=768, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=2432, qk_norm=True, rope_theta=1e6,
+_MINIMIND_3 = dict(d_model=768, n_layers=8, n_heads=8, n_kv_heads=4, ffn_rule="pi", qk_norm=True, rope_theta=1e6,
                    norm_eps=1e-6, max_seq_len=32768)
 # Presets are partial configs: only what differs from the dataclass defaults.
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
@@ -304,7 +321,8 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "mini-moe": {"model": dict(n_experts=4, experts_per_token=2), "train": {}},
     # MiniMind-3, MiniMind's main model (64M; model/model_minimind.py's MiniMindConfig at commit d65ef2c): 768 wide,
     # 8 layers, 8 heads of 96, 4 KV heads, SwiGLU ceil(768 pi / 64) * 64 = 2432, QK-norm, RoPE theta 1e6, eps 1e-6,
-    # tied embeddings, 32768 positions (its RoPE table)
+    # tied embeddings, 32768 positions (its RoPE table). Its SwiGLU width and head_dim are derived from d_model, as
+    # MiniMindConfig derives them from hidden_size: --d-model 128 gives ceil(128 pi / 64) * 64 = 448 and heads of 16
     "minimind-3": {"model": dict(_MINIMIND_3), "train": {}},
     # MiniMind-3-MoE (198M, 64M active): the same with 4 experts of 2432 per layer, top-1; MiniMind adds each layer's
     # aux loss times 5e-4, which is our mean over the 8 layers times 8 * 5e-4

@@ -105,9 +105,7 @@ def format_plan(p: Plan, mcfg: ModelConfig, tcfg: TrainConfig, tokens: float | N
     gb = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
     fixed = p.weights + p.grads + p.optimizer
     lines = [
-        f"model        {p.params / 1e6:.1f}M parameters ({mcfg.n_layers} layers, d_model {mcfg.d_model}, "
-        f"{mcfg.n_heads} heads / {mcfg.n_kv_heads} KV, vocab {mcfg.vocab_size}"
-        + (f", {mcfg.n_experts} experts top-{mcfg.experts_per_token}" if mcfg.n_experts else "") + ")",
+        f"model        {p.params / 1e6:.1f}M parameters ({mcfg.describe()})",
         f"compute      {p.flops_per_token / 1e6:.0f} MFLOP per trained token at seq_len {tcfg.seq_len} (6N + 12 L h s)",
         f"memory       weights {gb(p.weights)} + gradients {gb(p.grads)} + AdamW state {gb(p.optimizer)} = {gb(fixed)}",
         f"             activations {gb(p.activations_per_sample)} per sequence of {tcfg.seq_len} ({tcfg.precision})",

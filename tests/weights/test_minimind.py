@@ -130,6 +130,38 @@ def test_a_model_minimind_cannot_build_is_refused_by_name(tmp_path, tmp_path_fac
     assert not (tmp_path / "x.pth").exists()
 
 
+@pytest.mark.parametrize("preset, width", [("minimind-3", 128), ("minimind-3", 384), ("minimind-3", 1024),
+                                           ("minimind-3-moe", 256)])
+def test_a_changed_width_derives_what_minimind_derives(mm, preset, width):
+    """--preset minimind-3 --d-model W is MiniMindConfig(hidden_size=W): the SwiGLU width (ceil(W pi / 64) x 64)
+    and head_dim follow the width in MiniMind's code and in ours (built on the meta device: shapes only)."""
+    with torch.device("meta"):
+        theirs = mm.MiniMindForCausalLM(mm.MiniMindConfig(hidden_size=width, use_moe=preset.endswith("moe")))
+        ours = GPT(build_config(preset, overrides={"d_model": width})[0])
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in theirs.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_a_narrower_minimind_3_trains_and_exports(tmp_path, tiny_tokenizer):
+    """`pretrain --preset minimind-3 --d-model 64` derives its SwiGLU width from the width, as MiniMind does
+    (ceil(64 pi / 64) x 64 = 256; the 768-wide model's 2432 was kept before), so `export --format minimind`
+    takes the run; --ffn-hidden given explicitly still wins."""
+    from conftest import prepare_tiny
+    data = prepare_tiny(tmp_path / "data", tiny_tokenizer)
+    fast = ["--n-layers", 1, "--vocab-size", 6400, "--max-steps", 1, "--seq-len", 16, "--batch-size", 2,
+            "--eval-every", 0, "--sample-every", 0, "--tensorboard", "false", "--precision", "fp32", "--device",
+            "cpu", "--quiet"]
+    cli("pretrain", "--data", data, "--out", tmp_path / "run", "--preset", "minimind-3", "--d-model", 64, *fast)
+    cli("export", tmp_path / "run", "--format", "minimind", "--out", tmp_path / "x.pth")
+    weights = torch.load(tmp_path / "x.pth")
+    assert weights["model.layers.0.mlp.gate_proj.weight"].shape == (256, 64)
+    assert weights["model.layers.0.self_attn.q_norm.weight"].shape == (8,)  # 8 heads of 64 / 8
+    cli("pretrain", "--data", data, "--out", tmp_path / "set", "--preset", "minimind-3", "--d-model", 64,
+        "--ffn-hidden", 192, *fast)
+    r = cli("export", tmp_path / "set", "--format", "minimind", "--out", tmp_path / "y.pth", check=False)
+    assert r.returncode == 1 and "ffn_dim 192 (MiniMind: 256)" in r.stderr
+
+
 def test_sft_eval_and_generate_take_a_pth(tmp_path, mm, mm_tokenizer, shared_data):
     theirs = minimind_model(mm, seed=4)
     pth = tmp_path / "pretrain_64.pth"
