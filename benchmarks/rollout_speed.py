@@ -20,7 +20,7 @@ import torch
 
 from nanoforge.core.config import build_config
 from nanoforge.core.device import cpu_info
-from nanoforge.infer.defaults import SamplingConfig
+from nanoforge.infer.options import SamplingConfig
 from nanoforge.infer.engine import Engine, Request
 from nanoforge.model.gpt import GPT
 

@@ -10,7 +10,7 @@ from nanoforge import __version__
 from nanoforge.core.config import MODEL_FIELDS, PRESETS, TRAIN_FIELDS, LoraConfig, ModelConfig, TrainConfig
 from nanoforge.data.options import PrepareOptions
 from nanoforge.eval.options import EvalOptions
-from nanoforge.infer.defaults import CHAT_SAMPLING, ChatOptions, DeviceOptions
+from nanoforge.infer.options import CHAT_SAMPLING, ChatOptions, DeviceOptions
 from nanoforge.recipes.options import DistillOptions, DPOOptions
 from nanoforge.rl.options import PPOOptions, RLOptions
 from nanoforge.serve.options import ServeOptions

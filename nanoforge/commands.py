@@ -14,7 +14,7 @@ from nanoforge.core.config import MODEL_FIELDS, TRAIN_FIELDS, LoraConfig, build_
 from nanoforge.data.options import PrepareOptions
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.eval.options import EvalOptions
-from nanoforge.infer.defaults import CHAT_SAMPLING, ChatOptions, DeviceOptions
+from nanoforge.infer.options import CHAT_SAMPLING, ChatOptions, DeviceOptions
 from nanoforge.recipes.options import DistillOptions, DPOOptions
 from nanoforge.rl.options import PPOOptions, RLOptions
 from nanoforge.serve.options import ServeOptions

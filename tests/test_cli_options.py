@@ -12,7 +12,7 @@ from nanoforge.cli import build_parser
 from nanoforge.core.config import LoraConfig
 from nanoforge.data.options import PrepareOptions
 from nanoforge.eval.options import EvalOptions
-from nanoforge.infer.defaults import CHAT_SAMPLING, ChatOptions, DeviceOptions
+from nanoforge.infer.options import CHAT_SAMPLING, ChatOptions, DeviceOptions
 from nanoforge.recipes.options import DistillOptions, DPOOptions
 from nanoforge.rl.options import PPOOptions, RLOptions
 from nanoforge.serve.options import ServeOptions

@@ -16,15 +16,15 @@ import dataclasses
 import sys
 from typing import Callable, Sequence, TextIO
 
-from nanoforge.core.device import eval_mode, precision_note, resolve_device, resolve_precision
+from nanoforge.core.device import eval_mode
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.infer.defaults import CHAT_SAMPLING, ChatOptions, DeviceOptions as _D
+from nanoforge.infer.options import CHAT_SAMPLING, ChatOptions, DeviceOptions as _D
 from nanoforge.infer.engine import Engine, Request
 from nanoforge.infer.generate import SamplingConfig, stream
+from nanoforge.infer.load import load_for_inference
 from nanoforge.infer.turns import environment_ids
 from nanoforge.chat.replies import THINK_OPEN, Reply, StreamParser, reply_from_events
 from nanoforge.chat.tools import assistant_message, parse_tool_names, tool_messages, tool_schemas
-from nanoforge.weights.load import load_model
 
 HELP = """commands:
   /reset        forget the conversation (the system prompt stays)
@@ -304,16 +304,4 @@ def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, devic
             out.flush()
         out.write("\n")
         out.flush()
-
-
-def load_for_inference(run_dir, device: str, precision: str, announce: bool = False):
-    """(model, tokenizer, checkpoint, precision) with device and precision resolved; `announce` tells stderr
-    what was loaded where, and the precision and why (the line every command prints)."""
-    target = resolve_device(device)
-    precision = resolve_precision(precision, target)
-    model, tokenizer, checkpoint = load_model(run_dir, device=target)
-    if announce:
-        print(f"loaded {checkpoint} ({model.num_params() / 1e6:.1f}M parameters) on {target}, {precision}\n"
-              + precision_note(precision, target), file=sys.stderr)
-    return model, tokenizer, checkpoint, precision
 

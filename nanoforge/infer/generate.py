@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 from nanoforge.core.device import eval_mode
-from nanoforge.infer.defaults import SamplingConfig
+from nanoforge.infer.options import SamplingConfig
 from nanoforge.infer.engine import Engine, Request
 from nanoforge.infer.engine.sampler import seed_for
 from nanoforge.infer.engine.text import cut_at_stop

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 from nanoforge.core.device import eval_mode
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.infer.defaults import SamplingConfig
+from nanoforge.infer.options import SamplingConfig
 from nanoforge.infer.engine import Engine, Request
 from nanoforge.infer.engine.sampler import seed_for
 from nanoforge.chat.replies import Reply, parse_reply

@@ -37,9 +37,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.infer.defaults import CHAT_SAMPLING
+from nanoforge.infer.options import CHAT_SAMPLING
 from nanoforge.serve import protocol
-from nanoforge.infer.chat import load_for_inference
+from nanoforge.infer.load import load_for_inference
 from nanoforge.serve.chat_reply import ChatChunks, chat_body, chat_choice
 from nanoforge.serve.chat_request import parse_chat_request
 from nanoforge.serve.completions import TextChunks, parse_completion_request, text_body

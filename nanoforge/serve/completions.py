@@ -10,7 +10,7 @@ join, per choice, to the whole reply: the same text and the same log-prob entrie
 import json
 from typing import Any
 
-from nanoforge.infer.defaults import is_int
+from nanoforge.infer.options import is_int
 from nanoforge.serve.logprobs import Entry, ReplyEntries, TokenText, legacy_logprobs, prompt_entries
 from nanoforge.serve.protocol import (SHARED_FIELDS, Chunks, GenerationRequest, Limits, bad_request, check_fits,
                                       check_known, check_unicode, field, integer, sampling, usage)

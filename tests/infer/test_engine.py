@@ -10,7 +10,7 @@ import torch
 
 from nanoforge.core.config import ModelConfig
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.infer.defaults import SamplingConfig
+from nanoforge.infer.options import SamplingConfig
 from nanoforge.infer.engine import Engine, Request
 from nanoforge.model.gpt import GPT
 

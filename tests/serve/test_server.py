@@ -19,7 +19,7 @@ httpx = pytest.importorskip("httpx", reason="the serving tests need httpx")
 pytest.importorskip("fastapi", reason="serving needs fastapi and uvicorn (pip install fastapi uvicorn)")
 pytest.importorskip("uvicorn", reason="serving needs fastapi and uvicorn (pip install fastapi uvicorn)")
 
-from nanoforge.infer import defaults as chat_defaults  # noqa: E402
+from nanoforge.infer import options as chat_defaults  # noqa: E402
 from nanoforge.infer.generate import SamplingConfig, complete  # noqa: E402
 from nanoforge.chat.replies import parse_reply  # noqa: E402
 

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
-from nanoforge.infer import defaults as chat_defaults  # noqa: E402
+from nanoforge.infer import options as chat_defaults  # noqa: E402
 from nanoforge.infer.generate import complete  # noqa: E402
 
 from test_generate import make_tiny_run, random_model  # noqa: E402

@@ -19,7 +19,7 @@ import torch
 from nanoforge.core.config import PRECISIONS
 from nanoforge.core.device import autocast_context
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.infer.defaults import SamplingConfig, is_int
+from nanoforge.infer.options import SamplingConfig, is_int
 from nanoforge.infer.engine.sampler import RowSampling, row_sampling, sample_rows, seed_for
 from nanoforge.infer.engine.text import ReplyText
 from nanoforge.model.slots import SlotCache, SlotStep

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoforge.infer.defaults import SamplingConfig
+from nanoforge.infer.options import SamplingConfig
 
 
 @dataclass
