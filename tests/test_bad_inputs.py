@@ -187,8 +187,9 @@ def make_copy(how: bytes, world: dict, dst: Path) -> None:
     """A damaged copy of the small run."""
     shutil.copytree(world["run"], dst)
     weights = ckpt.latest_checkpoint(dst) / "model.safetensors"
-    if how == b"wrong-shape":
+    if how == b"wrong-shape":  # as a checkpoint written before checksums (a listing would refuse the swap first)
         shutil.copy(ckpt.latest_checkpoint(world["wide"]) / "model.safetensors", weights)
+        (weights.parent / "checksums.sha256").unlink()
     elif how == b"truncate":
         data = weights.read_bytes()
         weights.write_bytes(data[:len(data) // 2])

@@ -94,5 +94,6 @@ def verify_file(path: str | os.PathLike) -> None:
     except OSError as e:
         raise DamagedFile(f"{path}: cannot read it: {e.strerror or e}") from None
     if have != want:
-        raise DamagedFile(f"{path}: the file is corrupted: its sha256 is {have[:12]}..., but {listing.name} "
-                          f"recorded {want[:12]}... when it was written")
+        raise DamagedFile(f"{path}: the file is corrupted or was replaced since it was written: its sha256 is "
+                          f"{have[:12]}..., but {listing.name} recorded {want[:12]}... (a file replaced on purpose: "
+                          f"delete {listing})")

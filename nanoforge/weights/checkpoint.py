@@ -144,8 +144,8 @@ def previous_intact_advice(damaged: Path) -> str:
 
 
 def load_state(ckpt: Path) -> dict[str, Any]:
-    verify_file(ckpt / "state.json")
     state = read_json(ckpt / "state.json", "checkpoint state")
+    verify_file(ckpt / "state.json")
     if state.get("format_version") != FORMAT_VERSION:
         raise NanoforgeError(f"{ckpt / 'state.json'}: checkpoint format {state.get('format_version')!r} "
                              f"is not the supported version {FORMAT_VERSION}")
@@ -158,12 +158,13 @@ def load_weights_file(ckpt: Path) -> dict[str, torch.Tensor]:
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """A model.safetensors file (a checkpoint's, or a LoRA run's base) -> its tensors, checked against its
-    recorded checksum and for non-finite values. Never a pickle."""
-    verify_file(path)
+    recorded checksum (after the read: a file that does not read says why) and for non-finite values. Never a
+    pickle."""
     try:
         weights = load_file(str(path))
     except (OSError, SafetensorError, ValueError) as e:
         raise DamagedFile(f"{path}: cannot read weights (truncated or corrupted?): {e}") from None
+    verify_file(path)
     check_finite(weights, path)
     return weights
 
@@ -181,9 +182,10 @@ def check_finite(weights: dict[str, torch.Tensor], path: str | Path) -> None:
 
 def load_trainer_file(ckpt: Path) -> dict[str, Any]:
     path = ckpt / "trainer.pt"
-    verify_file(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        trainer = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a damaged zip; all mean the same to the user
         raise DamagedFile(f"{path}: cannot read optimizer state (truncated or corrupted?): {e}") from None
+    verify_file(path)
+    return trainer
 

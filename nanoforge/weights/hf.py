@@ -37,7 +37,6 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise NanoforgeError(f"{hf_dir}: no config.json; not an HF model directory")
-    verify_file(path)
     return read_json(path, "config.json")
 
 
@@ -160,11 +159,11 @@ def read_hf_weights(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise NanoforgeError(f"{hf_dir}: no model.safetensors or pytorch_model.bin")
     weights: dict[str, torch.Tensor] = {}
     for f in files:  # each checked against an export's checksums.sha256, when there is one
-        verify_file(f)
         try:
             part = load_file(str(f))
         except (OSError, SafetensorError, ValueError) as e:
             raise DamagedFile(f"{f}: cannot read weights: {e}") from None
+        verify_file(f)
         check_finite(part, f)
         weights.update(part)
     return split_experts({k: v.to(torch.float32) for k, v in weights.items()})

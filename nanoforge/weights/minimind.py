@@ -60,7 +60,6 @@ def read_pth(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
         raise NanoforgeError(f"{path}: no such file")
-    verify_file(path)  # against FILE.sha256, written by `export --format minimind`
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, ValueError, OSError):
@@ -69,6 +68,7 @@ def read_pth(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         why = ("it holds objects other than tensors, which only an unsafe load (one that can run code) would read"
                if head == b"PK" or head[:1] == b"\x80" else "not a file torch.save writes (truncated or corrupted?)")
         raise NanoforgeError(f"{path}: not a state dict that torch.load reads as plain tensors: {why}") from None
+    verify_file(path)  # against FILE.sha256, written by `export --format minimind`
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict) and "optimizer" in obj:
         obj = obj["model"]  # MiniMind's resume file keeps the weights under "model"
     if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):

@@ -72,13 +72,16 @@ def test_adapter_on_the_wrong_base_is_refused(base_and_data, tmp_path):
     pretrain([str(root / "pre")], root / "base2", preset="tiny",
              overrides={**FAST, "max_steps": 2, "seq_len": 128, "seed": 7}, quiet=True)
     base_file = ckpt.latest_checkpoint(root / "base") / "model.safetensors"
-    saved = base_file.read_bytes()
+    listing = base_file.with_name("checksums.sha256")  # swapped with the weights, as a retrained base has its own
+    saved, saved_listing = base_file.read_bytes(), listing.read_bytes()
     try:
-        shutil.copy(ckpt.latest_checkpoint(root / "base2") / "model.safetensors", base_file)
+        for name in (base_file.name, listing.name):
+            shutil.copy(ckpt.latest_checkpoint(root / "base2") / name, base_file.with_name(name))
         with pytest.raises(NanoforgeError, match="adapter was trained on base"):
             load_model(tmp_path / "lora")
     finally:
         base_file.write_bytes(saved)
+        listing.write_bytes(saved_listing)
 
 
 @pytest.mark.slow

@@ -94,7 +94,8 @@ def reading_commands(run: Path, world: Path, port: int) -> dict[str, list]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how,words", [
-    ("flip", ["model.safetensors: the file is corrupted: its sha256 is", "checksums.sha256 recorded"]),
+    ("flip", ["model.safetensors: the file is corrupted or was replaced since it was written: its sha256 is",
+              "checksums.sha256 recorded"]),
     ("nan", [f"model.safetensors: tensor {TENSOR} holds non-finite values (1 NaN of 12,288)"])])
 def test_a_damaged_checkpoint_is_refused_by_every_command(world, tmp_path, how, words):
     run = damaged_copy(world, tmp_path / "copy", how)
@@ -159,4 +160,4 @@ def test_an_hf_export_carries_checksums_that_transformers_ignores(world, tmp_pat
     data[len(data) // 2] ^= 0x10
     (hf / "model.safetensors").write_bytes(bytes(data))
     one_clear_line(nf("generate", hf, "--prompt", "hello", "--max-new-tokens", "2"),
-                   f"{hf / 'model.safetensors'}: the file is corrupted")
+                   f"{hf / 'model.safetensors'}: the file is corrupted or was replaced")

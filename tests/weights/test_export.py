@@ -214,6 +214,7 @@ def test_import_names_mismatched_weights(hf_dir, tmp_path):
     del weights["model.layers.1.mlp.up_proj.weight"]
     weights["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
     save_file(weights, str(bad / "model.safetensors"))
+    (bad / "checksums.sha256").unlink()  # weights rewritten on purpose (else: "the file is corrupted or was replaced")
     with pytest.raises(NanoforgeError, match=r"model\.layers\.1\.mlp\.up_proj\.weight is missing.*q_proj\.bias"):
         load_hf_model(bad)
 
