@@ -10,7 +10,6 @@ Out: a `.pth` (with FILE.pth.sha256 beside it, checked when nanoforge reads it b
 and its trainers' `--from_weight` load strictly; they build
 MiniMindConfig(hidden_size, num_hidden_layers, use_moe) with every other field at its default, so the model
 must have exactly those defaults (`minimind_mismatches`)."""
-import math
 import os
 import pickle
 import re
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 
 from nanoforge.core.checksums import replace_with_checksum, verify_file
-from nanoforge.core.config import ConfigError, ModelConfig
+from nanoforge.core.config import ConfigError, ModelConfig, derived_ffn
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.weights.checkpoint import check_finite
 
@@ -119,8 +118,8 @@ def config_from_state_dict(sd: dict[str, torch.Tensor], where: str | os.PathLike
 
 
 def minimind_ffn(d_model: int) -> int:
-    """MiniMindConfig's intermediate_size: ceil(hidden * pi / 64) * 64."""
-    return math.ceil(d_model * math.pi / 64) * 64
+    """MiniMindConfig's intermediate_size: ceil(hidden * pi / 64) * 64 (config.FFN_RULES' "pi")."""
+    return derived_ffn(d_model, "pi")
 
 
 def minimind_mismatches(cfg: ModelConfig) -> list[str]:
