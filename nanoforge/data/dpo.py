@@ -107,7 +107,7 @@ def compute_reference_logps(model: nn.Module, shards: TokenShards, batch_size: i
     return out
 
 
-def weights_fingerprint(model: nn.Module) -> str:
+def exact_weights_sha256(model: nn.Module) -> str:
     """sha256 over the model's parameter and buffer names, shapes, dtypes and bytes: two models with this
     fingerprint compute the same function, whatever file (or no file) they came from."""
     h = hashlib.sha256()
@@ -130,12 +130,12 @@ def reference_logps(model: nn.Module, shards: TokenShards, cache_dir: str | Path
                     fingerprint: str | None = None, log: Callable[[str], None] = print) -> np.ndarray:
     """compute_reference_logps, cached as cache_dir/ref_logps_{split}.npy with a .json key beside it.
 
-    The key holds the reference fingerprint (default: `weights_fingerprint(model)`; the dpo stage may pass
+    The key holds the reference fingerprint (default: `exact_weights_sha256(model)`; the dpo stage may pass
     the sha256 of the init checkpoint's model.safetensors instead), the data fingerprint, seq_len and
     precision. Any difference recomputes and overwrites the cache; a match loads it."""
     cache_dir = Path(cache_dir)
     npy, meta = cache_dir / f"ref_logps_{shards.split}.npy", cache_dir / f"ref_logps_{shards.split}.json"
-    key = {"version": CACHE_VERSION, "reference": fingerprint or weights_fingerprint(model),
+    key = {"version": CACHE_VERSION, "reference": fingerprint or exact_weights_sha256(model),
            "data": _data_fingerprint(shards), "seq_len": seq_len, "precision": precision,
            "num_docs": shards.num_docs}
     if npy.is_file() and meta.is_file():

@@ -34,18 +34,20 @@ def json_lines(path) -> Iterator[tuple[int, object]]:
             yield line_no, value
 
 
-def fitting(items: list, wheres: list[str], rollouts: list, what: str, model, max_new_tokens: int, log):
-    """(items, rollouts) of the rollouts (infer/turns.py) whose prompt fit the model's context, and the file:line
-    of those that did not: nothing was generated for them, so they are reported through `log`, never scored."""
-    fit = [bool(r.replies) or r.end != "context" for r in rollouts]
+def fitting(items: list, wheres: list[str], conversations: list, what: str, model, max_new_tokens: int, log):
+    """(items, conversations) of the conversations (infer/turns.py) whose prompt fit the model's context, and the
+    file:line of those that did not: nothing was generated for them, so they are reported through `log`, never
+    scored."""
+    fit = [bool(r.replies) or r.end != "context" for r in conversations]
     skipped = [w for w, ok in zip(wheres, fit) if not ok]
     why = (f"the prompt and --max-new-tokens {max_new_tokens} do not fit the model's context "
            f"({model.context_length} tokens)")
-    if len(skipped) == len(rollouts):
-        raise NanoforgeError(f"none of the {len(rollouts):,} {what} can be scored: {why}")
+    if len(skipped) == len(conversations):
+        raise NanoforgeError(f"none of the {len(conversations):,} {what} can be scored: {why}")
     if skipped:
-        log(f"{len(skipped):,} of {len(rollouts):,} {what} skipped, not scored: {why}; first: {', '.join(skipped[:3])}")
-    return [x for x, ok in zip(items, fit) if ok], [r for r, ok in zip(rollouts, fit) if ok], skipped
+        log(f"{len(skipped):,} of {len(conversations):,} {what} skipped, not scored: {why}; first: "
+            f"{', '.join(skipped[:3])}")
+    return [x for x, ok in zip(items, fit) if ok], [r for r, ok in zip(conversations, fit) if ok], skipped
 
 
 class Progress:

@@ -102,43 +102,43 @@ def evaluate_gsm8k(model, tokenizer, problems: list[Problem], tools=(), think: b
     fails at once), decoding greedily with the given built-in tools; prints a table through `log` and returns
     the numbers with one row per problem."""
     cfg = SamplingConfig(temperature=0, max_new_tokens=max_new_tokens)
-    conversations = [[{"role": "user", "content": p.question}] for p in problems]
+    openings = [[{"role": "user", "content": p.question}] for p in problems]
     bar = Progress(progress, "gsm8k problems", len(problems))
-    rollouts, seconds = converse(model, tokenizer, conversations, cfg, batch_size, bar.update,
-                                       tools=tools, think=think, max_turns=max_turns, precision=precision)
+    conversations, seconds = converse(model, tokenizer, openings, cfg, batch_size, bar.update,
+                                      tools=tools, think=think, max_turns=max_turns, precision=precision)
     bar.close()
-    problems, rollouts, too_long = fitting(problems, [p.where for p in problems], rollouts, "problems", model,
-                                           max_new_tokens, log)
-    rows = [_graded(p, r) for p, r in zip(problems, rollouts)]
-    result = _summary(rows, rollouts, seconds, bool(tools))
+    problems, conversations, too_long = fitting(problems, [p.where for p in problems], conversations, "problems",
+                                                model, max_new_tokens, log)
+    rows = [_graded(p, r) for p, r in zip(problems, conversations)]
+    result = _summary(rows, conversations, seconds, bool(tools))
     result.update(tools=list(tools), think=think, too_long=len(too_long), too_long_records=too_long, per_record=rows)
     log(format_table([f"gsm8k ({len(rows)} problems" + (", tools: " + ",".join(tools) if tools else "") + ")",
                       "value"], _table_rows(result)))
     return result
 
 
-def _graded(problem: Problem, rollout: Conversation) -> dict:
-    predicted = extract_answer(rollout.final_content)
+def _graded(problem: Problem, conversation: Conversation) -> dict:
+    predicted = extract_answer(conversation.final_content)
     return {"where": problem.where, "gold": problem.gold, "predicted": predicted,
-            "correct": numbers_equal(predicted, problem.gold), "turns": rollout.turns, "end": rollout.end,
-            "content": rollout.final_content}
+            "correct": numbers_equal(predicted, problem.gold), "turns": conversation.turns, "end": conversation.end,
+            "content": conversation.final_content}
 
 
-def _summary(rows: list[dict], rollouts: list[Conversation], seconds: float, with_tools: bool) -> dict:
+def _summary(rows: list[dict], conversations: list[Conversation], seconds: float, with_tools: bool) -> dict:
     n = len(rows)
-    tokens = sum(r.new_tokens for r in rollouts)
+    tokens = sum(r.new_tokens for r in conversations)
     out = {"problems": n, "accuracy": sum(r["correct"] for r in rows) / n,
            "answered": sum(r["predicted"] is not None for r in rows) / n,
-           "mean_turns": sum(r.turns for r in rollouts) / n,
-           "ended_normally": sum(r.finished for r in rollouts) / n,
+           "mean_turns": sum(r.turns for r in conversations) / n,
+           "ended_normally": sum(r.finished for r in conversations) / n,
            "new_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)}
     if with_tools:
-        replies = [reply for r in rollouts for reply in r.replies]
+        replies = [reply for r in conversations for reply in r.replies]
         calls = sum(len(reply.tool_calls) for reply in replies)
         blocks = calls + sum(len(reply.errors) for reply in replies)
         out.update(tool_calls=calls, tool_call_blocks=blocks,
                    tool_call_parse_rate=calls / blocks if blocks else None,
-                   problems_with_calls=sum(any(x.tool_calls for x in r.replies) for r in rollouts) / n)
+                   problems_with_calls=sum(any(x.tool_calls for x in r.replies) for r in conversations) / n)
     return out
 
 

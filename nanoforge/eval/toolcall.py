@@ -73,63 +73,63 @@ def evaluate_toolcall(model, tokenizer, cases: list[dict], think: bool = False, 
     model); prints a table through `log` and returns them with one row per record."""
     cfg = SamplingConfig(temperature=0, max_new_tokens=max_new_tokens)
     bar = Progress(progress, "toolcall records", len(cases))
-    rollouts, seconds = _rollouts(model, tokenizer, cases, cfg, batch_size, bar, think=think, max_turns=max_turns,
-                                  precision=precision)
+    conversations, seconds = _converse_by_tools(model, tokenizer, cases, cfg, batch_size, bar, think=think,
+                                                max_turns=max_turns, precision=precision)
     bar.close()
-    cases, rollouts, too_long = fitting(cases, [c["where"] for c in cases], rollouts, "records", model,
-                                        max_new_tokens, log)
-    rows = [_graded(c, r) for c, r in zip(cases, rollouts)]
-    result = _summary(rows, rollouts, seconds)
+    cases, conversations, too_long = fitting(cases, [c["where"] for c in cases], conversations, "records", model,
+                                             max_new_tokens, log)
+    rows = [_graded(c, r) for c, r in zip(cases, conversations)]
+    result = _summary(rows, conversations, seconds)
     result.update(think=think, too_long=len(too_long), too_long_records=too_long, per_record=rows)
     log(format_table([f"toolcall ({len(rows)} records)", "value"], _table_rows(result)))
     return result
 
 
-def _rollouts(model, tokenizer, cases, cfg, batch_size, bar, **loop_args) -> tuple[list[Conversation], float]:
+def _converse_by_tools(model, tokenizer, cases, cfg, batch_size, bar, **loop_args) -> tuple[list[Conversation], float]:
     """Run the cases through the tool loop, grouped by which built-in tools they declare (the loop runs one set
-    of tools per call); the rollouts in the cases' order and the seconds spent."""
+    of tools per call); the conversations in the cases' order and the seconds spent."""
     groups: dict[tuple, list[int]] = {}
     for i, case in enumerate(cases):
         groups.setdefault(tuple(sorted(set(case["schemas"]) & set(BUILTIN_TOOLS))), []).append(i)
-    rollouts: list[Conversation | None] = [None] * len(cases)
+    conversations: list[Conversation | None] = [None] * len(cases)
     seconds, done = 0.0, 0
     for tools, members in groups.items():
         got, spent = converse(model, tokenizer, [cases[i]["prompt"] for i in members], cfg, batch_size,
                                     lambda n: bar.update(done + n), tools=tools, **loop_args)  # noqa: B023 (called at once)
-        for i, rollout in zip(members, got):
-            rollouts[i] = rollout
+        for i, conversation in zip(members, got):
+            conversations[i] = conversation
         seconds, done = seconds + spent, done + len(members)
-    return rollouts, seconds
+    return conversations, seconds
 
 
-def _graded(case: dict, rollout: Conversation) -> dict:
-    first = rollout.replies[0] if rollout.replies else None
+def _graded(case: dict, conversation: Conversation) -> dict:
+    first = conversation.replies[0] if conversation.replies else None
     calls = first.tool_calls if first else []
     runnable = all(name in BUILTIN_TOOLS and name in case["schemas"] for name, _ in case["calls"])
     return {"where": case["where"], "reference_calls": len(case["calls"]), "calls": len(calls),
             "parsed": bool(first and calls and not first.errors),
             "valid_calls": sum(valid_call(c, case["schemas"]) for c in calls),
             "match": calls_match(calls, case["calls"]), "scored_answer": runnable,
-            "correct": runnable and same_answer(rollout.final_content, case["answer"]),
-            "turns": rollout.turns, "end": rollout.end, "content": rollout.final_content}
+            "correct": runnable and same_answer(conversation.final_content, case["answer"]),
+            "turns": conversation.turns, "end": conversation.end, "content": conversation.final_content}
 
 
 def _rate(rows: list[dict], key: str) -> float | None:
     return sum(bool(r[key]) for r in rows) / len(rows) if rows else None
 
 
-def _summary(rows: list[dict], rollouts: list[Conversation], seconds: float) -> dict:
+def _summary(rows: list[dict], conversations: list[Conversation], seconds: float) -> dict:
     calling = [r for r in rows if r["reference_calls"]]
     silent = [r for r in rows if not r["reference_calls"]]
     made = sum(r["calls"] for r in rows)
-    tokens = sum(r.new_tokens for r in rollouts)
+    tokens = sum(r.new_tokens for r in conversations)
     return {"records": len(rows), "records_with_calls": len(calling), "parse_rate": _rate(calling, "parsed"),
             "valid_call_rate": sum(r["valid_calls"] for r in rows) / made if made else None,
             "call_match_rate": _rate(calling, "match"),
             "no_call_agreement": sum(r["calls"] == 0 for r in silent) / len(silent) if silent else None,
             "answer_records": sum(r["scored_answer"] for r in rows),
             "answer_accuracy": _rate([r for r in rows if r["scored_answer"]], "correct"),
-            "mean_turns": sum(r.turns for r in rollouts) / len(rows),
+            "mean_turns": sum(r.turns for r in conversations) / len(rows),
             "new_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)}
 
 

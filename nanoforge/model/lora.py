@@ -11,7 +11,7 @@ Names follow PEFT's layout without its adapter-name level, so a checkpoint reads
 
 `LoraLinear` reuses the wrapped Linear's weight Parameter (no nested `.base`), so base keys stay unchanged and
 `merge_lora` can hand back a plain GPT. `LoraModel` wraps a GPT so that the one loop saves and restores only the
-adapters, plus the base's path, sha256 and `weights_fingerprint` (weights/load.py records and checks them)."""
+adapters, plus the base's path, sha256 and `sampled_weights_fingerprint` (weights/load.py records and checks them)."""
 import hashlib
 import math
 
@@ -135,7 +135,7 @@ def load_lora_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
 # -------------------------------------------------------------------------------------- Telling bases apart
 
 @torch.no_grad()
-def weights_fingerprint(weights: dict[str, torch.Tensor] | nn.Module, samples: int = 16) -> str:
+def sampled_weights_fingerprint(weights: dict[str, torch.Tensor] | nn.Module, samples: int = 16) -> str:
     """sha256 over the base tensors' names, shapes and `samples` evenly spaced values of each (as fp32): cheap (no
     full pass over the weights), yet any other base (another run, step or shape) differs in some sampled value.
     Adapters and a tied lm_head copy are left out, so a base gives the same fingerprint from a file, a GPT or a GPT

@@ -16,10 +16,11 @@ from nanoforge.infer.turns import Conversation, environment_ids, run_conversatio
 from nanoforge.rl.prompts import PromptRecord
 from nanoforge.rl.rewards import AgentTurns, agent_reward_parts
 from nanoforge.rl.options import RLOptions
-from nanoforge.rl.rollout import Batch, check_fits, policy_batch
+from nanoforge.train.stage import Batch
+from nanoforge.rl.rollout import check_fits, policy_batch
 from nanoforge.chat.calculator import BUILTIN_TOOLS
 
-__all__ = ["Trajectory", "agent_prompt", "agent_rollouts", "environment_ids", "agent_rollout"]
+__all__ = ["Trajectory", "agent_prompt", "sample_trajectories", "environment_ids", "agent_rollout"]
 
 
 @dataclass
@@ -35,7 +36,7 @@ def agent_prompt(tokenizer, record: PromptRecord, tools: Sequence[str], think: b
     return tool_prompt(tokenizer, record.messages, tools, think, declared=record.tools)
 
 
-def agent_rollouts(model, tokenizer, prompts: Sequence[Sequence[int]], records: Sequence[PromptRecord],
+def sample_trajectories(model, tokenizer, prompts: Sequence[Sequence[int]], records: Sequence[PromptRecord],
                    tools: Sequence[str], cfg: SamplingConfig, max_turns: int, think: bool = False,
                    generator: torch.Generator | None = None, precision: str = "fp32") -> list[Trajectory]:
     """Roll out every prompt (token ids, e.g. `agent_prompt`) with the built-in `tools` until it answers, runs
@@ -91,7 +92,7 @@ def agent_rollout(model, tokenizer, records: Sequence[PromptRecord], opts: RLOpt
                   reference=None, micro_rows: int | None = None, precision: str = "fp32", *, tools: Sequence[str],
                   max_turns: int) -> Batch:
     """rl/rollout.py `rollout` for `grpo --tools`: each record rolled out num_generations times by
-    agent_rollouts (every trajectory of the step in one batch per round), rewarded by the agent reward alone
+    sample_trajectories (every trajectory of the step in one batch per round), rewarded by the agent reward alone
     (`reward_fn` must be None), and laid out as the same batch (the reference's log-probs recomputed over the
     packed ids in the loss's micro-batch chunks; the old ones are the first update's)."""
     if reward_fn is not None:
@@ -102,7 +103,7 @@ def agent_rollout(model, tokenizer, records: Sequence[PromptRecord], opts: RLOpt
         check_fits(ids, record, model.context_length)
     sampling = SamplingConfig(temperature=opts.temperature, max_new_tokens=opts.max_new_tokens, seed=seed)
     start = time.perf_counter()
-    trajectories = agent_rollouts(model, tokenizer, [p for p in prompts for _ in range(G)],
+    trajectories = sample_trajectories(model, tokenizer, [p for p in prompts for _ in range(G)],
                                   [r for r in records for _ in range(G)], tools, sampling, max_turns, opts.think,
                                   precision=precision)
     seconds = time.perf_counter() - start

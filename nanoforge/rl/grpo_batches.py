@@ -20,7 +20,8 @@ from nanoforge.rl.losses import loss_count, policy_loss
 from nanoforge.rl.prompts import PromptIterator
 from nanoforge.model.prefix import prefix_token_logps
 from nanoforge.rl.options import PPOOptions, RLOptions
-from nanoforge.rl.rollout import Batch, RewardFn, rollout, rows
+from nanoforge.train.stage import Batch
+from nanoforge.rl.rollout import RewardFn, rollout, rows
 
 
 def rollout_seed(seed: int, index: int, rank: int) -> int:

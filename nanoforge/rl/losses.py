@@ -1,6 +1,6 @@
 """Policy-gradient losses of the RL stages (GRPO, CISPO, REINFORCE, PPO), as pure tensor functions.
 
-Shapes: B rollouts (sequences) of T positions. `logp`, `old_logp`, `ref_logp` are (B, T) log-probabilities of
+Shapes: B sequences (a rollout's rows) of T positions. `logp`, `old_logp`, `ref_logp` are (B, T) log-probabilities of
 the sampled tokens under the policy being trained, the policy that sampled them, and the frozen reference.
 `mask` (B, T) is 1 on the tokens the policy wrote and is trained on (the reply, its stop token when it
 stopped) and 0 elsewhere (prompt, tool results, padding). Positions with mask 0 never get a gradient, whatever
@@ -179,7 +179,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 def approx_kl(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """KL(old policy || current policy) over the masked tokens, which the old policy sampled: the mean of
     k3 = exp(d) - d - 1 with d = logp - old_logp (kl_k3 with the roles swapped; >= 0). PPO stops its epochs
-    over a batch of rollouts once this passes a target."""
+    over a rollout's rows once this passes a target."""
     m = mask.bool()
     zero = torch.zeros_like(logp, dtype=torch.float32)
     return masked_mean(kl_k3(torch.where(m, old_logp.float(), zero), torch.where(m, logp.float(), zero)), m)

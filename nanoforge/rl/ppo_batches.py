@@ -20,7 +20,8 @@ from nanoforge.rl.losses import approx_kl
 from nanoforge.rl.options import PPOOptions
 from nanoforge.rl.ppo_update import forward_ppo, ppo_batch, ppo_loss, should_stop_early, token_logprobs
 from nanoforge.rl.prompts import PromptIterator
-from nanoforge.rl.rollout import Batch, RewardFn, sample_scored
+from nanoforge.train.stage import Batch
+from nanoforge.rl.rollout import RewardFn, sample_scored
 from nanoforge.rl.grpo_batches import RolloutBatches
 from nanoforge.train import distributed
 

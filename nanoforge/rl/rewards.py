@@ -230,7 +230,7 @@ AGENT_UNFINISHED_PENALTY = 0.5  # the trajectory ended without a final answer (m
 
 @dataclass
 class AgentTurns:
-    """What the agent reward needs of a multi-turn rollout."""
+    """What the agent reward needs of a multi-turn trajectory."""
     replies: list[str]  # the assistant replies' texts, in order
     tool_results: list[str]  # the result of every call that was run, in order
     finished: bool  # the last reply stopped with its stop token and called no tool

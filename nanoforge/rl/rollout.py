@@ -24,8 +24,8 @@ from nanoforge.rl.losses import group_advantages
 from nanoforge.model.prefix import prefix_token_logps
 from nanoforge.rl.prompts import PromptRecord
 from nanoforge.rl.options import PPOOptions, RLOptions
+from nanoforge.train.stage import Batch
 
-Batch = dict[str, torch.Tensor]
 # fn(completion text, reward record) -> (total reward, {reward name: value}); rl/rewards.py combine()
 RewardFn = Callable[[str, dict], tuple[float, dict[str, float]]]
 

@@ -24,7 +24,7 @@ from nanoforge.core.config import MODEL_FIELDS, ModelConfig
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.weights.hf import is_hf_dir, model_config_from_hf, read_hf_config, read_hf_weights
 from nanoforge.model.gpt import GPT
-from nanoforge.model.lora import LoraConfig, LoraModel, weights_fingerprint
+from nanoforge.model.lora import LoraConfig, LoraModel, sampled_weights_fingerprint
 from nanoforge.chat.tokenizer import load_tokenizer
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.weights.minimind import config_from_state_dict, is_pth, pth_tokenizer_dir, read_pth
@@ -143,7 +143,7 @@ def adapter_metadata(base_checkpoint: str | Path, base_weights: dict[str, torch.
     """What an adapter checkpoint records about its base (flat strings, for config.toml and state.json)."""
     path = _base_file(base_checkpoint)
     return {"base_checkpoint": str(path.resolve()), "base_sha256": file_sha256(path),
-            "base_fingerprint": weights_fingerprint(base_weights)}
+            "base_fingerprint": sampled_weights_fingerprint(base_weights)}
 
 
 def check_base(meta: dict[str, Any], base_checkpoint: str | Path) -> None:
@@ -156,7 +156,7 @@ def check_base(meta: dict[str, Any], base_checkpoint: str | Path) -> None:
             raise NanoforgeError(f"the adapter's metadata has no {key}; cannot tell which base it was trained on")
     path = _base_file(base_checkpoint)
     sha = file_sha256(path)
-    if sha != meta["base_sha256"] and weights_fingerprint(read_base_weights(path)) != meta["base_fingerprint"]:
+    if sha != meta["base_sha256"] and sampled_weights_fingerprint(read_base_weights(path)) != meta["base_fingerprint"]:
         raise NanoforgeError(f"adapter was trained on base {meta.get('base_checkpoint', '?')} "
                              f"(sha256 {meta['base_sha256'][:12]}), not {path} (sha256 {sha[:12]}); "
                              f"give the base it was trained on")

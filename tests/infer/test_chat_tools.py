@@ -86,7 +86,7 @@ def test_chat_eval_and_rl_give_the_same_tokens_for_the_same_conversation_and_see
     """One conversation, sampled (temperature 0.9, seed 11), through `chat`, `eval`'s loop and `grpo --tools`'s
     rollouts: the same prompt, replies, tool results and tokens."""
     from nanoforge.infer.turns import converse
-    from nanoforge.rl.agent import agent_rollouts
+    from nanoforge.rl.agent import sample_trajectories
     from nanoforge.rl.prompts import PromptRecord
 
     model, tokenizer = loaded
@@ -97,7 +97,7 @@ def test_chat_eval_and_rl_give_the_same_tokens_for_the_same_conversation_and_see
                         on_prompt=prompts.append, tools=["calculator"], think=think)
     opening = chatted[:2]  # the system message and the question
     [evaluated], _ = converse(model, tokenizer, [opening], cfg, 1, tools=["calculator"], think=think, max_turns=6)
-    [rolled] = agent_rollouts(model, tokenizer, [prompts[0]], [PromptRecord(messages=opening, gt=["0"])],
+    [rolled] = sample_trajectories(model, tokenizer, [prompts[0]], [PromptRecord(messages=opening, gt=["0"])],
                               ["calculator"], cfg, max_turns=6, think=think)
     assert evaluated.ids[:len(prompts[0])] == prompts[0] and evaluated.ids == rolled.ids
     assert evaluated.messages == chatted and rolled.messages == chatted[2:]  # RL's keep no prompt messages

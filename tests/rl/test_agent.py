@@ -19,7 +19,7 @@ from nanoforge.infer.turns import converse
 from nanoforge.chat.tools import tool_schemas
 from nanoforge.weights.load import load_model
 from nanoforge.model.gpt import GPT
-from nanoforge.rl.agent import Trajectory, agent_prompt, agent_rollouts, environment_ids
+from nanoforge.rl.agent import Trajectory, agent_prompt, sample_trajectories, environment_ids
 from nanoforge.rl.prompts import PromptRecord, prompt_record
 from nanoforge.rl.rewards import answer_found
 from nanoforge.chat.calculator import evaluate
@@ -134,7 +134,7 @@ def test_call_then_answer_equals_the_rendered_conversation(tiny_tokenizer, think
     replies = [reply(tok, first), reply(tok, second)]
     model = scripted_model(tok, {tuple(prompt): replies}, think)
     cfg = SamplingConfig(temperature=0, max_new_tokens=96)
-    [trajectory] = agent_rollouts(model, tok, [prompt], [rec], TOOLS, cfg, max_turns=4, think=think)
+    [trajectory] = sample_trajectories(model, tok, [prompt], [rec], TOOLS, cfg, max_turns=4, think=think)
 
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12*7"}}}
     conversation = [*rec.messages, {"role": "assistant", "content": "", "tool_calls": [call]},
@@ -183,7 +183,7 @@ def test_still_calling_at_max_turns_is_unfinished(tiny_tokenizer):
     prompt = agent_prompt(tok, rec, TOOLS, False)
     calls = [reply(tok, CALL)] * 3
     model = scripted_model(tok, {tuple(prompt): calls})
-    [trajectory] = agent_rollouts(model, tok, [prompt], [rec], TOOLS, GREEDY, max_turns=2)
+    [trajectory] = sample_trajectories(model, tok, [prompt], [rec], TOOLS, GREEDY, max_turns=2)
     environment = environment_ids(tok, [{"role": "tool", "content": "84"}], False)
     # both calls ran; nothing follows the last one, since nothing will be generated after it
     assert trajectory.ids == prompt + calls[0] + environment + calls[1]
@@ -199,7 +199,7 @@ def test_malformed_and_unknown_calls(tiny_tokenizer):
     bad = reply(tok, '<tool_call>\n{"name": "calculator", "arguments": \n</tool_call>')
     unknown = reply(tok, '<tool_call>\n{"name": "abacus", "arguments": {}}\n</tool_call>')
     model = scripted_model(tok, {tuple(prompt): [unknown, bad]})
-    [trajectory] = agent_rollouts(model, tok, [prompt], [rec], TOOLS, GREEDY, max_turns=4)
+    [trajectory] = sample_trajectories(model, tok, [prompt], [rec], TOOLS, GREEDY, max_turns=4)
     # an unknown tool gets an error result and the trajectory goes on; a malformed block is no call: it ends
     assert trajectory.tool_results == ["Error: unknown tool 'abacus' (available: calculator)"]
     assert trajectory.turns == 2 and trajectory.end == "answer" and trajectory.finished
@@ -215,7 +215,7 @@ def test_truncated_reply_ends_unfinished_without_its_calls(tiny_tokenizer):
     long = reply(tok, CALL + " and then some more words after the call")
     cfg = SamplingConfig(temperature=0, max_new_tokens=len(long) - 3)
     model = scripted_model(tok, {tuple(prompt): [long]})
-    [trajectory] = agent_rollouts(model, tok, [prompt], [rec], TOOLS, cfg, max_turns=4)
+    [trajectory] = sample_trajectories(model, tok, [prompt], [rec], TOOLS, cfg, max_turns=4)
     assert trajectory.ids == prompt + long[:cfg.max_new_tokens]  # no stop token: it was cut
     assert trajectory.mask == [0] * len(prompt) + [1] * cfg.max_new_tokens
     assert trajectory.end == "length" and not trajectory.finished and trajectory.tool_results == []
@@ -231,12 +231,12 @@ def test_next_round_that_would_not_fit_ends_the_trajectory(tiny_tokenizer):
     needed = len(prompt) + len(replies[0]) + len(environment) + GREEDY.max_new_tokens
     for context, end in ((needed, "answer"), (needed - 1, "context")):
         model = scripted_model(tok, {tuple(prompt): replies}, max_seq_len=context)
-        [trajectory] = agent_rollouts(model, tok, [prompt], [rec], TOOLS, GREEDY, max_turns=4)
+        [trajectory] = sample_trajectories(model, tok, [prompt], [rec], TOOLS, GREEDY, max_turns=4)
         assert trajectory.end == end and trajectory.turns == (2 if end == "answer" else 1)
     assert trajectory.ids == prompt + replies[0] and trajectory.tool_results == ["84"]
     assert trajectory.reward == pytest.approx(0.1 - 0.5)
     small = scripted_model(tok, {}, max_seq_len=len(prompt) + GREEDY.max_new_tokens - 1)
-    [never] = agent_rollouts(small, tok, [prompt], [rec], TOOLS, GREEDY, max_turns=4)
+    [never] = sample_trajectories(small, tok, [prompt], [rec], TOOLS, GREEDY, max_turns=4)
     assert never.end == "context" and never.turns == 0 and never.ids == prompt and sum(never.mask) == 0
 
 
@@ -260,8 +260,8 @@ def test_batch_equals_one_trajectory_at_a_time(tiny_tokenizer):
     tok = tiny_tokenizer
     prompts, records, scripts = _mixed_batch(tok)
     model = scripted_model(tok, scripts)
-    batched = agent_rollouts(model, tok, prompts, records, TOOLS, GREEDY, max_turns=4)
-    alone = [agent_rollouts(model, tok, [p], [r], TOOLS, GREEDY, max_turns=4)[0] for p, r in zip(prompts, records)]
+    batched = sample_trajectories(model, tok, prompts, records, TOOLS, GREEDY, max_turns=4)
+    alone = [sample_trajectories(model, tok, [p], [r], TOOLS, GREEDY, max_turns=4)[0] for p, r in zip(prompts, records)]
     assert [t.end for t in batched] == ["answer", "answer", "answer", "length"]
     assert [t.turns for t in batched] == [2, 1, 3, 1] and batched[2].tool_results == ["7", "84"]
     for b, a in zip(batched, alone):
@@ -276,7 +276,7 @@ def test_logprobs_equal_a_fresh_forward_at_the_sampling_temperature(tiny_tokeniz
     scripts[tuple(prompts[0])] = scripts[tuple(prompts[0])][:1]  # the answer after the call is sampled freely
     model = scripted_model(tok, scripts)
     cfg = SamplingConfig(temperature=0.7, max_new_tokens=64)
-    trajectories = agent_rollouts(model, tok, prompts, records, TOOLS, cfg, max_turns=3,
+    trajectories = sample_trajectories(model, tok, prompts, records, TOOLS, cfg, max_turns=3,
                                   generator=torch.Generator().manual_seed(5))
     assert trajectories[0].turns == 2 and trajectories[0].tool_results == ["84"]
     for t in trajectories:
@@ -287,7 +287,7 @@ def test_logprobs_equal_a_fresh_forward_at_the_sampling_temperature(tiny_tokeniz
         assert t.logprobs == pytest.approx(expected, abs=1e-4)
     free = [lp for lp, m in zip(trajectories[3].logprobs, trajectories[3].mask) if m]
     assert min(free) < -0.5, "the unscripted row's log-probs must be non-trivial for the check to mean anything"
-    again = agent_rollouts(model, tok, prompts, records, TOOLS, cfg, max_turns=3,
+    again = sample_trajectories(model, tok, prompts, records, TOOLS, cfg, max_turns=3,
                            generator=torch.Generator().manual_seed(5))
     assert [t.ids for t in again] == [t.ids for t in trajectories]
 
@@ -298,15 +298,15 @@ def test_bad_arguments_are_refused(tiny_tokenizer):
     prompt = agent_prompt(tok, rec, TOOLS, False)
     model = scripted_model(tok, {}, max_seq_len=256)
     with pytest.raises(NanoforgeError, match="max-turns"):
-        agent_rollouts(model, tok, [prompt], [rec], TOOLS, GREEDY, max_turns=0)
+        sample_trajectories(model, tok, [prompt], [rec], TOOLS, GREEDY, max_turns=0)
     with pytest.raises(NanoforgeError, match="abacus"):
-        agent_rollouts(model, tok, [prompt], [rec], ["abacus"], GREEDY, max_turns=1)
+        sample_trajectories(model, tok, [prompt], [rec], ["abacus"], GREEDY, max_turns=1)
     with pytest.raises(NanoforgeError, match="one record per prompt"):
-        agent_rollouts(model, tok, [prompt, prompt], [rec], TOOLS, GREEDY, max_turns=1)
+        sample_trajectories(model, tok, [prompt, prompt], [rec], TOOLS, GREEDY, max_turns=1)
     with pytest.raises(NanoforgeError, match="repetition_penalty"):
-        agent_rollouts(model, tok, [prompt], [rec], TOOLS, SamplingConfig(repetition_penalty=1.2), max_turns=1)
+        sample_trajectories(model, tok, [prompt], [rec], TOOLS, SamplingConfig(repetition_penalty=1.2), max_turns=1)
     with pytest.raises(NanoforgeError, match='"gt"'):
-        agent_rollouts(model, tok, [prompt], [record("Hi", None)], TOOLS, GREEDY, max_turns=1)
+        sample_trajectories(model, tok, [prompt], [record("Hi", None)], TOOLS, GREEDY, max_turns=1)
 
 
 # ---------------------------------------------------------------------------------------------- the tool run
@@ -321,7 +321,7 @@ def test_tool_run_rollouts_with_the_calculator(tool_run_dir, think):
                               "gt": evaluate(f"{q[0]} {q[1]} {q[2]}")}) for q in QUESTIONS]
     prompts = [agent_prompt(tok, r, TOOLS, think) for r in records]
     cfg = SamplingConfig(temperature=0, max_new_tokens=64)
-    trajectories = agent_rollouts(model, tok, prompts, records, TOOLS, cfg, max_turns=3, think=think)
+    trajectories = sample_trajectories(model, tok, prompts, records, TOOLS, cfg, max_turns=3, think=think)
     response = (tok.token_to_id("<tool_response>"), tok.token_to_id("</tool_response>"))
     for t, p in zip(trajectories, prompts):
         assert isinstance(t, Trajectory) and t.ids[:len(p)] == p and t.turns >= 1
