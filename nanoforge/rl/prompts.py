@@ -10,6 +10,8 @@ Shapes (one file may mix them; every other key of a record is kept in `PromptRec
     agentic  either shape with "gt": the expected answer, a string or a list of strings (MiniMind's agent RL)."""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,6 +139,15 @@ def read_prompts(path: str | os.PathLike, limit: int | None = None) -> list[Prom
 
 # ---------------------------------------------------------------------------------------------- order
 
+def prompts_sha256(records: list[PromptRecord]) -> str:
+    """A digest of the prompts' content in their order (not where they were read from: a moved file is the same)."""
+    h = hashlib.sha256()
+    for r in records:
+        h.update(json.dumps([r.messages, r.answer, r.gt, r.tools, r.extra], sort_keys=True, default=str).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
 class PromptIterator:
     """Prompts in a seeded random order per epoch, sharded across ranks, resumable from (epoch, cursor).
 
@@ -181,16 +192,27 @@ class PromptIterator:
         return [self.records[i] for i in mine]
 
     def state_dict(self) -> dict:
-        """Where the run is in the prompts, as JSON-able values (for the checkpoint's state.json)."""
-        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "num_prompts": len(self.records)}
+        """Where the run is in the prompts, as JSON-able values (for the checkpoint's state.json), and which
+        prompts those are (`prompts_sha256`)."""
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "num_prompts": len(self.records),
+                "prompts_sha256": prompts_sha256(self.records)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from `state`; the prompts and seed must be the saved run's (else the position means other
-        prompts). prompts_per_step and the process count may change."""
+        """Continue from `state`; the prompts (by content and order, where the checkpoint records them) and seed
+        must be the saved run's (else the position means other prompts). prompts_per_step and the process count
+        may change."""
         for key, value in (("seed", self.seed), ("num_prompts", len(self.records))):
             if key in state and state[key] != value:
                 raise NanoforgeError(f"cannot resume the prompt position: it was saved with {key}={state[key]} "
                                      f"but this run has {key}={value}; use the same --data and --seed")
+        have = prompts_sha256(self.records)
+        if state.get("prompts_sha256", have) != have:
+            where = self.records[0].source.rsplit(":", 1)[0]
+            raise NanoforgeError(f"cannot resume: {where} does not hold the prompts this run trained on: other "
+                                 f"records, or the same in another order ({len(self.records)} now, "
+                                 f"{state.get('num_prompts')} at the start); the saved position would point at "
+                                 "other prompts: resume with the prompts the run started on, or start a new run in "
+                                 "another --out")
         epoch, cursor = int(state["epoch"]), int(state["cursor"])
         if epoch < 0 or not 0 <= cursor < len(self.records):
             raise NanoforgeError(f"invalid prompt position in checkpoint: epoch {epoch}, cursor {cursor}")
