@@ -15,9 +15,12 @@ import os
 import socket
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from nanoforge.core.errors import NanoforgeError
+from nanoforge.core.fsutil import remove_stale_temps
 
 
 class DirectoryBusy(NanoforgeError):
@@ -72,6 +75,17 @@ def acquire(lock_path: str | os.PathLike, what: str, unlink_on_release: bool = F
         os.close(fd)  # the holder we waited on removed this file on release: lock the one there now
     _write_holder(fd)
     return DirLock(lock_path, fd, unlink_on_release)
+
+
+@contextmanager
+def output_lock(out_dir: Path, what: str) -> Iterator[DirLock]:
+    """One writer at a time of a directory built beside itself and renamed into place (`prepare`, `prepare
+    merge`): the lock `.NAME.lock` next to it (DirectoryBusy if held) and, once it is ours, the temporaries that
+    writers killed mid-way left there removed (fsutil.remove_stale_temps): a live writer would hold this lock."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with acquire(out_dir.parent / f".{out_dir.name}.lock", what, unlink_on_release=True) as lock:
+        remove_stale_temps(out_dir)
+        yield lock
 
 
 def _write_holder(fd: int) -> None:

@@ -1,10 +1,16 @@
 """Reading a JSON object file with an error a person can act on; durable and atomic writes: fsync a file or a
-directory entry, put a finished file or directory in place in one rename. Torch-free, so data-preparation
-worker processes can import it without paying for torch at start-up."""
+directory entry, put a finished file or directory in place in one rename; and the rules every command that writes
+an output follows: the output apart from its inputs, a write that fails (a read-only file system, a full disk) one
+line naming the output and the OS's reason. Torch-free, so data-preparation worker processes can import it without
+paying for torch at start-up."""
+import glob
 import json
 import os
+import re
 import shutil
+from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Iterable, Iterator
 
 from nanoforge.core import safejson
 from nanoforge.core.errors import NanoforgeError
@@ -79,3 +85,81 @@ def replace_dir(tmp: Path, out: Path) -> None:
         old.rename(out)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def staged_dir(out: Path) -> Iterator[Path]:
+    """A directory built under a temporary name beside `out` (`.tmp-NAME-PID`), renamed onto it when the block ends
+    (replace_dir) and removed if the block raises: `out` is the old one or the new one, never half of one."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        yield tmp
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def check_out_apart(out: str | os.PathLike, inputs: Iterable, flag: str = "--out") -> None:
+    """The one rule of every command that writes: its output is none of its inputs, holds none and is inside none
+    (symlinks and `..` resolved), checked before anything is deleted or written. Inputs that do not exist (None, a
+    preset's name) are passed over."""
+    target = Path(out).resolve()
+    for given in inputs:
+        if given is None or not Path(given).exists():
+            continue
+        source = Path(given).resolve()
+        how = ("it is that input" if target == source else "it is inside it" if target.is_relative_to(source)
+               else "it holds it" if source.is_relative_to(target) else None)
+        if how:
+            raise NanoforgeError(f"{flag} {out} would write over its input {given} ({how}); choose an {flag} "
+                                 "apart from its inputs")
+
+
+def os_error_in(e: BaseException, path: str | os.PathLike | None = None) -> OSError | None:
+    """The OSError in `e`: itself, or the one a library put in its message (tokenizers and safetensors end theirs
+    with `(os error N)`; shutil.copytree lists `[Errno N] ...` per file). None when it names none."""
+    if isinstance(e, OSError) and e.errno is not None:
+        return e
+    found = re.search(r"(?:os error |\[Errno )(\d+)", str(e))
+    return OSError(int(found[1]), os.strerror(int(found[1])), path) if found else e if isinstance(e, OSError) else None
+
+
+def write_error(out: str | os.PathLike, e: BaseException) -> NanoforgeError:
+    """The one message for an output that could not be written: `cannot write OUT: REASON`, REASON the OS's words
+    (and the file it named, when not OUT itself); for an error that names none (torch.save's on a full disk), its
+    text and the free space left."""
+    os_error = os_error_in(e)
+    reason = os_error.strerror or str(os_error) if os_error is not None else str(e)
+    if os_error is not None and os_error.filename and str(os_error.filename) != str(out):
+        reason += f" ({os_error.filename})"
+    if os_error is None or os_error.errno is None:  # a short write, say, with no reason given: the disk's room
+        with suppress(OSError):
+            reason += f" ({shutil.disk_usage(Path(out).parent).free / 1e6:.1f} MB free on that file system)"
+    return NanoforgeError(f"cannot write {out}: {reason}")
+
+
+@contextmanager
+def writing(out: str | os.PathLike, also: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+    """Around the writing of `out`: an OSError (or one of `also`, a library's wrapping of one) leaves as
+    write_error's one line. Whatever the block cleans up on its way out (its temporaries) it has cleaned by then."""
+    try:
+        yield
+    except (OSError, *also) as e:
+        raise write_error(out, e) from e
+
+
+def temp_dir_for(out: Path) -> Path:
+    """Where this process builds the directory `out` before renaming it into place: `.NAME.tmp-PID` beside it."""
+    return out.parent / f".{out.name}.tmp-{os.getpid()}"
+
+
+def remove_stale_temps(out: Path) -> None:
+    """Remove the temp_dir_for(out) directories that killed processes left. Only for a caller holding the lock
+    that every writer of `out` holds while its temporary exists (dirlock.output_lock): no live one can own them."""
+    for stale in out.parent.glob(f".{glob.escape(out.name)}.tmp-*"):
+        if stale.name.rpartition("-")[2].isdigit() and stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
