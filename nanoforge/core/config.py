@@ -82,6 +82,17 @@ class ModelConfig:
                 + f", vocab {self.vocab_size}"
                 + (f", {self.n_experts} experts top-{self.experts_per_token}" if self.n_experts else ""))
 
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Parameters of the GPT this config builds (model/gpt.py; a test holds the two equal), counted without
+        building it (`nanoforge report` needs no torch): a tied embedding once; `exclude_embeddings` leaves out
+        the token embedding table, as GPT.num_params does."""
+        d, h = self.d_model, self.head_dim
+        attention = d * h * 2 * (self.n_heads + self.n_kv_heads) + (2 * h if self.qk_norm else 0)
+        mlp = 3 * d * self.ffn_dim
+        ffn = self.n_experts * (mlp + d) if self.n_experts else mlp  # an expert: an MLP and its router column
+        body = self.n_layers * (attention + ffn + 2 * d) + d + (0 if self.tie_embeddings else self.vocab_size * d)
+        return body if exclude_embeddings else body + self.vocab_size * d
+
     def validate(self) -> None:
         _finite(self)
         _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "max_seq_len")

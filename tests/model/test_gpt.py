@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from nanoforge.core.config import ModelConfig
+from nanoforge.core.config import PRESETS, ModelConfig, build_config
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.model import GPT, KVCache
 from nanoforge.model.gpt import RotaryEmbedding, apply_rope, rope_inv_freq
@@ -528,3 +528,17 @@ def test_overfits_one_batch():
         losses.append(loss.item())
     assert losses[0] == pytest.approx(math.log(VOCAB), abs=0.1)  # small init: near-uniform predictions
     assert losses[-1] < 0.5, losses[::10]
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("variant", [{}, {"tie_embeddings": False}, {"qk_norm": True, "n_kv_heads": 1},
+                                     {"n_experts": 3, "experts_per_token": 2}, {"ffn_hidden": 96}])
+def test_the_config_counts_the_parameters_its_gpt_has(preset, variant):
+    """ModelConfig.num_params (what `nanoforge report` prints, without torch) equals the built GPT's count, for
+    every preset tied and untied, with qk_norm, with experts, with an explicit SwiGLU width."""
+    cfg = build_config(preset, overrides={**variant, "vocab_size": 300})[0]
+    with torch.device("meta"):
+        model = GPT(cfg)
+    assert cfg.num_params() == model.num_params()
+    assert cfg.num_params(exclude_embeddings=True) == model.num_params(exclude_embeddings=True)
+    assert cfg.num_params() - cfg.num_params(exclude_embeddings=True) == 300 * cfg.d_model
