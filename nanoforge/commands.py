@@ -1,6 +1,7 @@
 """What each `nanoforge` command does once cli.py has parsed its arguments: one small function per command,
 importing the module that does the work when it runs (a command loads its own recipe, never all of them). cli.py
-imports this module only after parsing, so that `--help` and usage errors need neither torch nor these modules."""
+imports this module only after parsing, so that `--help` and usage errors need neither torch nor these modules.
+Nothing at the top of this module loads torch either: `nanoforge report` only reads files, and never loads it."""
 from __future__ import annotations
 
 import argparse
@@ -18,11 +19,7 @@ from nanoforge.infer.options import CHAT_SAMPLING, ChatOptions, DeviceOptions
 from nanoforge.recipes.options import DistillOptions, DPOOptions
 from nanoforge.rl.options import PPOOptions, RLOptions
 from nanoforge.serve.options import ServeOptions
-from nanoforge.train.autoresume import AUTO, resolve_resume
-from nanoforge.train.distributed import is_main, leave
-from nanoforge.train.loop import TrainingInterrupted
-from nanoforge.train.rundir import check_resume_options
-from nanoforge.weights.minimind import is_pth, pair_tokenizer
+from nanoforge.train.world import is_main
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,22 +27,37 @@ def run(args: argparse.Namespace) -> int:
     if not is_main():  # under torchrun only rank 0 talks to the user
         sys.stdout = open(os.devnull, "w")
     try:
-        if getattr(args, "resume", None) == AUTO:  # every training command's --resume auto, grpo's too
-            args.resume = resolve_resume(AUTO, args.out, args.command)
+        resolve_auto_resume(args)
         pair_pth_tokenizer(args)
         COMMANDS[args.command](args)
         code = 0
     except NanoforgeError as e:
-        print(f"error: {e}" if not isinstance(e, TrainingInterrupted) else str(e), file=sys.stderr)
-        code = 128 + e.signum if isinstance(e, TrainingInterrupted) else 1
+        signum = getattr(e, "signum", None)  # train/loop.py's TrainingInterrupted: a checkpoint was written
+        print(f"error: {e}" if signum is None else str(e), file=sys.stderr)
+        code = 1 if signum is None else 128 + signum
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130
-    return leave(code)  # under torchrun: leave the process group and exit here (train/distributed.py)
+    # under torchrun: leave the process group and exit here; a command that never loaded train/distributed.py
+    # (report) has no group to leave
+    distributed = sys.modules.get("nanoforge.train.distributed")
+    return distributed.leave(code) if distributed else code
+
+
+def resolve_auto_resume(args: argparse.Namespace) -> None:
+    """--resume auto (every training command's, grpo's too): resume or a fresh start, from the run's files."""
+    if not getattr(args, "resume", None):
+        return
+    from nanoforge.train.autoresume import AUTO, resolve_resume
+    if args.resume == AUTO:
+        args.resume = resolve_resume(AUTO, args.out, args.command)
 
 
 def pair_pth_tokenizer(args: argparse.Namespace) -> None:
     """A MiniMind .pth model takes its tokenizer from --tokenizer; anywhere else (but raw JSONL's) it is refused."""
+    if not any(getattr(args, name, None) for name in ("init", "run", "teacher", "tokenizer")):
+        return  # no model named (report, ...): nothing to pair, and no torch to load
+    from nanoforge.weights.minimind import is_pth, pair_tokenizer
     models = [getattr(args, name) for name in ("init", "run", "teacher") if is_pth(getattr(args, name, None))]
     for pth in models:
         pair_tokenizer(pth, getattr(args, "tokenizer", None))
@@ -111,6 +123,7 @@ def options_from(args: argparse.Namespace, cls) -> tuple[Any, set[str]]:
 
 def cmd_lora(args) -> None:
     from nanoforge.recipes.sft import lora_merge, sft
+    from nanoforge.train.rundir import check_resume_options
     if args.action == "merge":
         print(f"merged model written to {lora_merge(args.run, args.out)}")
         return

@@ -4,6 +4,7 @@ import json
 import re
 import shutil
 import struct
+import subprocess
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -13,7 +14,8 @@ import pytest
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.samples import DEFAULT_PROMPTS
-from nanoforge.report.markdown import NO_MATPLOTLIB, count_params, read_run, write_report
+from nanoforge.report.markdown import NO_MATPLOTLIB, count_params, write_report
+from nanoforge.report.runs import read_run
 from nanoforge.recipes.common import SAMPLE_MAX_TOKENS
 from nanoforge.recipes.pretrain import pretrain
 from nanoforge.recipes.sft import sft
@@ -145,6 +147,19 @@ def test_two_runs_samples_and_odd_lines(run_with_val, run_without_val, tmp_path)
     if has_matplotlib():  # one per run, and the comparison
         assert sorted(p.name for p in tmp_path.glob("both_*.png")) == sorted([
             "both_comparison.png", "both_a-with_val.png", f"both_{run_with_val.parent.name}-with_val.png"])
+
+
+def test_the_report_command_never_imports_torch(run_with_val, tmp_path):
+    """`nanoforge report` reads files and writes markdown: torch (seconds to import, and absent from a machine that
+    only reads runs) is never loaded, the parameter count and the checkpoint's tokens seen included."""
+    code = ("import sys; from nanoforge.cli import main; code = main(['report', sys.argv[1], '--out', sys.argv[2]]); "
+            "print('torch loaded' if 'torch' in sys.modules else 'no torch'); sys.exit(code)")
+    out = tmp_path / "report.md"
+    done = subprocess.run([sys.executable, "-c", code, str(run_with_val), str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("no torch"), done.stdout
+    text = out.read_text()
+    assert "| parameters |" in text and "| tokens seen |" in text
 
 
 def test_a_directory_without_metrics_is_an_error_naming_it(tmp_path):

@@ -1,10 +1,8 @@
 """Run reports: a markdown page with the numbers that say whether a run learned, and PNG plots of its curves.
 
-Everything comes from what a run directory already holds: `metrics.jsonl` (the source of truth for every
-logged step), `config.toml` (the config as used), `samples.jsonl` (text generated during training or by
-`nanoforge eval --samples`), the data directory's `manifest.json`, and the latest checkpoint's `state.json`
-(tokens seen). A report never loads weights, so it can be written while a run is still going, or long after,
-on a machine without them. Every training command writes RUN/report.md when it finishes
+Everything comes from what a run directory already holds (report/runs.py reads it) and the data directory's
+`manifest.json`. A report never loads weights or torch, so it can be written while a run is still going, or long
+after, on a machine without them. Every training command writes RUN/report.md when it finishes
 (`write_run_report`); `nanoforge report RUN [RUN...] --out FILE.md` writes one on demand and compares runs.
 matplotlib is optional (the `report` extra): without it the report is written all the same, with a line
 saying how to get the plots, as a missing plotting library must never cost anyone their numbers."""
@@ -14,21 +12,16 @@ import json
 import math
 import statistics
 import sys
-from contextlib import suppress
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from nanoforge.core.config import MODEL_FIELDS, ModelConfig, load_toml
+from nanoforge.core.config import MODEL_FIELDS, ModelConfig
+from nanoforge.core.durations import format_duration
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.core.fsutil import write_text_atomic
-from nanoforge.model.gpt import GPT
-from nanoforge.weights import checkpoint as ckpt
-from nanoforge.train.distributed import is_main
 from nanoforge.report.plot import matplotlib_figure, plot_runs
-from nanoforge.train.metrics import format_duration
+from nanoforge.report.runs import RunMetrics, read_run
+from nanoforge.train.world import is_main
 
 NO_MATPLOTLIB = ("Plots were skipped: matplotlib is not installed. `pip install matplotlib` (or nanoforge's "
                  "`report` extra) and run `nanoforge report` again to get them.")
@@ -39,66 +32,14 @@ FINAL_TRAIN_KEYS = ["loss", "lr", "grad_norm", "tokens_per_s", "supervised_token
 FINAL_VAL_KEYS = ["val_loss", "val_ppl", "val_bpb"]
 
 
-@dataclass
-class RunMetrics:
-    """One run's logged records, split by what they hold, and what else its directory says about it."""
-    run_dir: Path
-    name: str
-    config: dict[str, dict[str, Any]]
-    train: list[dict] = field(default_factory=list)  # records with "loss"
-    val: list[dict] = field(default_factory=list)  # records with "val_loss"
-    events: list[dict] = field(default_factory=list)  # rollbacks and the like
-    samples: list[dict] = field(default_factory=list)  # samples.jsonl records with a step
-    state: dict[str, Any] = field(default_factory=dict)  # the latest checkpoint's state.json, if readable
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    """Objects with a "step" from a JSONL file; a line cut short by a kill is skipped."""
-    out = []
-    if not path.is_file():
-        return out
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict) and isinstance(record.get("step"), int):
-                out.append(record)
-    return out
-
-
-def read_run(run_dir: str | Path, name: str | None = None) -> RunMetrics:
-    """Read a run directory's metrics.jsonl, config.toml, samples.jsonl and latest state.json."""
-    run_dir = Path(run_dir)
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
-        raise NanoforgeError(f"{run_dir}: no metrics.jsonl here; give a run directory written by a training "
-                             "command (pretrain, sft, ...)")
-    config = load_toml(run_dir / "config.toml") if (run_dir / "config.toml").is_file() else {}
-    run = RunMetrics(run_dir, name or run_dir.name, config)
-    for record in _read_jsonl(metrics):
-        if "event" in record:
-            run.events.append(record)
-        elif "val_loss" in record:
-            run.val.append(record)
-        elif "loss" in record:
-            run.train.append(record)
-    run.samples = _read_jsonl(run_dir / "samples.jsonl")
-    with suppress(NanoforgeError, OSError):  # a torn or foreign checkpoint: the report goes on without it
-        last = ckpt.latest_checkpoint(run_dir)
-        run.state = ckpt.load_state(last) if last is not None else {}
-    return run
-
-
 # -------------------------------------------------------------------------------------------------- numbers
 
 def count_params(model_config: dict[str, Any], exclude_embeddings: bool = False) -> int | None:
-    """Parameters of the model a config describes, built on the meta device (no memory, no init cost)."""
+    """Parameters of the model a config describes (ModelConfig.num_params: nothing is built)."""
     try:
-        with torch.device("meta"):
-            model = GPT(ModelConfig(**{k: v for k, v in model_config.items() if k in MODEL_FIELDS}))
-            return model.num_params(exclude_embeddings=exclude_embeddings)
+        cfg = ModelConfig(**{k: v for k, v in model_config.items() if k in MODEL_FIELDS})
+        cfg.validate()
+        return cfg.num_params(exclude_embeddings=exclude_embeddings)
     except Exception:  # a config from another version: the report goes on without the count
         return None
 

@@ -1,6 +1,7 @@
-"""Many processes through `torchrun --nproc-per-node N -m nanoforge pretrain ...`: the environment, DDP / FSDP2
-wrapping, and the few collectives the loop needs. With one process (no torchrun, or WORLD_SIZE=1) every function
-here is a no-op or the identity, so the loop reads the same either way.
+"""Many processes through `torchrun --nproc-per-node N -m nanoforge pretrain ...`: the process group (this process's
+place in it is train/world.py's), DDP / FSDP2 wrapping, and the few collectives the loop needs. With one process
+(no torchrun, or WORLD_SIZE=1) every function here is a no-op or the identity, so the loop reads the same either
+way.
 Each rank reads its own slice of every step's global batch (the batch sources take rank and world_size), so
 the global batch is batch_size x world_size x grad_accum. Only rank 0 writes files."""
 from __future__ import annotations
@@ -11,39 +12,13 @@ import datetime
 import inspect
 import os
 import sys
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from nanoforge.core.errors import NanoforgeError
-
-
-@dataclass(frozen=True)
-class World:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-
-def world() -> World:
-    """This process's place in the job, from the variables torchrun sets (a single process without them)."""
-    return World(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-                 int(os.environ.get("LOCAL_RANK", 0)))
-
-
-def is_main() -> bool:
-    return world().is_main
+from nanoforge.train.world import is_main, world
 
 
 def _timeout_minutes() -> float:

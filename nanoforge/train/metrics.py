@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from nanoforge.core.device import cpu_info
+from nanoforge.core.durations import format_duration
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.core.fsutil import read_json, write_text_atomic
 
@@ -161,16 +162,6 @@ def peak_memory_bytes(device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device)
     # ru_maxrss is KiB on Linux: the process's peak resident memory, a fair figure for a CPU run.
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def format_duration(seconds: float) -> str:
-    """The one way a duration is printed (progress ETA, reports, the demo): 12.3 s, 4m05s, 1h02m03s."""
-    seconds = max(0.0, seconds)
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes, s = divmod(int(round(seconds)), 60)
-    hours, m = divmod(minutes, 60)
-    return f"{hours}h{m:02d}m{s:02d}s" if hours else f"{m}m{s:02d}s"
 
 
 # wandb.init's arguments we fill when the user's environment does not: wandb takes an argument over its environment

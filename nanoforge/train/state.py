@@ -21,6 +21,7 @@ from nanoforge.weights import checkpoint as ckpt
 from nanoforge.train import distributed
 from nanoforge.train.guard import NonFiniteGuard
 from nanoforge.train.stage import Stage
+from nanoforge.train.world import World
 
 
 @dataclass
@@ -47,7 +48,7 @@ class Run:
     stage: Stage
     tcfg: TrainConfig
     run_dir: Path
-    world: distributed.World
+    world: World
     device: torch.device
     raw: nn.Module  # the model itself: saved, measured, loaded, sampled
     model: nn.Module  # raw wrapped in DDP or FSDP2 under torchrun (raw itself in one process)

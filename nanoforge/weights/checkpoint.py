@@ -12,11 +12,11 @@ the parent directory fsynced. A reader therefore sees either a complete checkpoi
 killed mid-write leaves only a `.tmp-*` directory, which is ignored and cleaned up by the next save. A file
 damaged since (a flipped byte, a truncation, a non-finite weight) is refused where it is read, with a DamagedFile
 naming it; checkpoints of older versions, without checksums.sha256, load unchecked.
-Building a model from a checkpoint is weights/load.py's."""
+Finding checkpoints and reading their state.json (no torch) is weights/layout.py's; building a model from a
+checkpoint is weights/load.py's."""
 import json
 import math
 import os
-import re
 import shutil
 from contextlib import suppress
 from pathlib import Path
@@ -28,28 +28,9 @@ from safetensors.torch import load_file, save_file
 
 from nanoforge.core.checksums import DamagedFile, verify_file, write_dir_checksums
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.core.fsutil import fsync_dir, fsync_file, read_json, replace_dir
-
-STEP_DIR = re.compile(r"^step_(\d{6,})$")
-FORMAT_VERSION = 1
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:06d}"
-
-
-def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := STEP_DIR.match(p.name)) and (p / "state.json").is_file()]
-    return [p for _, p in sorted(found)]
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    return (list_checkpoints(run_dir) or [None])[-1]
+from nanoforge.core.fsutil import fsync_dir, fsync_file, replace_dir
+from nanoforge.weights.layout import FORMAT_VERSION, STEP_DIR, latest_checkpoint, list_checkpoints, load_state, \
+    step_dir_name
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -142,15 +123,6 @@ def previous_intact_advice(damaged: Path) -> str:
                 f"(mv {damaged} {run_dir / ('damaged-' + damaged.name)}) and resume again to continue from step "
                 f"{int(STEP_DIR.match(earlier.name).group(1))}")
     return "no earlier checkpoint of the run is intact: start the run again without --resume, in another --out"
-
-
-def load_state(ckpt: Path) -> dict[str, Any]:
-    state = read_json(ckpt / "state.json", "checkpoint state")
-    verify_file(ckpt / "state.json")
-    if state.get("format_version") != FORMAT_VERSION:
-        raise NanoforgeError(f"{ckpt / 'state.json'}: checkpoint format {state.get('format_version')!r} "
-                             f"is not the supported version {FORMAT_VERSION}")
-    return state
 
 
 def load_weights_file(ckpt: Path) -> dict[str, torch.Tensor]:
