@@ -46,10 +46,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from data_dir import data_path  # benchmarks/data_dir.py: NANOFORGE_DATA
 
-from data_dir import data_path  # noqa: E402  (benchmarks/data_dir.py: NANOFORGE_DATA)
+REPO = Path(__file__).resolve().parents[1]
 
 
 PROMPTS = [

@@ -21,25 +21,22 @@ import json
 import random
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from nanoforge.core.config import build_config  # noqa: E402
-from nanoforge.data.prepare import prepare_dataset  # noqa: E402
-from nanoforge.infer.generate import SamplingConfig, complete  # noqa: E402
-from nanoforge.weights.load import load_model  # noqa: E402
-from nanoforge.model.gpt import GPT  # noqa: E402
-from nanoforge.recipes.grpo import RLOptions, grpo  # noqa: E402
-from nanoforge.recipes.ppo import PPOOptions, ppo  # noqa: E402
-from nanoforge.rl.rewards import answer_number  # noqa: E402
-from nanoforge.data.sources import train_tokenizer  # noqa: E402
-from nanoforge.weights import checkpoint as ckpt  # noqa: E402
-from nanoforge.recipes.sft import sft  # noqa: E402
+from nanoforge.core.config import build_config
+from nanoforge.data.prepare import prepare_dataset
+from nanoforge.infer.generate import SamplingConfig, complete
+from nanoforge.weights.load import load_model
+from nanoforge.model.gpt import GPT
+from nanoforge.recipes.grpo import RLOptions, grpo
+from nanoforge.recipes.ppo import PPOOptions, ppo
+from nanoforge.rl.rewards import answer_number
+from nanoforge.data.sources import train_tokenizer
+from nanoforge.weights import checkpoint as ckpt
+from nanoforge.recipes.sft import sft
 
 QUIET = dict(log=lambda *a: None)
 

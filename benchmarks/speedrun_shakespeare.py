@@ -109,9 +109,13 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=None, help="keep files here (default: a temporary directory)")
     ap.add_argument("--set", nargs=2, action="append", default=[], metavar=("FLAG", "VALUE"),
                     help="override a config entry, e.g. --set lr 4e-3 (repeatable)")
+    ap.add_argument("--print-config", action="store_true", help="print the pretrain flags as JSON and stop")
     args = ap.parse_args()
     for key, value in args.set:
         CONFIG[key.lstrip("-")] = value
+    if args.print_config:
+        print(json.dumps(CONFIG))
+        return
     env = dict(os.environ)
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)

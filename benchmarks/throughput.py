@@ -18,10 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from nanoforge.recipes.bench import RandomTokens, naive_loop  # one naive loop, shared with `nanoforge bench`
 
-from nanoforge.recipes.bench import RandomTokens, naive_loop  # noqa: E402  (one naive loop, shared with `nanoforge bench`)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class RandomPairs(RandomTokens):

@@ -1,9 +1,9 @@
-"""nanoforge against MiniMind's own trainers (issue 32 item 5): the same JSONL, tokenizer, model and recipe, one
+"""nanoforge against MiniMind's own trainers: the same JSONL, tokenizer, model and recipe, one
 after the other on the same threads, each for the same wall-time budget, both scored by `nanoforge eval` on the
 same held-out records.
 
     .venv/bin/python benchmarks/vs_minimind.py --minimind ../shared/anchors/minimind \\
-        --minimind-python /work/venvs/minimind/bin/python --model minimind-3 --budget 300 --threads 1
+        --minimind-python MINIMIND_VENV/bin/python --model minimind-3 --budget 300 --threads 1
 
 Per model (MiniMind-3: hidden 768; minimind2-small: MiniMind's config at hidden_size=512, which is MiniMind-3's
 layout at width 512: 8 heads of 64, 4 KV heads, SwiGLU ceil(512 pi / 64) 64 = 1664, QK-norm, RoPE 1e6, eps 1e-6)
@@ -59,9 +59,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+
+from measure import Proc, crossing_time, is_heldout, loss_at  # benchmarks/measure.py
 
 ROOT = Path(__file__).resolve().parent.parent
 NANOFORGE = [sys.executable, "-m", "nanoforge"]
@@ -87,99 +88,6 @@ class BenchError(Exception):
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-
-
-def is_heldout(i: int, fraction: float) -> bool:
-    """nanoforge prepare's validation draw for record i (data/prepare.py)."""
-    return math.floor((i + 1) * fraction) > math.floor(i * fraction)
-
-
-def crossing_time(points: list[tuple[float, float]], target: float) -> float | None:
-    """First time a loss curve [(seconds, loss), ...] (in time order) reaches `target` (loss <= target),
-    linearly interpolated between the two points around the crossing; the first point's time when it is already
-    there; None when the curve never gets there."""
-    prev = None
-    for t, loss in points:
-        if loss <= target:
-            if prev is None:
-                return t
-            t0, l0 = prev
-            return t0 + (t - t0) * (l0 - target) / (l0 - loss) if l0 > loss else t
-        prev = (t, loss)
-    return None
-
-
-def loss_at(points: list[tuple[float, float]], t: float) -> float | None:
-    """The loss a curve [(seconds, loss), ...] had at time t: its last point at or before t (None before the
-    first)."""
-    known = [loss for when, loss in points if when <= t]
-    return known[-1] if known else None
-
-
-def tree_rss(pid: int) -> int:
-    """Resident bytes of pid and all its descendants, from /proc."""
-    children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/statm") as f:
-                pages = int(f.read().split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry))
-        rss[int(entry)] = pages * os.sysconf("SC_PAGE_SIZE")
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        total += rss.get(p, 0)
-        todo.extend(children.get(p, []))
-    return total
-
-
-class Proc:
-    """A child process with its output to a log file, its launch time and its tree's peak RSS."""
-
-    def __init__(self, cmd: list[str], log: Path, cwd: Path | None = None, env: dict | None = None):
-        self.log_path = log
-        self.log = open(log, "w")
-        self.start = time.time()
-        self.p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
-        self.peak = 0
-        self._done = threading.Event()
-        self._sampler = threading.Thread(target=self._sample, daemon=True)
-        self._sampler.start()
-
-    def _sample(self):
-        while not self._done.is_set():
-            self.peak = max(self.peak, tree_rss(self.p.pid))
-            self._done.wait(0.1)
-
-    def wait(self, deadline: float | None = None) -> tuple[int, bool]:
-        """Exit code and whether it was stopped at `deadline` (Unix seconds)."""
-        stopped = False
-        try:
-            self.p.wait(timeout=None if deadline is None else max(deadline - time.time(), 0))
-        except subprocess.TimeoutExpired:
-            stopped = True
-            self.stop()
-        self.end = time.time()
-        self._done.set()
-        self._sampler.join()
-        self.log.close()
-        return self.p.returncode, stopped
-
-    def stop(self):
-        os.killpg(self.p.pid, 15)
-        try:
-            self.p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.p.pid, 9)
-            self.p.wait()
 
 
 def run_checked(cmd: list[str], log: Path, env: dict) -> Proc:

@@ -49,14 +49,11 @@ from pathlib import Path
 
 import torch
 
+import grpo_arithmetic as arith  # benchmarks/grpo_arithmetic.py: the GRPO task
+from data_dir import data_path  # benchmarks/data_dir.py: NANOFORGE_DATA
+from nanoforge.weights.load import load_model
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import grpo_arithmetic as arith  # noqa: E402  (benchmarks/grpo_arithmetic.py: the GRPO task)
-from data_dir import data_path  # noqa: E402  (benchmarks/data_dir.py: NANOFORGE_DATA)
-
-from nanoforge.weights.load import load_model  # noqa: E402
 
 WORKER = REPO / "benchmarks" / "trl_worker.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",

@@ -11,6 +11,8 @@ import hashlib
 import json
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -234,6 +236,18 @@ def write_sum_prompts(directory: Path) -> Path:
 def metrics_of(run) -> list[dict]:
     """RUN/metrics.jsonl's records."""
     return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+def arithmetic_reward_curve(work: Path, algo: str, *flags: str) -> list[float]:
+    """The reward_mean of each RL step of `benchmarks/grpo_arithmetic.py --algo ALGO` at a small size (sums of
+    digits below 8, SFT 200 steps, RL 40 steps), run as a user runs it (a subprocess) in `work`."""
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "benchmarks" / "grpo_arithmetic.py"), "--algo", algo, "--add-max", "8",
+           "--mul-max", "0", "--sft-steps", "200", "--steps", "40", "--work", str(work / "arith"), *flags]
+    r = subprocess.run(cmd, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=1200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return [x["reward_mean"] for x in metrics_of(work / "arith" / f"rl-{algo}") if "reward_mean" in x]
 
 
 def prepare_tiny(out: Path, tokenizer, kind: str = "pretrain", val_fraction: float = 0.1) -> Path:

@@ -1,6 +1,8 @@
 """The code's shape, checked: imports point down the pipeline, no cycles, imports at the top, and no function
-or module past the sizes docs/design.md sets. Parsed with `ast`; nothing is imported."""
+or module past the sizes docs/design.md sets; the docs state that layer order; no test imports a benchmark, and
+no benchmark is past the module size or puts the checkout on sys.path. Parsed with `ast`; nothing is imported."""
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -119,3 +121,71 @@ def test_the_top_of_the_package_holds_only_the_entry_points():
     """The tree shows the pipeline: every module lives in its part's package, but the command line's own."""
     loose = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert loose == ["__init__.py", "__main__.py", "cli.py", "commands.py"], loose
+
+
+# ---------------------------------------------------------------------------------------------- docs, benchmarks
+
+ROOT = PACKAGE.parent
+BENCHMARKS = sorted((ROOT / "benchmarks").glob("*.py"))
+
+
+def stated_layers(text: str) -> list[list[str]]:
+    """The layer order a page states as `core/ -> chat/ (a note) -> ... -> report/, eval/, serve/ -> ... -> the
+    CLI`: parenthetical notes dropped, a layer's packages split at commas."""
+    flat = " ".join(re.sub(r"\([^)]*\)", "", text).split())
+    chain = re.search(r"core/ ->.*?-> the CLI", flat)
+    assert chain, "no `core/ -> ... -> the CLI` line"
+    return [[name.strip().strip("/") for name in part.split(",")] for part in chain.group(0).split("->")]
+
+
+@pytest.mark.parametrize("doc", ["docs/architecture.md", "docs/design.md"])
+def test_the_docs_state_the_layer_order_that_is_checked(doc):
+    stated = stated_layers((ROOT / doc).read_text())
+    assert stated[-1] == ["the CLI"] and stated[:-1] + [LAYERS[-1]] == LAYERS, f"{doc}: {stated}"
+    with pytest.raises(AssertionError):  # the parse can fail: a page with another order is caught
+        assert stated_layers("core/ -> data/ -> chat/ -> the CLI")[:3] == LAYERS[:3]
+
+
+def benchmark_imports(tree: ast.AST) -> list[str]:
+    """What a test takes from benchmarks/: imports of a benchmark module's name, and benchmarks/ put on sys.path
+    or loaded by file (spec_from_file_location)."""
+    names = {p.stem for p in BENCHMARKS}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] in names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in names:
+            found.append(node.module)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") in ("insert", "append",
+                                                                                "spec_from_file_location"):
+            if "benchmarks" in ast.unparse(node):
+                found.append(ast.unparse(node))
+    return found
+
+
+@pytest.mark.parametrize("test_file", sorted((ROOT / "tests").rglob("*.py")), ids=lambda p: p.name)
+def test_no_test_imports_a_benchmark(test_file):
+    """Benchmarks are scripts: a test runs one as a subprocess, never imports it, so that editing a benchmark
+    cannot break the suite through its internals."""
+    found = benchmark_imports(ast.parse(test_file.read_text()))
+    assert not found, f"{test_file}: takes from benchmarks/: {found}"
+
+
+def test_the_benchmark_scan_can_fail():
+    assert benchmark_imports(ast.parse("import vs_minimind\nsys.path.insert(0, str(ROOT / 'benchmarks'))"))
+
+
+def path_edits(tree: ast.AST) -> list[str]:
+    """sys.path.insert/append calls: how a script puts a folder (the checkout, benchmarks/) on the import path."""
+    return [ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute) and ast.unparse(node.func.value) == "sys.path"]
+
+
+@pytest.mark.parametrize("script", BENCHMARKS, ids=lambda p: p.name)
+def test_benchmarks_fit_the_module_size_and_import_nanoforge_as_installed(script):
+    """A benchmark runs as `python benchmarks/NAME.py` (its folder is then on the path, for what the scripts
+    share) and imports nanoforge as the installed package (the venv has it editable)."""
+    source = script.read_text()
+    assert len(source.splitlines()) <= MAX_MODULE_LINES, f"{script}: over {MAX_MODULE_LINES} lines"
+    assert not path_edits(ast.parse(source)), f"{script}: edits sys.path: {path_edits(ast.parse(source))}"
+    assert path_edits(ast.parse("sys.path.insert(0, str(REPO))"))  # the check can fail

@@ -123,8 +123,8 @@ def bench_ours(mcfg, tcfg, steps: int, warmup: int, data: str | None = None) -> 
 
 def loop_step(model, mcfg, tcfg, device: torch.device):
     """One training step of the loop's pieces on seeded random tokens, as a function: autocast at tcfg.precision,
-    causal_lm_loss, backward, clip 1.0, the loop's optimizer (train/optim.py), zero_grad (for profiles and
-    benchmarks/step_vs_minimind.py; the loop's own logging, guards and data path left out)."""
+    causal_lm_loss, backward, clip 1.0, the loop's optimizer (train/optim.py), zero_grad (for the profile of
+    profiled_split; the loop's own logging, guards and data path left out)."""
     source = RandomTokens(mcfg.vocab_size, tcfg.batch_size, tcfg.seq_len, seed=tcfg.seed + 1)
     optimizer = build_optimizer(model, tcfg, device)
 

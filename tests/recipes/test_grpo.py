@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import metrics_of
+from conftest import arithmetic_reward_curve, metrics_of
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.infer.generate import Completion
 from nanoforge.recipes.grpo import RLOptions, grpo
@@ -22,7 +22,6 @@ from nanoforge.rl.grpo_batches import RolloutBatches, decode_batch, encode_batch
 from nanoforge.weights import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 FAST = {"precision": "fp32", "tensorboard": False, "save_every": 0, "device": "cpu"}
 
 
@@ -239,14 +238,10 @@ def test_gsm8k_run_starts_logs_rewards_and_resumes_bit_exactly(base_run, shared_
 
 @pytest.mark.slow
 def test_grpo_raises_the_reward_of_a_model_that_is_wrong_half_the_time(tmp_path):
-    """benchmarks/grpo_arithmetic.py made small (sums of digits below 8, about 40 s): each prompt SFT'd both right
-    and with a systematic slip; 40 GRPO steps must raise the rollouts' mean reward clearly (the last ten
-    steps' over the first five; a sign error or a misaligned mask makes it fall instead)."""
-    from grpo_arithmetic import reward_curve, run_rl, sft_model, write_data
-    sft_file, prompts, _ = write_data(tmp_path, add_max=8, mul_max=0)
-    run = sft_model(tmp_path, sft_file, steps=200)
-    run_rl(run, prompts, tmp_path / "rl", "grpo", steps=40, lr=1e-4)
-    curve = reward_curve(tmp_path / "rl")
+    """benchmarks/grpo_arithmetic.py made small (sums of digits below 8), run as a user runs it: each prompt SFT'd
+    both right and with a systematic slip; 40 GRPO steps must raise the rollouts' mean reward clearly (the last
+    ten steps' over the first five; a sign error or a misaligned mask makes it fall instead)."""
+    curve = arithmetic_reward_curve(tmp_path, "grpo", "--lr", "1e-4")
     first, last = sum(curve[:5]) / 5, sum(curve[-10:]) / 10
     assert len(curve) == 40 and last > first + 0.15, curve
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import metrics_of, save_random_run
+from conftest import arithmetic_reward_curve, metrics_of, save_random_run
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.weights.load import CRITIC_PREFIX, init_weights, load_model
 from nanoforge.model.gpt import GPT
@@ -24,7 +24,6 @@ from nanoforge.rl.grpo_batches import decode_batch, encode_batch
 from nanoforge.weights import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 FAST = {"precision": "fp32", "tensorboard": False, "save_every": 0, "device": "cpu"}
 
 
@@ -192,16 +191,13 @@ def test_bad_inputs_are_clear_errors(base_run, prompts_file, tmp_path):
 
 @pytest.mark.slow
 def test_ppo_raises_the_reward_of_a_model_that_is_wrong_half_the_time(tmp_path):
-    """benchmarks/grpo_arithmetic.py --algo ppo made small (sums of digits below 8): each prompt SFT'd both
+    """benchmarks/grpo_arithmetic.py --algo ppo made small (sums of digits below 8), run as a user runs it
+    (conftest.py arithmetic_reward_curve): each prompt SFT'd both
     right and with a systematic slip; PPO must raise the rollouts' mean reward clearly (a sign error in the
     advantages or a misaligned mask makes it fall instead). Each rollout is trained twice (--ppo-epochs 2), so
     the curve holds each mean twice: the first five rollouts (steps 1-10, 160 replies) against the last ten
     (steps 21-40, 320 replies)."""
-    from grpo_arithmetic import reward_curve, run_ppo, sft_model, write_data
-    sft_file, prompts, _ = write_data(tmp_path, add_max=8, mul_max=0)
-    run = sft_model(tmp_path, sft_file, steps=200)
-    run_ppo(run, prompts, tmp_path / "rl", steps=40, prompts=32)
-    curve = reward_curve(tmp_path / "rl")
+    curve = arithmetic_reward_curve(tmp_path, "ppo", "--prompts-per-step", "32", "--lr", "1e-4")
     first, last = sum(curve[:10]) / 10, sum(curve[-20:]) / 20
     assert len(curve) == 40 and last > first + 0.15, curve
 
