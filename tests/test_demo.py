@@ -1,14 +1,18 @@
-"""`nanoforge demo`: the corpus it builds from the documentation on this machine, the scoring of its replies,
-and the whole pipeline end to end at a shrunk scale."""
+"""`nanoforge demo`: the corpus it builds from the documentation on this machine, the scoring of its replies, the
+step timing that sizes it, and the whole pipeline end to end at a shrunk scale."""
 import json
 import math
 import re
 from pathlib import Path
 
 import pytest
+import torch
 
+from nanoforge.core.config import build_config
 from nanoforge.demo import pipeline as demo
 from nanoforge.demo import corpus as demo_corpus
+from nanoforge.demo import score as demo_score
+from nanoforge.demo import sizing as demo_sizing
 from nanoforge.data.jsonl import validate_record
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.chat.tokenizer import load_tokenizer
@@ -139,10 +143,21 @@ def sample(question, reply, expected, held_out, keywords):
     return {"question": question, "reply": reply, "expected": expected, "held_out": held_out, "keywords": keywords}
 
 
+def test_a_demo_step_is_timed_by_the_training_loop_itself():
+    """The demo sizes its stages from steps of train/loop.py (not a hand-written step), on the threads asked
+    for, which are given back after."""
+    mcfg, tcfg = build_config("tiny", overrides={"vocab_size": 64, "device": "cpu"})
+    before = torch.get_num_threads()
+    seconds = demo_sizing.measure_step_seconds(mcfg, tcfg, "fp32", threads=1, steps=2, warmup=1)
+    assert 0 < seconds < 10 and torch.get_num_threads() == before
+    fixed = demo_sizing.size_pretraining(mcfg, tcfg, 60.0, "fp32", 30)  # what a scale fixes is kept, unmeasured
+    assert (fixed.precision, fixed.pretrain_steps, fixed.step_s) == ("fp32", 30, 0.0)
+
+
 def test_scoring_counts_exact_in_set_and_keywords_held_out_against_chance():
-    assert demo.held_out_hit("Serialize obj to a JSON string.", ["json"])  # any case, a word of its own
-    assert not demo.held_out_hit("Return the objects.", ["obj"])  # not inside another word
-    assert demo.held_out_hit("shutil.copy(src, dst)", ["follow_symlinks", "dst"])
+    assert demo_score.held_out_hit("Serialize obj to a JSON string.", ["json"])  # any case, a word of its own
+    assert not demo_score.held_out_hit("Return the objects.", ["obj"])  # not inside another word
+    assert demo_score.held_out_hit("shutil.copy(src, dst)", ["follow_symlinks", "dst"])
     samples = [
         sample("What does a.f do?", "Return f.", "Return f.", False, ["a"]),  # exact
         sample("What does a.g do?", "Return f.", "Return g.", False, ["a"]),  # not exact
@@ -152,13 +167,13 @@ def test_scoring_counts_exact_in_set_and_keywords_held_out_against_chance():
         sample("How do I call c.m?", "c.m()", "c.m(path)", True, ["path"]),  # miss
         sample("How do I call d.n?", "d.n(path)", "d.n(path)", True, ["path"]),  # hit and exact
     ]
-    score = demo.score_replies(samples)
+    score = demo_score.score_replies(samples)
     assert (score["in_set"], score["in_set_n"], score["held_out"], score["held_out_n"]) == (2, 3, 3, 4)
     assert score["held_out_exact"] == 1
     # chance: each held-out question's keywords against the 6 other replies: json.dumps 0, b.k 0, c.m 1
     # (d.n's "path"), d.n 0 -> 1/6
     assert score["chance"] == pytest.approx(1 / 6)
-    line = demo.score_line(score)
+    line = demo_score.score_line(score)
     assert line == ("in-set 2/3 exact first sentence or signature; held-out 3/4 name the module or an argument "
                     "(chance 0.2/4), 1/4 exact")
     assert SCORE_LINE.fullmatch(line)
