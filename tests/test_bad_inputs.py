@@ -81,7 +81,7 @@ CASES = [
                 "100 levels at column 101"], ["{tmp}/out"], []),
     ("gsm8k-deeply-nested", {"in.jsonl": b'{"question": "q", "answer": "#### 1"}\n' + DEEP + b"\n"},
      ["eval", "{run}", "--gsm8k", "{tmp}/in.jsonl"],
-     ["{tmp}/in.jsonl:2: not valid JSON: nested deeper than 100 levels: line 1 column 101"], [], ["{run}"]),
+     ["{tmp}/in.jsonl:2: invalid JSON: nested deeper than 100 levels at column 101"], [], ["{run}"]),
     ("toolcall-huge-integer", {"in.jsonl": sft_line(U, A)[:-2] + b', "id": ' + HUGE + b"}\n"},
      ["eval", "{run}", "--toolcall", "{tmp}/in.jsonl"],
      ["{tmp}/in.jsonl:1: invalid JSON: a number of 5000 digits (the limit is 4300)"], [], ["{run}"]),

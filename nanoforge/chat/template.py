@@ -7,6 +7,7 @@ The Tokenizer (tokenizer.py) renders and encodes; this module holds the pieces t
 import json
 import re
 
+import numpy as np
 from jinja2 import TemplateError, nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -196,43 +197,44 @@ def assistant_turns(text: str, structural, im_start_id: int, im_end_id: int, exp
     return spans
 
 
-def assistant_mask(ids, offsets, spans, im_end_id, text) -> list[int]:
-    """1 for tokens inside an assistant span, 0 outside; a token crossing a span edge is an error.
+def assistant_mask(ids, offsets, spans, im_end_id, text) -> np.ndarray:
+    """1 (uint8) for tokens inside an assistant span, 0 outside; a token crossing a span edge is an error.
 
     Byte-level BPE with the GPT-2 split regex keeps edges clean for ChatML: the special tokens are split out
     first and the header's '\\n' only merges with the turn when the turn itself starts with two or more
     whitespace characters or is only whitespace (plain ChatML with such a content: then we raise rather than
-    silently train on half a token). With the thinking template every turn starts with the <think> token."""
-    mask = [0] * len(ids)
-    span_index = 0
-    for i, (start, end) in enumerate(offsets):
-        while span_index < len(spans) and spans[span_index][1] <= start:
-            span_index += 1
-        if span_index == len(spans):
-            break
-        lo, hi = spans[span_index]
-        if start < lo < end or start < hi < end:
-            edge = lo if start < lo < end else hi
+    silently train on half a token). With the thinking template every turn starts with the <think> token.
+    Each token is judged against the first span that ends after it starts (`ids` and the (n, 2) character
+    `offsets` as arrays: a long conversation's millions of tokens are never Python objects)."""
+    ids, offsets = np.asarray(ids), np.asarray(offsets).reshape(-1, 2)
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    if spans:
+        los, his = np.array(spans, dtype=np.int64).T
+        k = np.searchsorted(his, starts, side="right")
+        inside = k < len(spans)
+        lo, hi = los[np.minimum(k, len(spans) - 1)], his[np.minimum(k, len(spans) - 1)]
+        crossing = inside & (((starts < lo) & (lo < ends)) | ((starts < hi) & (hi < ends)))
+        if crossing.any():
+            i = int(np.argmax(crossing))
+            start, end = int(starts[i]), int(ends[i])
+            edge = int(lo[i] if start < lo[i] < end else hi[i])
             raise ChatTemplateError(
                 f"token {i} ({text[start:end]!r}) crosses the edge of an assistant message at character {edge}, "
                 "so it cannot be masked cleanly; this happens when an assistant message starts with two or more "
                 "whitespace characters or is only whitespace; strip that whitespace from the data")
-        if lo <= start and end <= hi and end > start:
-            mask[i] = 1
+        mask[inside & (lo <= starts) & (ends <= hi) & (ends > starts)] = 1
     _check_mask_closes_with_im_end(ids, mask, im_end_id, len(spans))
     return mask
 
 
-def _check_mask_closes_with_im_end(ids, mask, im_end_id, num_spans) -> None:
+def _check_mask_closes_with_im_end(ids: np.ndarray, mask: np.ndarray, im_end_id, num_spans) -> None:
     """Every masked run must end on <|im_end|>: that is the token that teaches the model to stop."""
-    runs_closed = 0
-    for i, m in enumerate(mask):
-        if m and (i + 1 == len(mask) or not mask[i + 1]):
-            if ids[i] != im_end_id:
-                raise ChatTemplateError("an assistant message was not encoded with a closing <|im_end|> token")
-            runs_closed += 1
-    if runs_closed != num_spans:
-        raise ChatTemplateError(f"found {runs_closed} masked assistant runs for {num_spans} assistant messages")
+    run_ends = np.flatnonzero((mask == 1) & (np.append(mask[1:], 0) == 0))
+    if (ids[run_ends] != im_end_id).any():
+        raise ChatTemplateError("an assistant message was not encoded with a closing <|im_end|> token")
+    if len(run_ends) != num_spans:
+        raise ChatTemplateError(f"found {len(run_ends)} masked assistant runs for {num_spans} assistant messages")
 
 
 def without_generation_markers(source: str) -> str:

@@ -16,11 +16,14 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
 
 from nanoforge.chat.template import (CHAT_TEMPLATE, IM_END, THINKING_TOOLS_TEMPLATE, TOOL_TAGS, ChatTemplateError,
                                      assistant_mask, assistant_turns, check_disguise, compile_template, disguise,
                                      without_empty_think)
+from nanoforge.chat.pieces import PIECE_CHARS, text_pieces
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.core.fsutil import read_json, write_json
 from nanoforge.chat.messages import normalize_conversation
@@ -105,12 +108,37 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         # add_special_tokens=False: no post-processor (BOS/EOS) is ever added behind our back; the data
         # pipeline appends eos itself and the chat template spells out its special tokens.
-        return self._tok.encode(text, add_special_tokens=False).ids
+        if len(text) <= PIECE_CHARS:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Encode many texts with the Rust batch encoder (multi-threaded unless TOKENIZERS_PARALLELISM=false)."""
+        """Encode many texts with the Rust batch encoder (multi-threaded unless TOKENIZERS_PARALLELISM=false),
+        PIECE_CHARS characters at a time (encode_pieces)."""
+        out: list[list[int]] = [[] for _ in texts]
+        for index, ids in self.encode_pieces(texts):
+            out[index].extend(ids)
+        return out
+
+    def encode_pieces(self, texts: Sequence[str]) -> Iterator[tuple[int, list[int]]]:
+        """(index of the text, its next ids) for `texts` in order, encoded in batches of about PIECE_CHARS
+        characters, a longer text in pieces cut where its ids are the whole text's (chat/pieces.py): the
+        encoder's memory is bounded by the batch, whatever the texts' lengths. Every text has a piece."""
+        batch, where, chars = [], [], 0
+        for index, text in enumerate(texts):
+            for piece in text_pieces(text, self.split_pattern):
+                batch.append(piece)
+                where.append(index)
+                chars += len(piece)
+                if chars >= PIECE_CHARS:
+                    yield from zip(where, self._encode_many(batch))
+                    batch, where, chars = [], [], 0
+        if batch:
+            yield from zip(where, self._encode_many(batch))
+
+    def _encode_many(self, texts: list[str]) -> list[list[int]]:
         fast = getattr(self._tok, "encode_batch_fast", None)  # tokenizers >= 0.21: skips offset tracking
-        return [e.ids for e in (fast or self._tok.encode_batch)(list(texts), add_special_tokens=False)]
+        return [e.ids for e in (fast or self._tok.encode_batch)(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -191,6 +219,14 @@ class Tokenizer:
                               *, drop_empty_think: bool = False, **template_kwargs):
         """render_chat plus the rendered text (`prepare` counts its UTF-8 bytes for bits per byte).
         drop_empty_think: as render_text's (the mask then covers the shorter turns)."""
+        ids, mask, text = self.render_chat_arrays(messages, add_generation_prompt, tools,
+                                                  drop_empty_think=drop_empty_think, **template_kwargs)
+        return ids.tolist(), mask.tolist(), text
+
+    def render_chat_arrays(self, messages: Sequence[dict], add_generation_prompt: bool = False, tools=None,
+                           *, drop_empty_think: bool = False, **template_kwargs):
+        """render_chat_with_text with the ids and mask as numpy arrays (int64, uint8), as `prepare` stores them:
+        a long conversation is encoded in pieces (chat/pieces.py), so its memory is a few arrays of its tokens."""
         if self.im_start_id is None or self.im_end_id is None:
             raise ChatTemplateError(
                 "this tokenizer has no <|im_start|>/<|im_end|> tokens, so it cannot render ChatML "
@@ -198,8 +234,7 @@ class Tokenizer:
         messages, tools = normalize_conversation(messages, tools)
         template_kwargs = {**template_kwargs, "drop_empty_think": drop_empty_think}
         text = self.render_text(messages, add_generation_prompt, tools, **template_kwargs)
-        encoding = self._tok.encode(text, add_special_tokens=False)
-        ids, offsets = encoding.ids, encoding.offsets
+        ids, offsets = self._encode_offsets(self._tok, text)
         found = self._specials_of(ids, offsets)
         structural = self._structural_tokens(text, found, messages, tools, add_generation_prompt, template_kwargs)
         if structural != found:
@@ -208,6 +243,17 @@ class Tokenizer:
         spans = assistant_turns(text, structural, self.im_start_id, self.im_end_id, expected)
         mask = assistant_mask(ids, offsets, spans, self.im_end_id, text)
         return ids, mask, text
+
+    def _encode_offsets(self, tok, text: str, at: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Ids and (n, 2) int32 character offsets (counted from `at`) of `text` encoded by `tok`, piece by piece
+        (chat/pieces.py: the ids of one encoding of the whole)."""
+        ids, offsets = [], []
+        for piece in text_pieces(text, self.split_pattern):
+            encoding = tok.encode(piece, add_special_tokens=False)
+            ids.append(np.array(encoding.ids, dtype=np.int64))
+            offsets.append(np.array(encoding.offsets, dtype=np.int32).reshape(-1, 2) + at)
+            at += len(piece)
+        return np.concatenate(ids), np.concatenate(offsets)
 
     # ---- chat: keeping the text of messages plain
 
@@ -219,9 +265,9 @@ class Tokenizer:
         added = {i: t for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         return frozenset(added), tuple(t.content for t in added.values() if t.content)
 
-    def _specials_of(self, ids, offsets) -> list[tuple[int, int, int]]:
-        special_ids = self._special_tokens[0]
-        return [(start, end, token) for token, (start, end) in zip(ids, offsets) if token in special_ids]
+    def _specials_of(self, ids: np.ndarray, offsets: np.ndarray) -> list[tuple[int, int, int]]:
+        at = np.flatnonzero(np.isin(ids, list(self._special_tokens[0])))
+        return [(int(offsets[i, 0]), int(offsets[i, 1]), int(ids[i])) for i in at]
 
     def _structural_tokens(self, text, found, messages, tools, add_generation_prompt, template_kwargs):
         """The control tokens the template itself put in `text`, as (start, end, id).
@@ -238,8 +284,7 @@ class Tokenizer:
             return found
         disguised = self.render_text(hidden, add_generation_prompt, hidden_tools, **template_kwargs)
         check_disguise(text, disguised, strings, fields + tool_fields)
-        encoding = self._tok.encode(disguised, add_special_tokens=False)
-        return self._specials_of(encoding.ids, encoding.offsets)
+        return self._specials_of(*self._encode_offsets(self._tok, disguised))
 
     def _plain_text_tokenizer(self):
         """A second `tokenizers.Tokenizer` that encodes special-token text like any other text. A separate
@@ -257,7 +302,7 @@ class Tokenizer:
             self._plain_tok = plain
         return self._plain_tok
 
-    def _encode_with_structure(self, text: str, structural) -> tuple[list[int], list[tuple[int, int]]]:
+    def _encode_with_structure(self, text: str, structural) -> tuple[np.ndarray, np.ndarray]:
         """Ids and offsets of `text` whose control tokens are exactly the `structural` ones.
 
         The text between two structural tokens is encoded in one piece with special tokens disabled: exactly
@@ -268,14 +313,14 @@ class Tokenizer:
         ids, offsets, cursor = [], [], 0
         for start, end, token in list(structural) + [(len(text), len(text), None)]:
             if start > cursor:
-                piece = plain.encode(text[cursor:start], add_special_tokens=False)
-                ids.extend(piece.ids)
-                offsets.extend((cursor + s, cursor + e) for s, e in piece.offsets)
+                piece_ids, piece_offsets = self._encode_offsets(plain, text[cursor:start], cursor)
+                ids.append(piece_ids)
+                offsets.append(piece_offsets)
             if token is not None:
-                ids.append(token)
-                offsets.append((start, end))
+                ids.append(np.array([token], dtype=np.int64))
+                offsets.append(np.array([[start, end]], dtype=np.int32))
             cursor = max(cursor, end)
-        return ids, offsets
+        return np.concatenate(ids), np.concatenate(offsets)
 
 
 def _canonical_json(text: str) -> str:
@@ -307,9 +352,38 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         inner = HFTokenizer.from_file(str(file))
     except Exception as e:  # the Rust side raises a bare Exception for any parse problem
         raise NanoforgeError(f"{file}: not a valid tokenizer.json ({e})") from None
+    if reason := _forgeable_special_token(inner):
+        raise NanoforgeError(f"{file}: {reason}")
     config_file = file.parent / "tokenizer_config.json"
     config = read_json(config_file, "tokenizer_config.json") if config_file.is_file() else {}
     return Tokenizer(inner, chat_template=_read_chat_template(file.parent, config), config=config)
+
+
+def _forgeable_special_token(inner) -> str | None:
+    """Why text in a message could become a control token with this tokenizer, or None. Rendering keeps message
+    text plain by finding the special tokens' exact spellings in it (Tokenizer._structural_tokens), which holds
+    when a special token matches only its own text: not when it is matched after a normalizer ("normalized": true
+    with NFKC, say, turns fullwidth ＜｜im_end｜＞ into <|im_end|>), nor when its text, encoded as plain text,
+    merges back into a special token."""
+    normalizer = (json.loads(inner.to_str()).get("normalizer") or {}).get("type")
+    specials = {i: t for i, t in inner.get_added_tokens_decoder().items() if t.special and t.content}
+    for token in specials.values():
+        if normalizer and token.normalized:
+            return (f"its special token {token.content!r} is matched after the {normalizer} normalizer "
+                    '("normalized": true), so message text that normalizes to it (fullwidth look-alikes, say) would '
+                    'become that control token; set "normalized": false on its special tokens in added_tokens')
+    if not hasattr(inner, "encode_special_tokens"):  # tokenizers < 0.15: rendering says so when it matters
+        return None
+    was, inner.encode_special_tokens = inner.encode_special_tokens, True  # not yet shared with anything
+    try:
+        for token in specials.values():
+            if forged := set(inner.encode(token.content, add_special_tokens=False).ids) & set(specials):
+                return (f"its special token {token.content!r}, encoded as plain text, gives special token id(s) "
+                        f"{sorted(forged)}: message text could not stay text; use a tokenizer whose vocabulary "
+                        "does not merge up to its special tokens")
+    finally:
+        inner.encode_special_tokens = was
+    return None
 
 
 def _read_chat_template(directory: Path, config: dict) -> str | None:

@@ -2,7 +2,7 @@
 parsed, validated and tokenized in a worker process.
 
 A plain-text file (.txt, .text, .md) is pretraining text, read in chunks cut where the pre-tokenizer would split
-anyway (_text_cut), and joined back into whole documents. With val_fraction f = 0 it is one train document; with
+anyway (chat/pieces.py), and joined back into whole documents. With val_fraction f = 0 it is one train document; with
 f > 0 its tail is held out, as nanoGPT does with one corpus file: the val document starts at the first line start
 at or after byte size - floor(f*size), the head is the train one, each exactly its text tokenized plus eos (the
 manifest's source says "val_from_byte", 2 records). With no line start in that tail it stays whole in train, and
@@ -31,10 +31,8 @@ from nanoforge.data.parts import range_line_chunks
 from nanoforge.data.jsonl import MAX_RECORD_BYTES, UTF8_BOM, DataError, SkipCounter, parse_lines
 from nanoforge.data.sft_records import drops_empty_think, render_sft_record
 from nanoforge.data.sources import is_plain_text
+from nanoforge.chat.pieces import PIECE_CHARS, text_cut
 from nanoforge.chat.tokenizer import ChatTemplateError
-
-ENCODE_BATCH_CHARS = 1 << 18  # texts per encode_batch call, bounds the Rust-side memory of one call
-
 
 @dataclass
 class SourceStats:
@@ -104,47 +102,6 @@ def chunk_tasks(kind: str, sources: list[SourceStats], chunk_bytes: int, skip_in
                             drop_empty_think=drop_empty_think)
 
 
-# ASCII whitespace; the pre-tokenizer's \s also matches a few non-ASCII spaces (U+00A0, U+3000, ...)
-_WHITESPACE = b" \t\n\r\x0b\x0c"
-
-
-def _text_cut(data: bytes, split_pattern: str | None = "gpt-2") -> int:
-    """Where to cut `data` (UTF-8 text) so that tokenizing the two parts gives the tokens of the whole, for the
-    tokenizer's split pattern (Tokenizer.split_pattern); 0 if there is no such place. GPT-2's pattern (and any
-    other): just before the last whitespace run that holds a line break and follows a non-space character.
-    Qwen2's ("qwen2", what `tokenizer train` writes): see _cut_after_line_break.
-
-    Why there: BPE merges never cross pre-tokens. GPT-2's regex ends a word, number or punctuation run at
-    whitespace and starts a match at the first whitespace after one, looking ahead, never behind: cut before the
-    whole run, both parts match as in the whole text (after the newline, "a  \n" would make one pre-token of
-    "  \n"). A non-ASCII space just before the run (rare) can change how that run is split, never the decoded
-    text. The cut is at an ASCII byte, so never inside a UTF-8 character."""
-    if split_pattern == "qwen2":
-        return _cut_after_line_break(data)
-    newline = data.rfind(b"\n")
-    return len(data[:newline].rstrip(_WHITESPACE)) if newline > 0 else 0  # 0 also when all before is whitespace
-
-
-def _cut_after_line_break(data: bytes) -> int:
-    """Just after the last line break that a non-space character follows. Qwen2's pattern never matches across
-    that place: every alternative that can hold a line break ends at it (a newline run, punctuation with its
-    trailing newlines), and none starts with one before a letter, digit or mark. Both parts start their
-    matching there as the whole text does, and a piece ending in a line break is matched before any look-ahead
-    alternative is tried. (Cutting before the whitespace, as for GPT-2, would split ".\n\n", one piece here.)"""
-    newline = data.rfind(b"\n")
-    while newline >= 0:
-        lead = data[newline + 1:newline + 2]
-        size = 1 if lead < b"\x80" else 2 if lead < b"\xe0" else 3 if lead < b"\xf0" else 4
-        try:
-            after = data[newline + 1:newline + 1 + size].decode("utf-8") if lead else ""
-        except UnicodeDecodeError:  # cut off at the end of `data`, or not UTF-8: not a place to cut
-            after = ""
-        if len(after) == 1 and not after.isspace():
-            return newline + 1
-        newline = data.rfind(b"\n", 0, newline)
-    return 0
-
-
 def _text_val_target(size: int, val_fraction: float) -> int | None:
     """The byte offset from which a plain-text file of `size` bytes is held out: its val document starts at
     the first line start at or after it. None when there is nothing to hold out (val_fraction*size < 1)."""
@@ -155,7 +112,8 @@ def _text_val_target(size: int, val_fraction: float) -> int | None:
 def _text_chunks(source: SourceStats, chunk_bytes: int, val_fraction: float = 0.0,
                  split_pattern: str | None = "gpt-2") -> Iterator[tuple[int, bytes, bool, bool]]:
     """(first line number, bytes, ends its document, is in the val document) pieces of a plain-text file, each cut
-    by _text_cut; hashes and sizes the file on the way, holding at most a chunk (plus one unbroken stretch).
+    by text_cut (chat/pieces.py); hashes and sizes the file on the way, holding at most a chunk (plus one unbroken
+    stretch).
 
     With val_fraction > 0 the head ends with the first line break at or after byte target - 1 (_text_val_target,
     from the file's stat), so the tail starts at a line start; no other piece of the head reaches past it. Head and
@@ -180,7 +138,7 @@ def _text_chunks(source: SourceStats, chunk_bytes: int, val_fraction: float = 0.
                     source.kept_whole = (f"no line starts in its last {source.size - target:,} bytes "
                                          f"({val_fraction:g} of the file) to hold out for validation")
                     target = None
-            cut = _text_cut(data, split_pattern) if block else len(data)
+            cut = text_cut(data, split_pattern) if block else len(data)
             if cut == 0:  # no place to cut yet: keep reading, but not without bound
                 if len(data) > MAX_RECORD_BYTES:
                     raise DataError(f"no line break in {len(data) / 1e6:.0f} MB; plain text is read in pieces "
@@ -261,21 +219,24 @@ def _checked_rows(task: ChunkTask, skips: SkipCounter) -> list[tuple[int, dict]]
 
 
 def _encode_pretrain(records, tokenizer, dtype, task: ChunkTask, skips: SkipCounter):
-    """Each document is encode(text) + [eos]. Texts go through the batch encoder a few hundred KB at a time
-    (bounds the Rust-side memory of one call) and are collected into one flat list: one numpy conversion per
-    chunk is much cheaper than one per document."""
+    """Each document is encode(text) + [eos]. The tokenizer encodes the texts PIECE_CHARS at a time, a long one in
+    pieces (chat/pieces.py: the same ids, memory bounded by the piece); their ids are collected in flat lists
+    turned into arrays now and then (one numpy conversion per document would cost more than the encoding)."""
     texts = [record["text"] for _, record in records]
-    flat, lens, start, chars = [], [], 0, 0
-    for end, text in enumerate(texts, start=1):
-        chars += len(text)
-        if chars >= ENCODE_BATCH_CHARS or end == len(texts):
-            for ids in tokenizer.encode_batch(texts[start:end]):
-                flat.extend(ids)
-                flat.append(tokenizer.eos_id)
-                lens.append(len(ids) + 1)
-            start, chars = end, 0
+    arrays, flat, lens, previous = [], [], [1] * len(texts), None  # each document's length counts its eos
+    for index, ids in tokenizer.encode_pieces(texts):
+        if previous is not None and index != previous:
+            flat.append(tokenizer.eos_id)
+        flat.extend(ids)
+        lens[index] += len(ids)
+        previous = index
+        if len(flat) >= PIECE_CHARS:
+            arrays.append(np.array(flat, dtype=dtype))
+            flat = []
+    flat += [tokenizer.eos_id] if texts else []
+    tokens = np.concatenate(arrays + [np.array(flat, dtype=dtype)])
     nbytes = [len(text.encode("utf-8")) for text in texts]
-    return (np.array(flat, dtype=dtype), np.array(lens, dtype=np.int64), np.array(nbytes, dtype=np.int64), None)
+    return tokens, np.array(lens, dtype=np.int64), np.array(nbytes, dtype=np.int64), None
 
 
 def _encode_text(task: ChunkTask, tokenizer) -> ChunkResult:
@@ -286,22 +247,15 @@ def _encode_text(task: ChunkTask, tokenizer) -> ChunkResult:
     if b"\x00" in data:
         line = task.first_line + data.count(b"\n", 0, data.index(b"\x00"))
         raise DataError("contains NUL bytes; is this a binary file?", task.path, line)
-    pieces = []  # sub-pieces cut the same way, so one encode call never holds the whole chunk
-    while len(data) > ENCODE_BATCH_CHARS:
-        cut = _text_cut(data[:ENCODE_BATCH_CHARS], tokenizer.split_pattern) or len(data)
-        pieces.append(data[:cut])
-        data = data[cut:]
-    pieces.append(data)
-    texts, line = [], task.first_line
-    for piece in pieces:
-        try:
-            texts.append(piece.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise DataError(f"invalid UTF-8 (byte 0x{piece[e.start]:02x}); re-encode the file as UTF-8",
-                            task.path, line + piece.count(b"\n", 0, e.start)) from None
-        line += piece.count(b"\n")
-    flat = [i for ids in tokenizer.encode_batch(texts) for i in ids] + ([tokenizer.eos_id] if task.text_end else [])
-    nbytes = sum(len(p) for p in pieces)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"invalid UTF-8 (byte 0x{data[e.start]:02x}); re-encode the file as UTF-8", task.path,
+                        task.first_line + data.count(b"\n", 0, e.start)) from None
+    # in pieces (chat/pieces.py), so one encode call never holds the whole chunk
+    flat = [i for _, ids in tokenizer.encode_pieces([text]) for i in ids]
+    flat += [tokenizer.eos_id] if task.text_end else []
+    nbytes = len(data)
     return ChunkResult(task.file_index, np.array(flat, dtype=token_dtype(tokenizer)),
                        np.array([len(flat)], dtype=np.int64), np.array([nbytes], dtype=np.int64), None, SkipCounter(),
                        continues=not task.text_end, text_split="val" if task.text_val else "train")
@@ -316,15 +270,13 @@ def _encode_sft(records, tokenizer, dtype, task: ChunkTask, skips: SkipCounter):
     return _encode_rendered(records, render, '"conversations"', dtype, task, skips)
 
 
-def final_reply_mask(mask: list[int]) -> list[int]:
+def final_reply_mask(mask: np.ndarray) -> np.ndarray:
     """Keep only the last run of 1s of an assistant mask: the final reply and its <|im_end|>."""
-    out = [0] * len(mask)
-    i = len(mask) - 1
-    while i >= 0 and not mask[i]:
-        i -= 1
-    while i >= 0 and mask[i]:
-        out[i] = 1
-        i -= 1
+    out = np.zeros_like(mask)
+    ones = np.flatnonzero(mask)
+    if len(ones):
+        zeros = np.flatnonzero(mask[:ones[-1]] == 0)
+        out[zeros[-1] + 1 if len(zeros) else 0:ones[-1] + 1] = 1
     return out
 
 
@@ -333,7 +285,7 @@ def _encode_dpo(records, tokenizer, dtype, task: ChunkTask, skips: SkipCounter):
     masked on its final assistant reply only (Rafailov et al. 2023, arXiv 2305.18290: the DPO log-ratio is
     over the answer given the shared prompt)."""
     def render(line_no: int, record: dict) -> list[tuple]:
-        sides = [tokenizer.render_chat_with_text(record[name]) for name in ("chosen", "rejected")]
+        sides = [tokenizer.render_chat_arrays(record[name]) for name in ("chosen", "rejected")]
         return [(ids, final_reply_mask(mask), text) for ids, mask, text in sides]
     return _encode_rendered(records, render, '"chosen"/"rejected"', dtype, task, skips)
 
@@ -341,7 +293,7 @@ def _encode_dpo(records, tokenizer, dtype, task: ChunkTask, skips: SkipCounter):
 def _encode_rendered(records, render, field: str, dtype, task: ChunkTask, skips: SkipCounter):
     """The documents `render(line_no, record)` makes of each record, (ids, mask, text) each, concatenated. A
     record the template cannot render, or not faithfully, is a DataError at its line naming `field` (or skipped)."""
-    flat, flat_mask, lens, nbytes = [], [], [], []
+    tokens, masks, lens, nbytes = [], [], [], []
     for line_no, record in records:
         try:
             documents = render(line_no, record)
@@ -352,12 +304,12 @@ def _encode_rendered(records, render, field: str, dtype, task: ChunkTask, skips:
             skips.add(error)
             continue
         for ids, mask, text in documents:
-            flat.extend(ids)
-            flat_mask.extend(mask)
+            tokens.append(ids.astype(dtype))
+            masks.append(mask)
             lens.append(len(ids))
             nbytes.append(len(text.encode("utf-8")))
-    return (np.array(flat, dtype=dtype), np.array(lens, dtype=np.int64), np.array(nbytes, dtype=np.int64),
-            np.array(flat_mask, dtype=np.uint8))
+    return (np.concatenate(tokens) if tokens else np.zeros(0, dtype), np.array(lens, dtype=np.int64),
+            np.array(nbytes, dtype=np.int64), np.concatenate(masks) if masks else np.zeros(0, np.uint8))
 
 
 def run_chunks(tasks: Iterator[ChunkTask], tokenizer, workers: int) -> Iterator[ChunkResult]:

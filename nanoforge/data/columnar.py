@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 from nanoforge.core import safejson
 from nanoforge.chat.messages import RecordError
-from nanoforge.data.jsonl import DataError, validate_record
+from nanoforge.data.jsonl import DataError, check_unicode, validate_record
 from nanoforge.core.errors import NanoforgeError
 
 ROWS_PER_CHUNK = 1024  # rows handed to a tokenizer worker at a time
@@ -155,6 +155,8 @@ def check_row(kind: str, record: dict, path: str, row: int) -> dict:
                 raise DataError(f"invalid JSON text: {e.msg} at column {e.colno}", path, f"row {row}",
                                 json.dumps(key)) from None
     try:
+        if kind != "pretrain":  # a JSON-text column's escapes may be lone surrogates; Arrow's strings are UTF-8
+            check_unicode(record)
         validate_record(kind, record)
     except RecordError as e:
         raise DataError(e.message, path, f"row {row}", e.field) from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field as dataclass_field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -124,9 +125,10 @@ def validate_record(kind: str, obj: Any) -> None:
 MAX_RECORD_BYTES = 32 << 20
 
 
-def record_too_long(size: int, path, line_no: int) -> DataError:
-    return DataError(f"the line is {size / 1e6:.0f} MB, over the {MAX_RECORD_BYTES >> 20} MB limit for one record; "
-                     f"split the document into several records", path, line_no)
+def record_too_long(path, line_no) -> DataError:
+    """A line longer than the limit, said as such: a reader stops at the limit, so how long the line is, is unknown."""
+    return DataError(f"the line is over {MAX_RECORD_BYTES >> 20} MB, the limit for one record; split the document "
+                     "into several records", path, line_no)
 
 
 def line_text(raw: bytes, path: str | os.PathLike, line_no: int) -> str | None:
@@ -135,7 +137,7 @@ def line_text(raw: bytes, path: str | os.PathLike, line_no: int) -> str | None:
     if line_no == 1 and raw.startswith(UTF8_BOM):
         raw = raw[len(UTF8_BOM):]
     if len(raw) > MAX_RECORD_BYTES:
-        raise record_too_long(len(raw), path, line_no)
+        raise record_too_long(path, line_no)
     if not raw.strip():
         return None
     if b"\x00" in raw:
@@ -148,14 +150,47 @@ def line_text(raw: bytes, path: str | os.PathLike, line_no: int) -> str | None:
 
 
 def line_json(text: str, path: str | os.PathLike, line_no: int) -> Any:
-    """A line's JSON value; DataError naming path:line (and a JSON array on line 1) otherwise."""
+    """A line's JSON value, all of its strings Unicode text (check_unicode); DataError naming path:line (and a
+    JSON array on line 1, or the field) otherwise."""
     try:
-        return safejson.loads(text)
+        value = safejson.loads(text)
     except json.JSONDecodeError as e:
         hint = ""
         if line_no == 1 and text.lstrip().startswith("["):
             hint = "; this looks like a JSON array: JSONL needs one JSON object per line"
         raise DataError(f"invalid JSON: {e.msg} at column {e.colno}{hint}", path, line_no) from None
+    if _SURROGATE_ESCAPE.search(text):  # only an escape can give a lone surrogate: the line is strict UTF-8
+        try:
+            check_unicode(value)
+        except RecordError as e:
+            raise DataError(e.message, path, line_no, e.field) from None
+    return value
+
+
+# JSON's \ud800-\udfff escapes, the only way a lone surrogate gets into a parsed line (as a pair they are fine)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # Python keeps bytes that are not UTF-8 as these too
+
+
+def check_unicode(value: Any, field: str | None = None) -> None:
+    """RecordError naming the first string of a JSON value (an object key included) that holds a lone surrogate,
+    which JSON's "\\ud800" escape gives: not Unicode text, so no tokenizer, file or terminal can take it. Every
+    reader of JSON data checks its values here (line_json; columnar.check_row for JSON-text columns)."""
+    if isinstance(value, str):
+        if LONE_SURROGATE.search(value):
+            raise RecordError("contains a lone surrogate (a \\ud800-\\udfff escape that is not half of a pair), "
+                              "which is not Unicode text; fix or drop the record", field)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            where = json.dumps(key) if field is None else f"{field}.{key}" if key.isidentifier() else \
+                f"{field}[{json.dumps(key)}]"
+            if LONE_SURROGATE.search(key):
+                raise RecordError("a key contains a lone surrogate (a \\ud800-\\udfff escape that is not half of a "
+                                  f"pair), which is not Unicode text: {where}", field)
+            check_unicode(item, where)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_unicode(item, f"{field or ''}[{i}]")
 
 
 def parse_line(raw: bytes, kind: str | None, path: str | os.PathLike, line_no: int) -> dict | None:
@@ -215,6 +250,25 @@ def check_input_file(path: str | os.PathLike) -> Path:
     if b"\x00" in head:
         raise DataError("is a binary file (it contains NUL bytes), not JSONL text", path)
     return path
+
+
+def check_given_once(paths: Iterable, what: str = "") -> None:
+    """The rule for the input files of `prepare` (and of training on raw files, which prepares them): none given
+    twice, under any of its names (`a`, `./a`, a symlink, a hard link: one file), or its records would be counted
+    twice, as `prepare merge` refuses a part given twice (data/parts.py, which knows a part by its manifest). `what`
+    starts the message (the flag). A path that does not exist is its own check's error."""
+    seen: dict[tuple[int, int], str] = {}
+    for given in paths:
+        try:
+            status = os.stat(given)
+        except OSError:
+            continue
+        key = (status.st_dev, status.st_ino)
+        if key in seen:
+            same = f" (as {seen[key]} too)" if seen[key] != str(given) else ""
+            raise NanoforgeError(f"{what}{given} is given twice{same}; its records would be counted twice; give "
+                                 "each input once")
+        seen[key] = str(given)
 
 
 def iter_records(path: str | os.PathLike, kind: str | None, skip_invalid: bool = False,

@@ -122,7 +122,7 @@ def _line_start_at(path: Path, offset: int) -> int:
                 return pos + newline + 1
             pos += len(block)
             if pos - offset > MAX_RECORD_BYTES:
-                raise record_too_long(pos - offset, path, None)
+                raise record_too_long(path, None)
     return size
 
 
@@ -142,7 +142,7 @@ def range_line_chunks(source, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
             cut = data.rfind(b"\n") + 1 if left > 0 else len(data)
             if cut == 0:
                 if len(data) > MAX_RECORD_BYTES:
-                    raise record_too_long(len(data), source.path, line_no)
+                    raise record_too_long(source.path, line_no)
                 pending = data
                 continue
             yield line_no, data[:cut]

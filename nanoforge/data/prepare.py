@@ -19,7 +19,7 @@ from nanoforge import __version__
 from nanoforge.core import dirlock
 from nanoforge.data.chunks import ChunkResult, SourceStats, chunk_tasks, run_chunks, token_dtype
 from nanoforge.data.columnar import check_columnar, is_columnar
-from nanoforge.data.jsonl import KINDS, DataError, check_input_file
+from nanoforge.data.jsonl import KINDS, DataError, check_given_once, check_input_file
 from nanoforge.data.parts import plan_part
 from nanoforge.data.sft_records import DROP_THINK_SEED
 from nanoforge.data.shards import FORMAT, FORMAT_VERSION, MASKED_KINDS
@@ -60,6 +60,7 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
     if not files:
         raise NanoforgeError("no input files given to prepare")
     paths = [check_columnar(f) if is_columnar(f) else check_input_file(f) for f in files]  # data/columnar.py
+    check_given_once(paths, "--data ")
     inputs, identity = plan_part(paths, part)  # data/parts.py
     out_dir = Path(out_dir)
     check_out_dir(out_dir, force)

@@ -24,11 +24,12 @@ def drops_empty_think(share: float, file_index: int, line_no: int) -> bool:
 
 
 def render_sft_record(tokenizer, conversation: list, drop_empty_think: bool = False):
-    """(ids, mask, text) of one conversation; ChatTemplateError when it cannot be rendered faithfully."""
+    """(ids, mask, text) of one conversation, ids and mask as arrays; ChatTemplateError when it cannot be rendered
+    faithfully."""
     calls, results = any(has_tool_calls(m) for m in conversation), any(m.get("role") == "tool" for m in conversation)
     what = " and ".join(w for w, used in (("tool calls", calls), ("tool results", results)) if used)
     try:
-        ids, mask, text = tokenizer.render_chat_with_text(conversation, drop_empty_think=drop_empty_think)
+        ids, mask, text = tokenizer.render_chat_arrays(conversation, drop_empty_think=drop_empty_think)
     except ChatTemplateError as e:
         if what and not tokenizer.supports_tools:
             raise ChatTemplateError(NO_TOOL_SUPPORT.format(what=what)) from e

@@ -1,12 +1,10 @@
 """What the evaluations (eval/run.py, eval/) share: the model to score, the lines of a JSONL benchmark, the
 records whose prompt fits, a progress line and the printed table."""
-import json
 import sys
 import time
 from typing import Iterable, Iterator, Sequence
 
-from nanoforge.core import safejson
-from nanoforge.data.jsonl import DataError
+from nanoforge.data.jsonl import line_json, line_text
 from nanoforge.core.device import resolve_device
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.weights.load import load_model
@@ -20,18 +18,13 @@ def load_run(run, device: str):
 
 
 def json_lines(path) -> Iterator[tuple[int, object]]:
-    """(line number, JSON value) of each non-blank line of a benchmark's JSONL file (line 1's BOM dropped);
-    DataError naming file:line for a line that is not JSON."""
+    """(line number, JSON value) of each non-blank line of a benchmark's JSONL file, read as every JSONL file is
+    (data/jsonl.py: line 1's BOM dropped, strict UTF-8, Unicode strings); DataError naming file:line otherwise."""
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
-            raw = raw.removeprefix(b"\xef\xbb\xbf") if line_no == 1 else raw
-            if not raw.strip():
-                continue
-            try:
-                value = safejson.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise DataError(f"not valid JSON: {e}", path, line_no) from None
-            yield line_no, value
+            text = line_text(raw, path, line_no)
+            if text is not None:
+                yield line_no, line_json(text, path, line_no)
 
 
 def fitting(items: list, wheres: list[str], conversations: list, what: str, model, max_new_tokens: int, log):

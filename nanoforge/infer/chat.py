@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import sys
 from typing import Callable, Sequence, TextIO
 
 from nanoforge.core.device import eval_mode
 from nanoforge.core.errors import NanoforgeError
+from nanoforge.data.jsonl import LONE_SURROGATE
 from nanoforge.infer.options import CHAT_SAMPLING, ChatOptions, DeviceOptions as _D
 from nanoforge.infer.engine import Engine, Request
 from nanoforge.infer.generate import SamplingConfig, stream
@@ -265,6 +267,8 @@ def run_chat(run_dir, system: str | None = None, device: str = _D.device, precis
     SamplingConfig that differ from chat's defaults (CHAT_SAMPLING)."""
     cfg = dataclasses.replace(CHAT_SAMPLING, **sampling)
     tool_names = parse_tool_names(tools)
+    system = None if system is None else terminal_text(system)
+    _replace_undecodable_stdin()
     interactive = sys.stdin.isatty()
     model, tokenizer, _, precision = load_for_inference(run_dir, device, precision, announce=interactive)
     chat_loop(model, tokenizer, cfg, system, sys.stdin, sys.stdout, interactive, precision=precision,
@@ -281,7 +285,10 @@ def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, devic
     base = dataclasses.replace(CHAT_SAMPLING, **sampling)
     input_stream, out = input_stream or sys.stdin, out or sys.stdout
     if prompt is None:
+        if input_stream is sys.stdin:
+            _replace_undecodable_stdin()
         prompt = input_stream.read()
+    prompt = terminal_text(prompt)
     model, tokenizer, _, precision = load_for_inference(run_dir, device, precision, announce=True)
     ids = tokenizer.encode(prompt) if prompt else []
     if not ids:
@@ -304,4 +311,17 @@ def run_generate(run_dir, prompt: str | None = None, num_samples: int = 1, devic
             out.flush()
         out.write("\n")
         out.flush()
+
+
+def terminal_text(text: str) -> str:
+    """Text from the command line or standard input with each byte that was not UTF-8 as U+FFFD: Python keeps
+    such bytes as lone surrogates (in sys.argv, or on a C locale's stdin), which are not text a tokenizer takes."""
+    return LONE_SURROGATE.sub("\ufffd", text)
+
+
+def _replace_undecodable_stdin() -> None:
+    """Read standard input's bytes that are not UTF-8 as U+FFFD, as a terminal shows them, instead of failing
+    with a UnicodeDecodeError (or, on a C locale, keeping them as lone surrogates)."""
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        sys.stdin.reconfigure(errors="replace")
 

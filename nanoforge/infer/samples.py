@@ -5,8 +5,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from nanoforge.core import safejson
-from nanoforge.data.jsonl import DataError, check_input_file
+from nanoforge.data.jsonl import DataError, check_input_file, line_json, line_text
 from nanoforge.core.device import eval_mode
 from nanoforge.infer.generate import SamplingConfig, complete
 
@@ -20,20 +19,18 @@ def load_prompts(path) -> list[str]:
     (a literal \\n in a text line stands for a newline)."""
     path = check_input_file(path)
     prompts = []
-    with open(path, encoding="utf-8-sig") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            text = line_text(raw, path, line_no)  # as every JSONL line is read: strict UTF-8, BOM dropped
+            if text is None:
                 continue
             if path.suffix == ".jsonl":
-                try:
-                    obj = safejson.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"not valid JSON: {e}", path, line_no) from None
+                obj = line_json(text, path, line_no)
                 if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
                     raise DataError("must be a non-empty string", path, line_no, '"prompt"')
                 prompts.append(obj["prompt"])
             else:
-                prompts.append(line.rstrip("\r\n").replace("\\n", "\n"))
+                prompts.append(text.rstrip("\r\n").replace("\\n", "\n"))
     if not prompts:
         raise DataError("has no prompts", path)
     return prompts

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -180,8 +181,9 @@ def test_plain_text_cuts_keep_tokens_for_gpt2_split_pattern_too(tmp_path, shared
 def test_plain_text_and_jsonl_mix_and_shards_never_split_the_text(tmp_path, shared_data, pretrain_file,
                                                                    tiny_tokenizer):
     path, text = shakespeare_txt(shared_data, tmp_path, nbytes=30_000)
-    out = tmp_path / "out"
-    manifest = prepare_dataset("pretrain", [pretrain_file, path, pretrain_file], tiny_tokenizer, out,
+    out, again = tmp_path / "out", tmp_path / "again.jsonl"  # a copy: the same file twice is refused
+    shutil.copy(pretrain_file, again)
+    manifest = prepare_dataset("pretrain", [pretrain_file, path, again], tiny_tokenizer, out,
                                val_fraction=0.0, workers=1, chunk_bytes=4096, max_shard_tokens=3000, **QUIET)
     n_jsonl = len(read_texts(pretrain_file))
     assert manifest["splits"]["train"]["docs"] == 2 * n_jsonl + 1

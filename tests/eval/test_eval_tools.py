@@ -76,7 +76,7 @@ GOOD = {"question": "What is 2 + 2?", "answer": "2 + 2 = <<2+2=4>>4\n#### 4"}
 
 @pytest.mark.parametrize("bad, message", [
     ({"question": "What is 2 + 2?", "answer": "it is 4"}, '"answer": must end with \'#### N\''),
-    ('{"question": "What is 2 + 2?", "answer": ', "not valid JSON"),
+    ('{"question": "What is 2 + 2?", "answer": ', "invalid JSON"),
     ({"question": 5, "answer": "#### 4"}, '"question": must be a non-empty string (got int 5)'),
     ({"question": "What?", "answer": ["#### 4"]}, '"answer": must be a non-empty string (got list'),
     ({"answer": "#### 4"}, '"question": must be a non-empty string (missing)'),
