@@ -94,6 +94,19 @@ def add_tokenizer_flag(p: argparse.ArgumentParser) -> None:
                    "default: a tokenizer.json beside the .pth or in ../model); runs and HF directories bring their own")
 
 
+def add_split_flag(p: argparse.ArgumentParser) -> None:
+    """--split, after a --data that takes HF datasets directories (commands.choose_split reads it)."""
+    p.add_argument("--split", dest="dataset_split", default="train", metavar="NAME",
+                   help="a datasets DatasetDict directory in --data (`load_dataset(...).save_to_disk(DIR)`): the "
+                        "split to read")
+
+
+def add_data_flags(p: argparse.ArgumentParser, what: str) -> None:
+    """A training command's --data (`what` it takes), and --split for a DatasetDict directory among them."""
+    p.add_argument("--data", nargs="*", default=[], metavar="PATH", help=what)
+    add_split_flag(p)
+
+
 def add_run_flags(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
     """The last flags of a fine-tuning command: --tokenizer (for a .pth --init), --resume, --quiet, then the
     config's (no presets: the shape comes from --init)."""
@@ -148,13 +161,15 @@ def add_data_parsers(sub, fmt) -> None:
     tt.add_argument("--data", nargs="+", required=True, metavar="FILE", help="JSONL or .txt files")
     tt.add_argument("--vocab-size", type=INT_GE1, default=6400, help="vocabulary size including special tokens")
     tt.add_argument("--min-frequency", type=INT_GE0, default=2, help="minimum pair frequency for a merge")
-    tt.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    tt.add_argument("--out", required=True, metavar="DIR", help="output directory (written atomically)")
+    tt.add_argument("--force", action="store_true", help="replace --out if it exists and is not empty")
 
     prep = sub.add_parser("prepare", help="tokenize JSONL into token shards for training; `prepare merge DIR... "
                           "--out DIR` combines prepared parts", formatter_class=fmt)
     prep.add_argument("--kind", required=True, choices=["pretrain", "sft", "dpo"], help="record format")
     prep.add_argument("--data", required=True, nargs="+", metavar="FILE", help="JSONL or Parquet files, HF datasets "
                       "directories (save_to_disk), or (pretrain) plain-text .txt/.md files")
+    add_split_flag(prep)
     prep.add_argument("--tokenizer", required=True, metavar="DIR", help="tokenizer directory or tokenizer.json")
     prep.add_argument("--out", required=True, metavar="DIR", help="output directory (written atomically)")
     add_option_flags(prep, PrepareOptions)
@@ -180,8 +195,7 @@ def add_merge_parser(p: argparse.ArgumentParser, what: str, fmt) -> argparse.Arg
 def add_training_parsers(sub, fmt) -> None:
     """The training commands: pretrain, sft, lora, dpo, grpo, ppo, distill."""
     pre = sub.add_parser("pretrain", help="pretrain a GPT on a token stream", formatter_class=fmt)
-    pre.add_argument("--data", nargs="*", default=[], metavar="PATH",
-                     help="a prepared directory, or JSONL files (prepared into RUN/data)")
+    add_data_flags(pre, "a prepared directory, or JSONL files (prepared into RUN/data)")
     pre.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
     add_resume_flag(pre)
     pre.add_argument("--tokenizer", metavar="DIR", help="tokenizer for raw JSONL (default: train one on the data); "
@@ -196,16 +210,14 @@ def add_training_parsers(sub, fmt) -> None:
                          formatter_class=fmt)
     sft.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the pretrained run, checkpoint, HF dir or "
                      "MiniMind .pth to use")
-    sft.add_argument("--data", nargs="*", default=[], metavar="PATH",
-                     help="a directory from `prepare --kind sft`, or conversation JSONL files")
+    add_data_flags(sft, "a directory from `prepare --kind sft`, or conversation JSONL files")
     sft.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
     add_run_flags(sft)
 
     lora = sub.add_parser("lora", help="LoRA fine-tuning on conversations; `lora merge RUN --out DIR` folds "
                           "the adapters into the base", formatter_class=fmt)
     lora.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the base run, checkpoint or HF model dir to adapt")
-    lora.add_argument("--data", nargs="*", default=[], metavar="PATH",
-                      help="a directory from `prepare --kind sft`, or conversation JSONL files")
+    add_data_flags(lora, "a directory from `prepare --kind sft`, or conversation JSONL files")
     lora.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
     add_option_flags(lora, LoraConfig, given_only=True)
     add_run_flags(lora, exclude=("dropout",))
@@ -216,8 +228,7 @@ def add_training_parsers(sub, fmt) -> None:
     dpo = sub.add_parser("dpo", help="direct preference optimisation on chosen/rejected pairs", formatter_class=fmt)
     dpo.add_argument("--init", metavar="RUN_OR_CHECKPOINT", help="the SFT run, checkpoint or HF model directory "
                      "to align; it is also the frozen reference")
-    dpo.add_argument("--data", nargs="*", default=[], metavar="PATH",
-                     help="a directory from `prepare --kind dpo`, or DPO JSONL files")
+    add_data_flags(dpo, "a directory from `prepare --kind dpo`, or DPO JSONL files")
     dpo.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
     add_option_flags(dpo, DPOOptions, given_only=True)
     add_run_flags(dpo)
@@ -230,8 +241,7 @@ def add_training_parsers(sub, fmt) -> None:
     dist.add_argument("--teacher", metavar="RUN", help="the run or checkpoint to learn from")
     dist.add_argument("--init", metavar="RUN_OR_PRESET",
                       help=f"the student: a run/checkpoint, or a preset for a fresh one ({', '.join(PRESETS)})")
-    dist.add_argument("--data", nargs="*", default=[], metavar="PATH",
-                      help="pretraining or SFT data: a prepared directory or JSONL files")
+    add_data_flags(dist, "pretraining or SFT data: a prepared directory or JSONL files")
     dist.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory")
     add_option_flags(dist, DistillOptions, given_only=True)
     add_run_flags(dist)

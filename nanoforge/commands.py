@@ -7,11 +7,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 from nanoforge.core.config import MODEL_FIELDS, TRAIN_FIELDS, LoraConfig, build_config, parse_value
+from nanoforge.data.columnar import dataset_split
 from nanoforge.data.options import PrepareOptions
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.eval.options import EvalOptions
@@ -29,15 +31,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         resolve_auto_resume(args)
         pair_pth_tokenizer(args)
+        choose_split(args)
         COMMANDS[args.command](args)
         code = 0
     except NanoforgeError as e:
         signum = getattr(e, "signum", None)  # train/loop.py's TrainingInterrupted: a checkpoint was written
         print(f"error: {e}" if signum is None else str(e), file=sys.stderr)
         code = 1 if signum is None else 128 + signum
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM where a command takes it so (core/interrupt.py)
         print("interrupted", file=sys.stderr)
-        code = 130
+        code = 128 + getattr(e, "signum", signal.SIGINT)
     # under torchrun: leave the process group and exit here; a command that never loaded train/distributed.py
     # (report) has no group to leave
     distributed = sys.modules.get("nanoforge.train.distributed")
@@ -66,6 +69,12 @@ def pair_pth_tokenizer(args: argparse.Namespace) -> None:
                              "its own")
 
 
+def choose_split(args: argparse.Namespace) -> None:
+    """--split (cli.add_split_flag): a datasets DatasetDict directory in --data stands for its split's directory."""
+    if getattr(args, "dataset_split", None) is not None and args.data:
+        args.data = [str(dataset_split(path, args.dataset_split)) for path in args.data]
+
+
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The config fields given on the command line (cli.add_config_flags's --field-name flags)."""
     given = {name: (f, getattr(args, f"cfg_{name}", None)) for name, f in {**MODEL_FIELDS, **TRAIN_FIELDS}.items()}
@@ -84,7 +93,8 @@ def cmd_report(args) -> None:
 
 def cmd_tokenizer(args) -> None:
     from nanoforge.data.sources import train_tokenizer
-    tok = train_tokenizer(args.data, vocab_size=args.vocab_size, out_dir=args.out, min_frequency=args.min_frequency)
+    tok = train_tokenizer(args.data, vocab_size=args.vocab_size, out_dir=args.out, min_frequency=args.min_frequency,
+                          force=args.force)
     print(f"tokenizer with {tok.vocab_size} tokens written to {args.out}")
 
 

@@ -25,7 +25,7 @@ from nanoforge.chat.template import (CHAT_TEMPLATE, IM_END, THINKING_TOOLS_TEMPL
                                      without_empty_think)
 from nanoforge.chat.pieces import PIECE_CHARS, text_pieces
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.core.fsutil import read_json, write_json
+from nanoforge.core.fsutil import os_error_in, read_json, write_json
 from nanoforge.chat.messages import normalize_conversation
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"<|reserved_{i}|>" for i in range(13)]
@@ -155,7 +155,10 @@ class Tokenizer:
         """Write tokenizer.json and an HF-compatible tokenizer_config.json (AutoTokenizer can load the dir)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        self._tok.save(str(directory / "tokenizer.json"), pretty=True)
+        try:
+            self._tok.save(str(directory / "tokenizer.json"), pretty=True)
+        except Exception as e:  # tokenizers reports an OS error (a full disk) as a bare Exception
+            raise (os_error_in(e, directory / "tokenizer.json") or e) from None
         write_json(directory / "tokenizer_config.json", self.hf_config())
         return directory
 

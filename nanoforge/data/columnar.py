@@ -1,7 +1,8 @@
 """Columnar inputs for `prepare` and on-the-fly preparing: Parquet files and HF `datasets` directories (what
 `Dataset.save_to_disk` writes: `state.json`, `dataset_info.json` and `data-*.arrow` files in Arrow's IPC
 stream format), read locally with pyarrow (the optional `parquet` extra; `datasets` itself is never needed and
-no hub is ever asked).
+no hub is ever asked). A `DatasetDict.save_to_disk` folder (what `load_dataset(...).save_to_disk()` gives:
+`dataset_dict.json` and one such directory per split) stands for one of its splits (`--split`, `dataset_split`).
 
 A row is a record, as a JSONL line is: pretraining takes one string column (`text`, or --text-column), SFT
 and DPO take the whole row (`conversations`, optionally `tools`; `chosen` and `rejected`). Arrow's structs
@@ -25,6 +26,7 @@ from nanoforge.core.errors import NanoforgeError
 ROWS_PER_CHUNK = 1024  # rows handed to a tokenizer worker at a time
 HF_STATE = "state.json"
 HF_INFO = "dataset_info.json"
+HF_DICT = "dataset_dict.json"  # a DatasetDict's: {"splits": ["train", "test", ...]}, a Dataset directory per split
 
 
 def _pyarrow():
@@ -42,8 +44,40 @@ def is_hf_dataset_dir(path) -> bool:
     return path.is_dir() and (path / HF_STATE).is_file() and (path / HF_INFO).is_file()
 
 
+def is_hf_dataset_dict(path) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / HF_DICT).is_file()
+
+
 def is_columnar(path) -> bool:
-    return Path(path).suffix.lower() == ".parquet" or is_hf_dataset_dir(path)
+    return Path(path).suffix.lower() == ".parquet" or is_hf_dataset_dir(path) or is_hf_dataset_dict(path)
+
+
+def dataset_dict_splits(path: Path) -> list[str]:
+    """The split names a DatasetDict directory's dataset_dict.json lists."""
+    try:
+        splits = safejson.loads((path / HF_DICT).read_text(encoding="utf-8"))["splits"]
+        if not (isinstance(splits, list) and all(isinstance(name, str) for name in splits)):
+            raise TypeError("not a list of names")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"does not list the splits (\"splits\"): {e}", path / HF_DICT) from None
+    return splits
+
+
+def dataset_split(path, split: str) -> Path:
+    """`path`, or where it is a DatasetDict directory the directory of its split `split` (a Dataset directory, read
+    as any); a split it has not is an error naming those it has."""
+    path = Path(path)
+    if not is_hf_dataset_dict(path):
+        return path
+    splits = dataset_dict_splits(path)
+    if split not in splits:
+        raise DataError(f"a datasets DatasetDict with the splits {', '.join(splits)}, and no {split!r}: choose one "
+                        "with --split NAME", path)
+    if not is_hf_dataset_dir(path / split):
+        raise DataError(f"{HF_DICT} lists the split {split!r}, whose directory (with {HF_STATE} and {HF_INFO}) is "
+                        "missing", path)
+    return path / split
 
 
 def arrow_files(path: Path) -> list[Path]:
@@ -65,6 +99,10 @@ def check_columnar(path) -> Path:
     path = Path(path)
     if not path.exists():
         raise DataError("no such file", path)
+    if is_hf_dataset_dict(path):  # never read whole: one split is (dataset_split)
+        splits = dataset_dict_splits(path)
+        raise DataError(f"a datasets DatasetDict with the splits {', '.join(splits)}: give one split's directory "
+                        f"({path / (splits or ['train'])[0]}), or to a command that takes it --split NAME", path)
     num_rows(path) if path.is_dir() else _schema(path)
     return path
 

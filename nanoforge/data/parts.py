@@ -28,7 +28,10 @@ from nanoforge.data.columnar import arrow_files, is_columnar, num_rows
 from nanoforge.data.jsonl import MAX_RECORD_BYTES, record_too_long
 from nanoforge.data.shards import TokenShards, read_manifest
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.core.fsutil import check_out_dir, fsync_dir, replace_dir, write_json
+from nanoforge.core.dirlock import output_lock
+from nanoforge.core.fsutil import (check_out_apart, check_out_dir, fsync_dir, replace_dir, temp_dir_for, write_json,
+                                   writing)
+from nanoforge.core.interrupt import terminate_as_interrupt
 from nanoforge.chat.tokenizer import PLAIN_TEXT_SUFFIXES
 
 SCAN_BYTES = 8 << 20
@@ -157,10 +160,7 @@ def merge_prepared(dirs: list, out_dir, force: bool = False, log: Callable[[str]
     dirs, out_dir = [Path(d) for d in dirs], Path(out_dir)
     if len(dirs) < 2:
         raise NanoforgeError("prepare merge needs two or more prepared directories")
-    for d in dirs:  # `--out` must be none of its inputs, nor inside one, nor hold one (symlinks resolved)
-        if out_dir.resolve().is_relative_to(d.resolve()) or d.resolve().is_relative_to(out_dir.resolve()):
-            raise NanoforgeError(f"prepare merge: --out {out_dir} would write over its input {d}; "
-                                 "choose an --out apart from the parts")
+    check_out_apart(out_dir, dirs)
     check_out_dir(out_dir, force)
     manifests = [read_manifest(d) for d in dirs]
     first = manifests[0]
@@ -179,7 +179,7 @@ def merge_prepared(dirs: list, out_dir, force: bool = False, log: Callable[[str]
               "parts": [os.path.relpath(d.resolve(), out_dir.resolve()) for d in dirs],
               "splits": {split: _merged_split(dirs, manifests, split, out_dir) for split in first["splits"]},
               "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    _write_merged(out_dir, merged, dirs[0] / "tokenizer")
+    _write_merged(out_dir, merged, dirs[0] / "tokenizer", force)
     log(f"merged {len(dirs)} parts into {out_dir}: " + ", ".join(
         f"{split} {entry['tokens']:,} tokens / {entry['docs']:,} docs" for split, entry in merged["splits"].items()))
     return merged
@@ -222,16 +222,17 @@ def _merged_split(dirs: list[Path], manifests: list[dict], split: str, out_dir: 
     return {"shards": shards, **{key: sum(int(e[key]) for e in entries) for key in ("tokens", "docs", "bytes")}}
 
 
-def _write_merged(out_dir: Path, manifest: dict, tokenizer_dir: Path) -> None:
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        shutil.copytree(tokenizer_dir, tmp / "tokenizer")
-        write_json(tmp / "manifest.json", manifest)
-        fsync_dir(tmp)
-        replace_dir(tmp, out_dir)  # an old out_dir is deleted only once the new one is in place
-        fsync_dir(out_dir.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def _write_merged(out_dir: Path, manifest: dict, tokenizer_dir: Path, force: bool) -> None:
+    """Under `prepare`'s lock of out_dir (dirlock.output_lock): one writer, and what a killed one left removed."""
+    tmp = temp_dir_for(out_dir)
+    with writing(out_dir), terminate_as_interrupt(), output_lock(out_dir, f"{out_dir} (being prepared)"):
+        check_out_dir(out_dir, force)  # again: a prepare that held the lock until now may have filled it
+        try:
+            shutil.copytree(tokenizer_dir, tmp / "tokenizer")
+            write_json(tmp / "manifest.json", manifest)
+            fsync_dir(tmp)
+            replace_dir(tmp, out_dir)  # an old out_dir is deleted only once the new one is in place
+            fsync_dir(out_dir.parent)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise

@@ -8,7 +8,7 @@ import math
 import os
 import shutil
 import time
-from contextlib import closing
+from contextlib import closing, suppress
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
@@ -24,7 +24,9 @@ from nanoforge.data.parts import plan_part
 from nanoforge.data.sft_records import DROP_THINK_SEED
 from nanoforge.data.shards import FORMAT, FORMAT_VERSION, MASKED_KINDS
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.core.fsutil import check_out_dir, fsync_dir, fsync_file, replace_dir, write_json
+from nanoforge.core.fsutil import (check_out_apart, check_out_dir, fsync_dir, fsync_file, replace_dir, temp_dir_for,
+                                 write_json, writing)
+from nanoforge.core.interrupt import terminate_as_interrupt
 from nanoforge.chat.tokenizer import Tokenizer, load_tokenizer
 
 SPLITS = ("train", "val")
@@ -52,6 +54,7 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
         raise NanoforgeError(f"unknown data kind {kind!r}; expected one of {', '.join(KINDS)}")
     if drop_empty_think and kind != "sft":
         raise NanoforgeError(f"drop_empty_think applies to sft records only, not {kind}")
+    tokenizer_path = None if isinstance(tokenizer, Tokenizer) else tokenizer
     tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     if kind == "pretrain" and tokenizer.eos_id is None:
         raise NanoforgeError("the tokenizer has no end-of-text token (<|endoftext|> or an eos_token in "
@@ -63,11 +66,11 @@ def prepare_dataset(kind: str, files, tokenizer, out_dir, val_fraction: float = 
     check_given_once(paths, "--data ")
     inputs, identity = plan_part(paths, part)  # data/parts.py
     out_dir = Path(out_dir)
+    check_out_apart(out_dir, [*paths, tokenizer_path])
     check_out_dir(out_dir, force)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # one prepare per --out at a time: a second one stops here, naming the first, before writing anything
-    with dirlock.acquire(out_dir.parent / f".{out_dir.name}.lock", f"{out_dir} (being prepared)",
-                         unlink_on_release=True):
+    # one prepare per --out at a time: a second one stops here, naming the first, before writing anything; a
+    # SIGTERM cleans up as Ctrl-C does, and what a killed one left is removed (dirlock.output_lock)
+    with writing(out_dir), terminate_as_interrupt(), dirlock.output_lock(out_dir, f"{out_dir} (being prepared)"):
         check_out_dir(out_dir, force)  # again: a prepare that held the lock until now may have filled it
         return _prepare_locked(kind, inputs, tokenizer, out_dir, val_fraction, workers, skip_invalid, force, log,
                                chunk_bytes, max_shard_tokens, started, drop_empty_think, text_column, identity)
@@ -81,7 +84,7 @@ def _prepare_locked(kind, inputs, tokenizer, out_dir: Path, val_fraction, worker
     workers = max(1, min(workers, math.ceil(sum(p.stat().st_size for p in paths) / chunk_bytes)))
     dtype = np.dtype(token_dtype(tokenizer))
 
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    tmp = temp_dir_for(out_dir)
     writers = {}
     try:
         if tmp.exists():
@@ -217,8 +220,12 @@ class SplitWriter:
                 "docs": sum(s["docs"] for s in self.shards), "bytes": self.bytes}
 
     def abort(self) -> None:
-        if self._files is not None:
-            self._close_shard(sync=False)
+        """Close the open shard, dropping what is still buffered (its directory is deleted next): on a full disk
+        flushing it fails again, and must not stop the clean-up."""
+        for f in filter(None, self._files or ()):
+            with suppress(OSError):
+                f.close()
+        self._files = None
 
 
 def _manifest(kind, tokenizer, dtype, val_fraction, sources, splits, workers, seconds, drop_empty_think) -> dict:

@@ -5,10 +5,11 @@ import os
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from nanoforge.data.columnar import check_columnar, columnar_kind, is_columnar, is_hf_dataset_dir
+from nanoforge.data.columnar import check_columnar, columnar_kind, is_columnar
 from nanoforge.data.jsonl import DataError, check_input_file, detect_kind, iter_records
 from nanoforge.data.shards import read_manifest
 from nanoforge.core.errors import NanoforgeError
+from nanoforge.core.fsutil import check_out_apart, check_out_dir, staged_dir, writing
 from nanoforge.chat.tokenizer import PLAIN_TEXT_SUFFIXES, Tokenizer, train_bpe
 
 _TEXT_BLOCK_BYTES = 1 << 20  # plain-text files are fed to the trainer in ~1 MB blocks cut at newlines
@@ -28,13 +29,13 @@ def prepared_dir(data: Sequence) -> Path | None:
     paths = [Path(p) for p in data]
     if not paths:
         raise NanoforgeError("--data is required: a prepared directory or one or more JSONL files")
-    if len(paths) == 1 and paths[0].is_dir() and not is_hf_dataset_dir(paths[0]):
+    if len(paths) == 1 and paths[0].is_dir() and not is_columnar(paths[0]):
         read_manifest(paths[0])  # raises, naming the directory, when it is not prepared data
         return paths[0]
     if len(paths) > 1 and all(is_prepared(p) for p in paths):
         return None  # prepared parts: a training run merges them into RUN/data (data/parts.py), copying no token
     for p in paths:
-        if p.is_dir() and not is_hf_dataset_dir(p):
+        if p.is_dir() and not is_columnar(p):
             raise NanoforgeError(f"{p}: a directory; give JSONL files, or one directory made by " "`nanoforge prepare`")
     return None
 
@@ -55,14 +56,24 @@ def data_kind(data: Sequence[str]) -> str:
 
 
 def train_tokenizer(files, vocab_size: int = 6400, out_dir: str | os.PathLike | None = None,
-                    min_frequency: int = 2) -> Tokenizer:
+                    min_frequency: int = 2, force: bool = False) -> Tokenizer:
     """`nanoforge tokenizer train`: a byte-level BPE tokenizer (tokenizer.train_bpe) on JSONL (pretrain/SFT/DPO,
-    detected per line) or plain-text files, every file checked before training starts."""
+    detected per line) or plain-text files, every file checked before training starts, and so is `out_dir`:
+    apart from the files, and new or empty unless `force`. Written there under a temporary name, renamed into
+    place."""
     files = [files] if isinstance(files, (str, os.PathLike)) else list(files)
     if not files:
         raise NanoforgeError("no training files given for the tokenizer")
     paths = [check_input_file(f) for f in files]
-    return train_bpe(_training_texts(paths), vocab_size, out_dir, min_frequency)
+    if out_dir is not None:
+        out_dir = Path(out_dir)
+        check_out_apart(out_dir, paths)
+        check_out_dir(out_dir, force)
+    tokenizer = train_bpe(_training_texts(paths), vocab_size, None, min_frequency)
+    if out_dir is not None:
+        with writing(out_dir), staged_dir(out_dir) as tmp:
+            tokenizer.save(tmp)
+    return tokenizer
 
 
 def _training_texts(paths: list[Path]) -> Iterator[str]:

@@ -5,6 +5,7 @@ from typing import Any, Sequence
 
 from nanoforge.core.config import build_config, config_dicts
 from nanoforge.core.errors import NanoforgeError
+from nanoforge.core.fsutil import check_out_apart, staged_dir, writing
 from nanoforge.model.lora import LoraConfig, LoraModel
 from nanoforge.recipes.common import SFT_DEFAULTS, initial_gpt, lm_batches, make_sampler, train_and_report
 from nanoforge.train.loop import Stage
@@ -49,18 +50,20 @@ def sft(init: str | None, data: Sequence[str], out: str | Path, config_file: str
 def lora_merge(run: str | Path, out: str | Path) -> Path:
     """`nanoforge lora merge`: fold a LoRA run's adapters into its base and write a plain run directory
     (config, tokenizer, one checkpoint) that chat, export and further training read like any other."""
+    out = Path(out)
+    check_out_apart(out, [run])
     src = ckpt.resolve_checkpoint(run)
     state = ckpt.load_state(src)
-    out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise NanoforgeError(f"{out} exists and is not empty; choose another --out")
     model = load_adapter_checkpoint(src)
     cfg = state.get("config", {})
     mcfg, tcfg = build_config(None, None, None, base={"model": cfg.get("model", {}), "train": cfg.get("train", {})})
     run_info = {"stage": "lora-merge", "merged_from": str(src.resolve()), "tokenizer": "tokenizer"}
-    copy_tokenizer(init_tokenizer_dir(src), out)
-    write_run_config(out, mcfg, tcfg, run_info)
-    ckpt.save_checkpoint(out, state["step"], model.state_dict_for_save(), {},
-                         {"stage": "lora-merge", "config": config_dicts(mcfg, tcfg), "run": run_info,
-                          "run_state": {"step": state["step"]}, "data": {}})
+    with writing(out), staged_dir(out) as tmp:  # renamed into place once whole
+        copy_tokenizer(init_tokenizer_dir(src), tmp)
+        write_run_config(tmp, mcfg, tcfg, run_info)
+        ckpt.save_checkpoint(tmp, state["step"], model.state_dict_for_save(), {},
+                             {"stage": "lora-merge", "config": config_dicts(mcfg, tcfg), "run": run_info,
+                              "run_state": {"step": state["step"]}, "data": {}})
     return out

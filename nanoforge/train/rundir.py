@@ -29,7 +29,7 @@ from nanoforge.data.shards import check_tokenizer
 from nanoforge.data.parts import merge_prepared
 from nanoforge.data.sources import data_kind, is_prepared, prepared_dir, train_tokenizer
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.core.fsutil import write_text_atomic
+from nanoforge.core.fsutil import check_out_apart, write_text_atomic, writing
 from nanoforge.weights.load import init_config, init_tokenizer_dir
 from nanoforge.train.microbatch import fit_micro_batch
 from nanoforge.chat.tokenizer import load_tokenizer
@@ -85,7 +85,9 @@ def fresh_run_guard(stage_fn):
     def guarded(*args, **kwargs):
         given = inspect.signature(stage_fn).bind(*args, **kwargs).arguments
         out = Path(given["out"])
-        lock = lock_run_directory(out) if is_main() else None
+        check_out_apart(out, run_inputs(given))
+        with writing(out):  # a read-only file system: one line
+            lock = lock_run_directory(out) if is_main() else None
         existed = out.is_dir() and any(p.name != RUN_LOCK for p in out.iterdir())
         try:
             resume, held = given.get("resume"), ckpt.list_checkpoints(out)
@@ -97,7 +99,8 @@ def fresh_run_guard(stage_fn):
                                      "began it, without --resume, or with --resume auto")
             if held and not resume:  # (a kill during the first save leaves only .tmp-*: a fresh start)
                 raise NanoforgeError(f"{out} already holds a run; add --resume to continue it, or choose another --out")
-            return stage_fn(*args, **kwargs)
+            with writing(out):  # a full disk while the run is set up (config, tokenizer, data): one line
+                return stage_fn(*args, **kwargs)
         except BaseException:
             if is_main() and not existed and out.is_dir() and not (out / "metrics.jsonl").exists():
                 shutil.rmtree(out, ignore_errors=True)
@@ -106,6 +109,15 @@ def fresh_run_guard(stage_fn):
             if lock is not None:
                 lock.release()
     return guarded
+
+
+RUN_INPUTS = ("data", "init", "teacher", "tokenizer")  # the arguments of a stage that name what it reads
+
+
+def run_inputs(given: dict[str, Any]) -> list:
+    """The paths a stage reads (its RUN_INPUTS, each a path or a list of them), which its --out keeps apart from."""
+    values = [given.get(name) for name in RUN_INPUTS]
+    return [path for value in values for path in ([value] if isinstance(value, (str, Path)) else value or [])]
 
 
 def lock_run_directory(out: Path) -> dirlock.DirLock:
@@ -253,7 +265,8 @@ def resolve_data(kind: str, data: Sequence[str], run_dir: Path, tokenizer, mcfg:
                                  "sample)")
         if tokenizer is None:
             log(f"no --tokenizer given: training a {mcfg.vocab_size}-token BPE tokenizer on the data")
-            tokenizer = train_tokenizer(paths, vocab_size=mcfg.vocab_size, out_dir=run_dir / "tokenizer")
+            tokenizer = train_tokenizer(paths, vocab_size=mcfg.vocab_size, out_dir=run_dir / "tokenizer",
+                                        force=True)
         prepare_dataset(kind, paths, tokenizer, target, val_fraction=tcfg.val_fraction, workers=tcfg.workers,
                         log=log, text_column=tcfg.text_column)
         return target

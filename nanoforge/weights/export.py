@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from nanoforge.chat.template import without_generation_markers
 from nanoforge.core.checksums import replace_with_checksum, write_dir_checksums
 from nanoforge.core.config import ModelConfig
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.core.fsutil import replace_dir, write_json
+from nanoforge.core.fsutil import check_out_apart, replace_dir, write_json, writing
 from nanoforge.weights.hf import HF_ARCHITECTURES
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.weights.load import load_model
@@ -35,8 +36,10 @@ from nanoforge.weights.minimind import is_pth, write_pth
 
 def export_hf(run_or_checkpoint: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False) -> Path:
     """Write the latest checkpoint of a run (or the given checkpoint) as an HF transformers directory."""
+    check_out_apart(out_dir, [run_or_checkpoint])
     model, tokenizer, _ = load_model(run_or_checkpoint)
-    return write_hf_dir(model, tokenizer, out_dir, force=force)
+    with writing(out_dir, also=(SafetensorError,)):  # safetensors wraps the OS's error
+        return write_hf_dir(model, tokenizer, out_dir, force=force)
 
 
 def write_hf_dir(model, tokenizer, out_dir: str | os.PathLike, force: bool = False) -> Path:
@@ -60,7 +63,7 @@ def write_hf_dir(model, tokenizer, out_dir: str | os.PathLike, force: bool = Fal
         weights = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict_for_save().items()}
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save(tmp)
-        chat_eos(tmp / "tokenizer_config.json", tokenizer)
+        hf_tokenizer_config(tmp / "tokenizer_config.json", tokenizer)
         write_dir_checksums(tmp)  # checksums.sha256: transformers ignores it; weights/hf.py checks it
         replace_dir(tmp, out)
     except BaseException:
@@ -69,23 +72,34 @@ def write_hf_dir(model, tokenizer, out_dir: str | os.PathLike, force: bool = Fal
     return out
 
 
-def chat_eos(path: Path, tokenizer) -> None:
-    """eos_token <|im_end|> in an export's tokenizer_config.json, as MiniMind-3's own: tools that stop at
-    `tokenizer.eos_token_id` (MiniMind's eval_llm.py, pipelines) end a reply at its turn's end; <|endoftext|> stays
-    the pad token and the end of a document (generation_config.json stops at both)."""
-    if tokenizer.im_end_id is not None:
-        config = json.loads(path.read_text(encoding="utf-8"))
-        write_json(path, {**config, "eos_token": tokenizer.id_to_token(tokenizer.im_end_id)})
+def hf_eos_id(tokenizer) -> int | None:
+    """The end token an export names everywhere (config.json, tokenizer_config.json, first of generation_config's
+    stops): <|im_end|>, as MiniMind-3's own, so that tools that stop at `eos_token_id` (MiniMind's eval_llm.py,
+    pipelines) end a reply at its turn's end; <|endoftext|> when the tokenizer has no chat tokens. <|endoftext|>
+    stays the pad token and the end of a document (generation_config.json stops at both)."""
+    return tokenizer.eos_id if tokenizer.im_end_id is None else tokenizer.im_end_id
+
+
+def hf_tokenizer_config(path: Path, tokenizer) -> None:
+    """An export's tokenizer_config.json: its eos_token hf_eos_id's, and model_input_names without token_type_ids
+    (transformers' default for a fast tokenizer lists them, and `model.generate(**tokenizer(text))` refuses them;
+    MiniMind's own config has that default)."""
+    config = json.loads(path.read_text(encoding="utf-8"))
+    eos = hf_eos_id(tokenizer)
+    write_json(path, {**config, "model_input_names": ["input_ids", "attention_mask"],
+                      **({"eos_token": tokenizer.id_to_token(eos)} if eos is not None else {})})
 
 
 def export_minimind(run_or_checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str = "f16",
                     force: bool = False) -> Path:
     """Write a model as MiniMind's .pth (fp16 as its trainers save, or f32), named for the run's stage when `out`
     is a directory (pretrain_768.pth, full_sft_768.pth, ...)."""
+    check_out_apart(out, [run_or_checkpoint])
     model, _, path = load_model(run_or_checkpoint)
     stage = "" if is_pth(path) or not (path / "state.json").is_file() else \
         ckpt.load_state(path).get("run", {}).get("stage", "")
-    return write_pth(model, out, stage, torch.float16 if dtype == "f16" else torch.float32, force)
+    with writing(out, also=(RuntimeError,)):  # torch.save reports a full disk as a RuntimeError
+        return write_pth(model, out, stage, torch.float16 if dtype == "f16" else torch.float32, force)
 
 
 def hf_config(cfg: ModelConfig, tokenizer) -> dict[str, Any]:
@@ -105,7 +119,7 @@ def hf_config(cfg: ModelConfig, tokenizer) -> dict[str, Any]:
         "max_position_embeddings": int(cfg.max_seq_len * max(1.0, cfg.rope_scaling_factor)),
         "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": False, "attention_dropout": 0.0, "initializer_range": cfg.init_std,
-        "bos_token_id": tokenizer.token_to_id(bos_name) if bos_name else None, "eos_token_id": tokenizer.eos_id,
+        "bos_token_id": tokenizer.token_to_id(bos_name) if bos_name else None, "eos_token_id": hf_eos_id(tokenizer),
         "pad_token_id": tokenizer.pad_id, "torch_dtype": "float32", "use_cache": True}
     if model_type == "llama":
         config.update(mlp_bias=False, pretraining_tp=1)
@@ -133,7 +147,7 @@ def generation_config(tokenizer) -> dict[str, Any]:
 
     Without it `generate` runs to max_length after every reply (MiniMind's exports repeated themselves
     forever because the config named only one of the two)."""
-    eos = [i for i in (tokenizer.im_end_id, tokenizer.eos_id) if i is not None]
+    eos = [i for i in (hf_eos_id(tokenizer), tokenizer.eos_id) if i is not None]
     bos_name = tokenizer.hf_config().get("bos_token")
     config = {"bos_token_id": tokenizer.token_to_id(bos_name) if bos_name else None,
               "eos_token_id": list(dict.fromkeys(eos)), "pad_token_id": tokenizer.pad_id, "do_sample": False}
@@ -150,8 +164,10 @@ def export_gguf(run_or_checkpoint: str | os.PathLike, out_file: str | os.PathLik
     An existing directory as `out_file` gets `model.gguf` inside it."""
     if Path(out_file).is_dir():
         out_file = Path(out_file) / "model.gguf"
+    check_out_apart(out_file, [run_or_checkpoint])
     model, tokenizer, _ = load_model(run_or_checkpoint)
-    return write_gguf(model, tokenizer, out_file, dtype=dtype, force=force)
+    with writing(out_file):
+        return write_gguf(model, tokenizer, out_file, dtype=dtype, force=force)
 
 
 def permute_for_llama_cpp(w: torch.Tensor, n_heads: int) -> torch.Tensor:

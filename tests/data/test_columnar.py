@@ -95,6 +95,53 @@ def test_a_real_save_to_disk_directory(corpus, tiny_tokenizer, tmp_path):
     assert shard_bytes(tmp_path / "from_arrow") == shard_bytes(tmp_path / "from_jsonl")
 
 
+def write_saved_dataset_dict(splits: dict[str, list[dict]], directory: Path) -> Path:
+    """What `datasets.DatasetDict.save_to_disk` writes: dataset_dict.json and a saved dataset per split."""
+    directory.mkdir()
+    for name, records in splits.items():
+        write_saved_dataset(records, directory / name)
+    (directory / "dataset_dict.json").write_text(json.dumps({"splits": list(splits)}))
+    return directory
+
+
+def test_a_real_dataset_dict_directory_is_read_by_split(corpus, tiny_tokenizer_dir, tmp_path):
+    """`load_dataset(...).save_to_disk(DIR)` gives a DatasetDict directory: `prepare --data DIR` reads its train
+    split, --split another; a split it has not is named with those it has (it said "pass the .jsonl files")."""
+    datasets = pytest.importorskip("datasets", reason="`datasets` is not installed (only this fixture needs it)")
+    records = jsonl_records(corpus["pretrain"])
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(records),
+                          "test": datasets.Dataset.from_list(records[:5])}).save_to_disk(str(tmp_path / "dd"))
+    args = ["prepare", "--kind", "pretrain", "--tokenizer", tiny_tokenizer_dir, "--workers", 1, "--data"]
+    assert nf(*args, corpus["pretrain"], "--out", tmp_path / "from_jsonl").returncode == 0
+    res = nf(*args, tmp_path / "dd", "--out", tmp_path / "train")
+    assert res.returncode == 0, res.stderr
+    assert shard_bytes(tmp_path / "train") == shard_bytes(tmp_path / "from_jsonl")
+    assert nf(*args, tmp_path / "dd", "--split", "test", "--out", tmp_path / "test").returncode == 0
+    [source] = json.loads((tmp_path / "test" / "manifest.json").read_text())["sources"]
+    assert source["records"] == 5 and Path(source["path"]) == tmp_path / "dd" / "test"
+    res = nf(*args, tmp_path / "dd", "--split", "validation", "--out", tmp_path / "none")
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert (f"error: {tmp_path / 'dd'}: a datasets DatasetDict with the splits train, test, and no 'validation': "
+            "choose one with --split NAME") in res.stderr
+    assert not (tmp_path / "none").exists()
+
+
+def test_training_takes_a_dataset_dict_split(corpus, tiny_tokenizer_dir, tmp_path):
+    """pretrain --data DIR --split NAME over a DatasetDict directory (written here with pyarrow, in the layout
+    `datasets` writes); without a split (the Python API, eval) the error names the splits and what to give."""
+    records = [{"body": r["text"]} for r in jsonl_records(corpus["pretrain"])]
+    dd = write_saved_dataset_dict({"train": records[:3], "validation": records}, tmp_path / "dd")
+    res = nf("pretrain", "--preset", "tiny", "--n-layers", 1, "--data", dd, "--split", "validation", "--tokenizer",
+             tiny_tokenizer_dir, "--text-column", "body", "--out", tmp_path / "run", "--max-steps", 1,
+             "--seq-len", 32, "--tensorboard", "false", "--eval-every", 0, "--quiet")
+    assert res.returncode == 0, res.stderr
+    [source] = json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())["sources"]
+    assert source["records"] == len(records) and Path(source["path"]) == dd / "validation"
+    with pytest.raises(DataError, match=r"dd: a datasets DatasetDict with the splits train, validation: give one "
+                                        r"split's directory \(.*dd/train\), or to a command that takes it --split"):
+        prepare("pretrain", [dd], tiny_tokenizer_dir, tmp_path / "no", text_column="body")
+
+
 def test_text_column_chooses_the_column(corpus, tiny_tokenizer, tmp_path):
     records = [{"id": i, "content": r["text"]} for i, r in enumerate(jsonl_records(corpus["pretrain"]))]
     parquet = write_parquet(records, tmp_path / "content.parquet")

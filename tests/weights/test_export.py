@@ -129,6 +129,21 @@ def test_generation_config_stops_at_im_end(ours, hf_dir):
     assert gen.pad_token_id == tokenizer.pad_id
 
 
+def test_generate_takes_the_tokenizers_output_and_one_end_token(ours, hf_dir):
+    """What a transformers user writes first: model.generate(**tokenizer(text, return_tensors="pt")). The tokenizer
+    gives no token_type_ids (generate refuses them), and config.json, the tokenizer and generation_config.json
+    (first of its stops) name the same end token, <|im_end|>."""
+    _, tokenizer = ours
+    hf_model, hf_tok = load_hf(hf_dir), transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    inputs = hf_tok("Once upon a time", return_tensors="pt")
+    assert set(inputs) == {"input_ids", "attention_mask"}
+    with torch.no_grad():
+        out = hf_model.generate(**inputs, max_new_tokens=5, do_sample=False)
+    assert out.shape[0] == 1 and out.shape[1] > inputs["input_ids"].shape[1]
+    gen = transformers.GenerationConfig.from_pretrained(str(hf_dir))
+    assert hf_model.config.eos_token_id == hf_tok.eos_token_id == tokenizer.im_end_id == gen.eos_token_id[0]
+
+
 @pytest.mark.parametrize("variant", [dict(qk_norm=True), dict(rope_scaling_factor=4.0),
                                      dict(tie_embeddings=False), dict(qk_norm=True, rope_scaling_factor=2.0)],
                          ids=["qwen3", "yarn", "untied", "qwen3-yarn"])
