@@ -10,15 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from nanoforge.core import safejson
 from nanoforge.core.config import ConfigError, ModelConfig
-from nanoforge.core.checksums import DamagedFile, verify_file
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.core.fsutil import read_json
-from nanoforge.weights.checkpoint import check_finite
+from nanoforge.weights.checkpoint import read_weights
 from nanoforge.weights.minimind import MINIMIND_AUX_COEF, minimind_ffn, read_pth
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -159,13 +156,7 @@ def read_hf_weights(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise NanoforgeError(f"{hf_dir}: no model.safetensors or pytorch_model.bin")
     weights: dict[str, torch.Tensor] = {}
     for f in files:  # each checked against an export's checksums.sha256, when there is one
-        try:
-            part = load_file(str(f))
-        except (OSError, SafetensorError, ValueError) as e:
-            raise DamagedFile(f"{f}: cannot read weights: {e}") from None
-        verify_file(f)
-        check_finite(part, f)
-        weights.update(part)
+        weights.update(read_weights(f))
     return split_experts({k: v.to(torch.float32) for k, v in weights.items()})
 
 
