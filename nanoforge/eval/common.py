@@ -13,7 +13,11 @@ from nanoforge.weights.load import load_model
 def load_run(run, device: str):
     """`run` is a run/checkpoint/HF directory, or an already loaded (model, tokenizer) pair (tests, training)."""
     dev = resolve_device(device)
-    model, tokenizer, ckpt = (*run, None) if isinstance(run, tuple) else load_model(run, dev)
+    if isinstance(run, tuple):
+        model, tokenizer, ckpt = (*run, None)
+    else:  # loaded to be read only: frozen, so its linears may read packed weights (model/linear.py)
+        model, tokenizer, ckpt = load_model(run, dev)
+        model.requires_grad_(False)
     return model.to(dev), tokenizer, dev, ckpt
 
 

@@ -13,6 +13,7 @@ def load_for_inference(run_dir, device: str, precision: str, announce: bool = Fa
     target = resolve_device(device)
     precision = resolve_precision(precision, target)
     model, tokenizer, checkpoint = load_model(run_dir, device=target)
+    model.requires_grad_(False)  # never trained here: its linears may read packed weights (model/linear.py)
     if announce:
         print(f"loaded {checkpoint} ({model.num_params() / 1e6:.1f}M parameters) on {target}, {precision}\n"
               + precision_note(precision, target), file=sys.stderr)

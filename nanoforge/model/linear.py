@@ -2,12 +2,18 @@
 
 A decoding step multiplies each weight by a handful of rows (one per sequence in the batch). For those shapes
 MKL's sgemm (what F.linear runs on a CPU) is well below what the memory allows; oneDNN's matmul over a weight
-reordered once into its blocked layout is faster (docs/perf.md, "Decode linears", has the figures and the
-command). So, without autograd, in float32 on a CPU and for 2 to PACKED_MAX_ROWS rows, the layer multiplies by a
-packed copy of its weight; everything else (training, one row, a long prefill, other dtypes and devices) is
-nn.Linear's own path. The copy is made on first use and made again whenever the weight changes (its version
-counter or storage moves: an optimizer step, a load), so a model that trains between rollouts never reads stale
-weights. It is not a parameter or a buffer: state dicts, exports and `isinstance(m, nn.Linear)` are unchanged."""
+reordered once into its blocked layout is faster (docs/perf.md, "Decode steps on oneDNN-packed weights", has
+the figures and the command). So, without autograd, in float32 on a CPU, for 2 to PACKED_MAX_ROWS rows and for
+a frozen weight (one that does not require grad: a model loaded to generate, a reference or teacher model), the
+layer multiplies by a packed copy of its weight; everything else (training, one row, a long prefill, other
+dtypes and devices, and a policy sampling between its own optimizer steps) is nn.Linear's own path.
+
+Frozen, because an optimizer may change a weight without a trace: the fused AdamW this project uses on a CPU
+updates parameters in place without bumping their version counter, so a copy keyed on the version would go stale
+between RL steps. A frozen weight changed in place anyway (load_state_dict, copy_) does bump it: the copy is
+made on first use and again whenever the weight's version or storage changes. It is not a parameter or a
+buffer: state dicts, exports and `isinstance(m, nn.Linear)` are unchanged; it costs one more copy of the frozen
+weights in memory."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -36,8 +42,9 @@ class Linear(nn.Linear):
 
     def _use_packed(self, x: torch.Tensor) -> bool:
         rows = x.numel() // max(x.shape[-1], 1)
-        return (not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == torch.float32
-                and self.weight.dtype == torch.float32 and PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS)
+        return (not torch.is_grad_enabled() and not self.weight.requires_grad and x.device.type == "cpu"
+                and x.dtype == torch.float32 and self.weight.dtype == torch.float32
+                and PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS)
 
     def _packed_weight(self) -> torch.Tensor:
         key = (self.weight._version, self.weight.data_ptr())
