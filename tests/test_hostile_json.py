@@ -146,7 +146,8 @@ def test_the_tool_endpoint_answers_an_error_string(client):
 
 # json.loads on JSON nanoforge wrote itself (metrics, manifests, checkpoint state, benchmark results, the
 # tokenizer's own serialisation); everything else is read with safejson.loads.
-OWN_JSON = {"nanoforge/core/safejson.py", "nanoforge/report/markdown.py", "nanoforge/recipes/bench.py", "nanoforge/train/metrics.py",
+OWN_JSON = {"nanoforge/core/safejson.py", "nanoforge/report/runs.py", "nanoforge/report/markdown.py",
+            "nanoforge/recipes/bench.py", "nanoforge/train/metrics.py",
             "nanoforge/core/dirlock.py", "nanoforge/data/dpo.py", "nanoforge/chat/tokenizer.py", "nanoforge/weights/export.py"}
 
 
