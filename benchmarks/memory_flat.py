@@ -1,10 +1,10 @@
 """Memory over a long run: pretraining, SFT, DPO and GRPO, each for a few hundred steps through the real commands,
 with the process's resident memory read after the first steps and at the end (it should stay flat).
 
-    NANOFORGE_DATA=../shared/data .venv/bin/python benchmarks/memory_flat.py [--steps 300] [--stages sft,dpo]
+    NANOFORGE_DATA=DATA .venv/bin/python benchmarks/memory_flat.py [--steps 300] [--stages sft,dpo]
         [--precision fp32|bf16] [--d-model 256 --n-layers 4] [--threads 1]
 
-Data (benchmarks/data_dir.py): MiniMind's tokenizer; TinyStories for pretraining; ShareGPT (long, multi-turn) and
+Data (benchmarks/data_dir.py; DATA's files are listed in docs/perf.md): MiniMind's tokenizer; TinyStories for pretraining; ShareGPT (long, multi-turn) and
 Alpaca (short) conversations for SFT, so packed rows hold segments of very different lengths that change every
 step; LLaMA-Factory's English DPO pairs; GSM8K questions for GRPO (math reward). The model is a small one at
 MiniMind-3's row shape (batch 2 x 768 positions; --d-model/--n-layers set its size); pretraining runs first and
