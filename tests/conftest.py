@@ -10,9 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -258,3 +261,34 @@ def prepare_tiny(out: Path, tokenizer, kind: str = "pretrain", val_fraction: flo
     prepare_dataset(kind, files[:1] if kind == "pretrain" else files[1:2], tokenizer, out, val_fraction=val_fraction,
                     workers=1, log=lambda *a: None)
     return out
+
+
+def run_with_peak_rss(cmd: list, limit: int, timeout: float, **popen) -> tuple[subprocess.CompletedProcess, int]:
+    """Run `cmd`, sampling its resident memory from /proc; kill it once it passes `limit` bytes, so a test fails
+    fast instead of exhausting the machine (asserted here). (the finished process, its peak RSS in bytes)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+    state: dict = {}
+    watchdog = threading.Thread(target=_watch_rss, args=(proc.pid, limit, state), daemon=True)
+    watchdog.start()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        state["done"] = True
+        proc.kill()
+    assert not state.get("killed"), f"peak RSS passed {limit >> 20} MB (the watchdog killed it)"
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), state.get("peak", 0)
+
+
+def _watch_rss(pid: int, limit: int, state: dict) -> None:
+    while not state.get("done"):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            return
+        state["peak"] = max(state.get("peak", 0), rss)
+        if rss > limit:
+            state["killed"] = True
+            os.kill(pid, signal.SIGKILL)
+            return
+        time.sleep(0.02)

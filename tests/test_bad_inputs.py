@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,6 +22,7 @@ import pytest
 from nanoforge.data.prepare import prepare_dataset
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.recipes.pretrain import pretrain
+from conftest import run_with_peak_rss
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -282,23 +280,6 @@ def test_bom_and_crlf_just_work(outcomes, case_id):
     assert "records" in r.stdout + r.stderr
 
 
-def _peak_rss_watchdog(pid: int, limit: int, state: dict) -> None:
-    """Sample the child's resident memory; kill it once it passes `limit` (bytes), so the test fails fast
-    instead of exhausting the machine."""
-    while not state.get("done"):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-        except (OSError, StopIteration):
-            return
-        state["peak"] = max(state.get("peak", 0), rss)
-        if rss > limit:
-            state["killed"] = True
-            os.kill(pid, signal.SIGKILL)
-            return
-        time.sleep(0.02)
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads memory use from /proc")
 def test_a_100_mb_single_line_does_not_blow_memory(tmp_path, tiny_tokenizer_dir):
@@ -306,21 +287,13 @@ def test_a_100_mb_single_line_does_not_blow_memory(tmp_path, tiny_tokenizer_dir)
     with open(big, "w") as f:
         f.write('{"text": "' + "the cat sat on the mat. " * (100_000_000 // 24) + '"}\n')
     limit = 1536 << 20
-    proc = subprocess.Popen([sys.executable, "-m", "nanoforge", "prepare", "--kind", "pretrain", "--data", str(big),
-                             "--tokenizer", str(tiny_tokenizer_dir), "--out", str(tmp_path / "out"), "--workers", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
-    state: dict = {}
-    watchdog = threading.Thread(target=_peak_rss_watchdog, args=(proc.pid, limit, state), daemon=True)
-    watchdog.start()
-    try:
-        out, err = proc.communicate(timeout=240)
-    finally:
-        state["done"] = True
-        proc.kill()
-    assert not state.get("killed"), f"peak RSS passed {limit >> 20} MB (watchdog killed it)"
-    assert state.get("peak", 0) < limit
-    assert "Traceback" not in err and "panicked" not in err and proc.returncode in (0, 1), err[-2000:]
-    if proc.returncode == 0:  # handled: the whole document is in the shards
+    r, peak = run_with_peak_rss([sys.executable, "-m", "nanoforge", "prepare", "--kind", "pretrain", "--data",
+                                 str(big), "--tokenizer", str(tiny_tokenizer_dir), "--out", str(tmp_path / "out"),
+                                 "--workers", "1"], limit, 240, text=True, cwd=ROOT, env=ENV)
+    err = r.stderr
+    assert peak < limit
+    assert "Traceback" not in err and "panicked" not in err and r.returncode in (0, 1), err[-2000:]
+    if r.returncode == 0:  # handled: the whole document is in the shards
         assert (tmp_path / "out" / "manifest.json").is_file()
     else:  # refused: clearly, at the line, with nothing written
         assert f"{big}:1:" in err, err

@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from nanoforge.chat.tokenizer import Tokenizer, load_tokenizer
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.data.jsonl import DataError
 from nanoforge.data.shards import TokenShards
+from conftest import run_with_peak_rss
 from nanoforge.eval.gsm8k import read_gsm8k
 from nanoforge.rl.prompts import read_prompts
 
@@ -212,21 +212,6 @@ def test_a_long_conversation_in_pieces_has_the_ids_and_mask_of_the_whole(tiny_to
     assert len(masked) >= len(answer)
 
 
-def _peak_rss(cmd: list[str], limit: int) -> tuple[subprocess.CompletedProcess, int]:
-    from test_bad_inputs import _peak_rss_watchdog
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=ENV)
-    state: dict = {}
-    watchdog = threading.Thread(target=_peak_rss_watchdog, args=(proc.pid, limit, state), daemon=True)
-    watchdog.start()
-    try:
-        out, err = proc.communicate(timeout=600)
-    finally:
-        state["done"] = True
-        proc.kill()
-    assert not state.get("killed"), f"peak RSS passed {limit >> 20} MB (the watchdog killed it)"
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), state.get("peak", 0)
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads memory use from /proc")
 @pytest.mark.parametrize("kind", ["pretrain", "sft"])
@@ -237,9 +222,9 @@ def test_a_30_mb_record_is_prepared_in_bounded_memory(tmp_path, tiny_tokenizer_d
     data = tmp_path / "big.jsonl"
     data.write_text(json.dumps(record) + "\n")
     limit = 1536 << 20
-    r, peak = _peak_rss([sys.executable, "-m", "nanoforge", "prepare", "--kind", kind, "--data", str(data),
-                         "--tokenizer", str(tiny_tokenizer_dir), "--out", str(tmp_path / "out"), "--val-fraction",
-                         "0", "--workers", "1"], limit)
+    r, peak = run_with_peak_rss([sys.executable, "-m", "nanoforge", "prepare", "--kind", kind, "--data", str(data),
+                                 "--tokenizer", str(tiny_tokenizer_dir), "--out", str(tmp_path / "out"),
+                                 "--val-fraction", "0", "--workers", "1"], limit, 600, cwd=ROOT, env=ENV)
     assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr.decode()[-3000:]
     assert 0 < peak < limit
     shards = TokenShards(tmp_path / "out", "train")
