@@ -13,13 +13,13 @@ tensors), and `check_base` refuses any other base."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from nanoforge.core.checksums import sha256_of
 from nanoforge.core.config import MODEL_FIELDS, ModelConfig
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.weights.hf import is_hf_dir, model_config_from_hf, read_hf_config, read_hf_weights
@@ -129,14 +129,10 @@ def read_base_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
     try:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
+        return sha256_of(path)
     except OSError as e:
         raise NanoforgeError(f"{path}: cannot read the base model weights: {e.strerror or e}") from None
-    return h.hexdigest()
 
 
 def adapter_metadata(base_checkpoint: str | Path, base_weights: dict[str, torch.Tensor] | nn.Module) -> dict[str, str]:
