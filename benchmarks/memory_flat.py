@@ -25,7 +25,7 @@ from pathlib import Path
 from data_dir import data_path  # benchmarks/data_dir.py: NANOFORGE_DATA
 
 ROOT = Path(__file__).resolve().parents[1]
-STEP_LINE = re.compile(r"^step (\d+)/\d+ \|")
+STEP_LINE = re.compile(r"^step +(\d+)/\d+ \|")  # right-aligned: "step  10/300 | ..."
 
 
 def nanoforge(*args: str, env: dict, watch: bool = False) -> list[tuple[int, int, int]]:
