@@ -3,7 +3,6 @@
 import contextlib
 import ctypes
 import functools
-import os
 import platform
 
 import torch
@@ -35,48 +34,14 @@ def autocast_context(device: torch.device, precision: str):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-class FreedHeap:
-    """glibc on a CPU: keep freed memory for the next step (no trim, no mmap), or every step page-faults its large
-    tensors back in, zeroed by the kernel (6% of a bf16 mini-model step, docs/perf.md). But steps whose shapes
-    change (SFT's supervised rows, DPO's and GRPO's replies) leave free blocks that later steps do not reuse, and
-    the kept heap climbs ("Memory over a long run" in docs/perf.md): after_step gives the free pages back
-    (malloc_trim) once resident memory passes by GROWTH the most it held in the SETTLE steps after the last time.
-    Nothing to do where the C library is not glibc or /proc is missing."""
-
-    GROWTH, SETTLE = 0.05, 5
-
-    def __init__(self):
-        self.libc, self.base, self.steps = None, 0, 0
-
-    def keep(self) -> None:
-        try:
-            self.libc = ctypes.CDLL("libc.so.6")
-            self.libc.mallopt(-4, 0), self.libc.mallopt(-1, -1)  # M_MMAP_MAX 0: no mappings; M_TRIM_THRESHOLD -1
-        except (OSError, AttributeError):
-            self.libc = None
-
-    def after_step(self) -> None:
-        rss = resident_bytes() if self.libc is not None else None
-        if rss is None:
-            return
-        self.steps += 1
-        if self.steps <= self.SETTLE:
-            self.base = max(self.base, rss)
-        elif rss > self.base * (1 + self.GROWTH):
-            self.libc.malloc_trim(0)
-            self.base, self.steps = 0, 0
-
-
-def resident_bytes() -> int | None:
-    """This process's resident memory now (Linux), or None."""
+def keep_freed_memory() -> None:
+    """glibc: keep freed memory for reuse, or every CPU step page-faults its large tensors back in, zeroed by the
+    kernel (6% of a bf16 mini-model step, docs/perf.md). No-op elsewhere."""
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-FREED_HEAP = FreedHeap()  # one per process, as glibc's heap is
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-4, 0), libc.mallopt(-1, -1)  # M_MMAP_MAX 0: no mappings; M_TRIM_THRESHOLD -1: never trim
+    except (OSError, AttributeError):
+        pass
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from nanoforge.core.config import ModelConfig, TrainConfig, config_dicts
-from nanoforge.core.device import (FREED_HEAP, autocast_context, eval_mode, precision_note, resolve_device,
+from nanoforge.core.device import (autocast_context, eval_mode, keep_freed_memory, precision_note, resolve_device,
                               resolve_precision)
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.model.interface import TRAINABLE_INTERFACE, TrainableModel
@@ -180,8 +180,6 @@ def _train_step(run: Run, flag: _SignalFlag, meter: Throughput) -> _Step:
     lr = lr_at(state.step, tcfg, state.train_seconds) * state.lr_scale
     kept_loss, kept_steps, signum = run.guard.step(loss, grad_norm, lr, flag.signum)
     run.optimizer.zero_grad(set_to_none=True)
-    if device.type == "cpu":
-        FREED_HEAP.after_step()
     clock.lap("optim")
     n_tokens = sum(b["input_ids"].numel() for b in micro) * run.world.world_size  # ranks' batches: same shape
     state.step += 1
@@ -295,7 +293,7 @@ def _start(stage: Stage, model: TrainableModel, mcfg: ModelConfig, tcfg: TrainCo
     model.to(device)
     model.train()
     if device.type == "cpu":
-        FREED_HEAP.keep()
+        keep_freed_memory()
     elif device.type == "cuda":
         # fp32 matmuls (the fp32 parts of autocast too) on tensor cores, or not: set both ways, since an earlier
         # run in this process may have turned them on
