@@ -338,8 +338,8 @@ def finish_setup(run: PreparedRun, spec: StageSetup, data, resume: bool, quiet: 
                  tokenizer_dir: Path | None) -> PreparedRun:
     """What every run's setup ends with, before anything is written: its --sample-prompts read, its data (the
     recipe's open_data, or prepared with the run's tokenizer: raw JSONL into RUN/data, on --resume without --data
-    the saved one) and, for prepared data, a fresh model's embedding fitted and --micro-batch auto|N; then the
-    tokenizer copied into the run (from tokenizer_dir, or the data's) and config.toml written."""
+    the saved one) and, for prepared data, a fresh model's embedding fitted and --micro-batch auto|N; then, for a
+    fresh run, the tokenizer copied into it (from tokenizer_dir, or the data's) and config.toml written."""
     run.prompts = load_prompts(run.tcfg.sample_prompts) if run.tcfg.sample_prompts else None
     run.info = {k: v for k, v in run.info.items() if v is not None}  # an option not set (TOML has no None)
     if spec.open_data:
@@ -353,6 +353,7 @@ def finish_setup(run: PreparedRun, spec: StageSetup, data, resume: bool, quiet: 
             fit_vocab(run.mcfg, run.tokenizer, run.explicit)
         fit_micro_batch(run.mcfg, run.tcfg, rows_per_item=spec.rows_per_item, loss_fn=spec.probe_loss)
         run.info["data"] = str(run.data.resolve())
-    copy_tokenizer(tokenizer_dir or run.data / "tokenizer", run.run_dir)
-    write_run_config(run.run_dir, run.mcfg, run.tcfg, run.info)
+    if not resume:  # a resumed run has both: its config is rewritten once its checkpoint is restored (loop._start)
+        copy_tokenizer(tokenizer_dir or run.data / "tokenizer", run.run_dir)
+        write_run_config(run.run_dir, run.mcfg, run.tcfg, run.info)
     return run
