@@ -281,6 +281,47 @@ def test_the_next_prepare_removes_what_a_killed_one_left(big_input, tiny_tokeniz
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "the killed prepare's temporary directory is left"
 
 
+# (id, command writing {t}/OUT, OUT, what it writes beside OUT): a writer killed with SIGKILL leaves its temporary
+# `.OUT.tmp-PID` (fsutil.temp_for: a directory, or a file for a one-file output); the next run into OUT removes it.
+STALE = [
+    ("export-hf", ["export", "{run}", "--out", "{t}/out"], "out", []),
+    ("export-gguf", ["export", "{run}", "--format", "gguf", "--out", "{t}/m.gguf"], "m.gguf", ["m.gguf.sha256"]),
+    ("export-minimind", ["export", "{t}/src.pth", "--tokenizer", "{tok}", "--format", "minimind", "--out",
+                         "{t}/m.pth"], "m.pth", ["m.pth.sha256", "src.pth", "src.pth.sha256"]),
+    ("tokenizer-train", ["tokenizer", "train", "--data", "{d}/in.jsonl", "--vocab-size", "300", "--out", "{t}/out"],
+     "out", []),
+]
+
+
+@pytest.mark.slow
+def test_the_next_export_or_tokenizer_train_removes_what_a_killed_one_left(world, tmp_path_factory):
+    """The debris is made as a kill leaves it (a killed export or tokenizer train has it only for the moments of
+    its write: too short to hit with a signal reliably); the removal is prepare's (dirlock.output_lock)."""
+    import torch
+
+    from nanoforge.core.config import build_config
+    from nanoforge.model.gpt import GPT
+    from nanoforge.weights.minimind import write_pth
+    dead = subprocess.Popen(["true"])  # a pid no process has now, as a killed writer's
+    dead.wait()
+    jobs, places = {}, {}
+    for case_id, args, out, _ in STALE:
+        t = places[case_id] = tmp_path_factory.mktemp(case_id)
+        debris = t / f".{out}.tmp-{dead.pid}"
+        if out == "out":  # a directory output's: partly written
+            debris.mkdir()
+            (debris / "tokenizer.json").write_bytes(b"{")
+        else:
+            debris.write_bytes(b"GGUF")
+        jobs[case_id] = ([fill(a, **world, t=t) for a in args],)
+    mcfg = build_config("minimind-3", None, {"d_model": 64, "n_layers": 1})[0]
+    write_pth(GPT(mcfg), places["export-minimind"] / "src.pth", dtype=torch.float32)
+    results = run_all(jobs)
+    for case_id, _, out, beside in STALE:
+        assert results[case_id].returncode == 0, results[case_id].stderr[-3000:]
+        assert sorted(p.name for p in places[case_id].iterdir()) == sorted([out, *beside]), case_id
+
+
 def test_a_temporary_directory_of_a_live_prepare_is_never_removed(world, tiny_tokenizer_dir, tmp_path):
     out = tmp_path / "out"
     live = tmp_path / ".out.tmp-12345"  # as a prepare at work would have it: it holds the lock
@@ -300,9 +341,9 @@ def test_only_temporary_directories_of_the_output_are_stale(tmp_path):
     for path in kept[:-1] + stale:
         path.mkdir()
     kept[-1].write_text("")
-    (tmp_path / ".out.tmp-7").write_text("a file, not a directory prepare made")
+    (tmp_path / ".out.tmp-7").write_text("a one-file output's temporary (export --format gguf)")
     remove_stale_temps(out)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([p.name for p in kept] + [".out.tmp-7"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in kept)
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a device every write to fails: ENOSPC)")

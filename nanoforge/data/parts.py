@@ -29,7 +29,7 @@ from nanoforge.data.jsonl import MAX_RECORD_BYTES, record_too_long
 from nanoforge.data.shards import TokenShards, read_manifest
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.core.dirlock import output_lock
-from nanoforge.core.fsutil import (check_out_apart, check_out_dir, fsync_dir, replace_dir, temp_dir_for, write_json,
+from nanoforge.core.fsutil import (check_out_apart, check_out_dir, fsync_dir, replace_dir, temp_for, write_json,
                                    writing)
 from nanoforge.core.interrupt import terminate_as_interrupt
 from nanoforge.chat.tokenizer import PLAIN_TEXT_SUFFIXES
@@ -224,7 +224,7 @@ def _merged_split(dirs: list[Path], manifests: list[dict], split: str, out_dir: 
 
 def _write_merged(out_dir: Path, manifest: dict, tokenizer_dir: Path, force: bool) -> None:
     """Under `prepare`'s lock of out_dir (dirlock.output_lock): one writer, and what a killed one left removed."""
-    tmp = temp_dir_for(out_dir)
+    tmp = temp_for(out_dir)
     with writing(out_dir), terminate_as_interrupt(), output_lock(out_dir, f"{out_dir} (being prepared)"):
         check_out_dir(out_dir, force)  # again: a prepare that held the lock until now may have filled it
         try:

@@ -9,7 +9,8 @@ from nanoforge.data.columnar import check_columnar, columnar_kind, is_columnar
 from nanoforge.data.jsonl import DataError, check_given_once, check_input_file, detect_kind, iter_records
 from nanoforge.data.shards import read_manifest
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.core.fsutil import check_out_apart, check_out_dir, staged_dir, writing
+from nanoforge.core.dirlock import staged_dir
+from nanoforge.core.fsutil import check_out_apart, check_out_dir, writing
 from nanoforge.chat.tokenizer import PLAIN_TEXT_SUFFIXES, Tokenizer, train_bpe
 
 _TEXT_BLOCK_BYTES = 1 << 20  # plain-text files are fed to the trainer in ~1 MB blocks cut at newlines
