@@ -145,6 +145,7 @@ def normalizing_tokenizer(tiny_tokenizer_dir: Path, out: Path, normalized: bool)
     for token in config["added_tokens"]:
         token["normalized"] = normalized if token["special"] else token["normalized"]
     (out / "tokenizer.json").write_text(json.dumps(config, ensure_ascii=False))
+    (out / "checksums.sha256").unlink()  # edited on purpose: what the checksum refusal says to do
     return out
 
 

@@ -28,6 +28,7 @@ from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import check_tokenizer
 from nanoforge.data.parts import merge_prepared
 from nanoforge.data.sources import data_kind, is_prepared, prepared_dir, train_tokenizer
+from nanoforge.core.checksums import write_dir_checksums
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.core.fsutil import check_out_apart, write_text_atomic, writing
 from nanoforge.weights.load import init_config, init_tokenizer_dir
@@ -294,6 +295,7 @@ def copy_tokenizer(src: Path, run_dir: Path) -> None:
     if dst.exists():
         shutil.rmtree(dst)
     shutil.copytree(src, dst)
+    write_dir_checksums(dst)  # the run's own, whether or not the source had them (it was checked as it loaded)
 
 
 def setup_from_init(spec: StageSetup, init: str | None, data, out: str | Path, config_file: str | None,
