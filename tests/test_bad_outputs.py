@@ -81,8 +81,10 @@ def world(tmp_path_factory, tiny_tokenizer, tiny_tokenizer_dir):
     prepare_tiny(work / "pre", tiny_tokenizer)
     (work / "d").mkdir()
     shutil.copy(tiny_corpus(work)[0], work / "d" / "in.jsonl")
+    (work / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 6.2}\n')  # for `report`
     (work / "o").mkdir()
     write_sum_prompts(work / "o")
+    os.link(work / "d" / "in.jsonl", work / "o" / "hard.jsonl")
     for i in (1, 2):  # the two parts of one input, for `prepare merge`
         prepare_dataset("pretrain", [work / "d" / "in.jsonl"], tiny_tokenizer, work / f"p{i}", workers=1,
                         part=f"{i}/2", log=lambda *a: None)
@@ -121,6 +123,16 @@ OVERLAPS = [
     ("tokenizer-train-onto-a-runs-tokenizer",
      ["tokenizer", "train", "--data", "{d}/in.jsonl", "--vocab-size", "300", "--out", "{run}/tokenizer"],
      ["{run}/tokenizer: already exists and is not empty; pass --force to replace it"]),
+    ("report-out-is-the-runs-metrics", ["report", "{run}", "--out", "{run}/metrics.jsonl"],
+     ["--out {run}/metrics.jsonl would write over its input {run}/metrics.jsonl (it is that input)"]),
+    ("report-out-in-a-checkpoint", ["report", "{run}", "--out", "{run}/checkpoints/step_000000/model.safetensors"],
+     ["would write over its input {run}/checkpoints (it is inside it)"]),
+    ("eval-json-is-its-data", ["eval", "{run}", "--data", "{d}/in.jsonl", "--json", "{d}/in.jsonl"],
+     ["--json {d}/in.jsonl would write over its input {d}/in.jsonl (it is that input)"]),
+    ("eval-json-is-a-hard-link-to-its-data", ["eval", "{run}", "--data", "{d}/in.jsonl", "--json", "{o}/hard.jsonl"],
+     ["--json {o}/hard.jsonl would write over its input {d}/in.jsonl (it is that input)"]),
+    ("bench-json-into-its-data", ["bench", "--preset", "tiny", "--data", "{pre}", "--json", "{pre}/manifest.json"],
+     ["--json {pre}/manifest.json would write over its input {pre} (it is inside it)"]),
     ("tokenizer-train-out-is-a-file",
      ["tokenizer", "train", "--data", "{d}/in.jsonl", "--vocab-size", "300", "--out", "{o}/prompts.jsonl"],
      ["{o}/prompts.jsonl: exists and is not a directory; choose another --out"]),
@@ -137,6 +149,11 @@ READ_ONLY = [
     ("pretrain", ["pretrain", "--data", "{pre}", "--out", "{ro}/nf/run", *TRAIN]),
     ("sft", ["sft", "--init", "{run}", "--data", "{d}/in.jsonl", "--out", "{ro}/nf/run", *TRAIN]),
     ("grpo", ["grpo", "--init", "{run}", "--data", "{o}/prompts.jsonl", "--out", "{ro}/nf/run", *TRAIN]),
+    ("report", ["report", "{run}", "--out", "{ro}/nf/r.md"]),
+    ("eval-json", ["eval", "{run}", "--data", "{d}/in.jsonl", "--max-tokens", "2000", "--quiet", "--json",
+                   "{ro}/nf/r.json"]),
+    ("bench-json", ["bench", "--preset", "tiny", "--steps", "1", "--warmup", "0", "--quiet", "--json",
+                    "{ro}/nf/b.json"]),
 ]
 # (id, command writing {t}/out, file size limit): exit 1, "cannot write {t}/out: ..." and nothing left behind.
 FULL_DISK = [
@@ -200,6 +217,18 @@ def test_an_out_that_is_holds_or_sits_in_an_input_is_refused(overlap_outcomes, c
     assert sorted(p.name for p in places["t"].iterdir()) == ["link"], "something was written"
 
 
+def test_a_report_inside_the_run_it_reads_is_written(world, tmp_path):
+    """RUN/report.md is a report's usual place (training writes one there): the rule refuses only the run's own
+    files (weights/layout.read_parts), and leaves them unchanged."""
+    run = shutil.copytree(world["run"], tmp_path / "run")
+    before = tree_state(run)
+    r = nf(["report", str(run), "--out", str(run / "report.md")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    after = tree_state(run)
+    assert {p: after[p] for p in before} == before and set(after) - set(before) <= {run / "report.md",
+                                                                                   run / "report.png"}
+
+
 @pytest.mark.slow
 def test_an_out_on_a_read_only_file_system_is_one_line(world, tmp_path):
     ro = read_only_place(tmp_path)
@@ -208,7 +237,7 @@ def test_an_out_on_a_read_only_file_system_is_one_line(world, tmp_path):
     results = run_all({cid: ([fill(a, **world, ro=ro) for a in args],) for cid, args in READ_ONLY})
     try:
         for case_id, args in READ_ONLY:
-            out = args[args.index("--out") + 1]
+            out = args[args.index("--out" if "--out" in args else "--json") + 1]
             assert_one_line_error(results[case_id], [f"error: cannot write {fill(out, ro=ro)}: "])
             assert not (ro / "nf").exists()
         assert before == {p: tree_state(p) for p in watched}, "an input was changed"

@@ -50,13 +50,13 @@ def write_json(path: str | Path, obj) -> None:
         os.fsync(f.fileno())
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """`text` written under a temporary name (with the pid: processes never share one) and renamed over `path`,
-    so a reader sees the old file or the new one, never half of one."""
+def write_atomic(path: str | Path, data: str | bytes) -> None:
+    """`data` (text as UTF-8) written under a temporary name (temp_for: processes never share one) and renamed
+    over `path`, so a reader sees the old file or the new one, never half of one."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_for(path)
     try:
-        tmp.write_text(text, encoding="utf-8")
+        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -89,14 +89,15 @@ def replace_dir(tmp: Path, out: Path) -> None:
 
 def check_out_apart(out: str | os.PathLike, inputs: Iterable, flag: str = "--out") -> None:
     """The one rule of every command that writes: its output is none of its inputs, holds none and is inside none
-    (symlinks and `..` resolved), checked before anything is deleted or written. Inputs that do not exist (None, a
-    preset's name) are passed over."""
+    (symlinks, hard links and `..` resolved), checked before anything is deleted or written. Inputs that do not
+    exist (None, a preset's name) are passed over."""
     target = Path(out).resolve()
     for given in inputs:
         if given is None or not Path(given).exists():
             continue
         source = Path(given).resolve()
-        how = ("it is that input" if target == source else "it is inside it" if target.is_relative_to(source)
+        same = target == source or target.exists() and os.path.samefile(target, source)  # a hard link too
+        how = ("it is that input" if same else "it is inside it" if target.is_relative_to(source)
                else "it holds it" if source.is_relative_to(target) else None)
         if how:
             raise NanoforgeError(f"{flag} {out} would write over its input {given} ({how}); choose an {flag} "

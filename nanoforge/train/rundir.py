@@ -30,7 +30,7 @@ from nanoforge.data.parts import merge_prepared
 from nanoforge.data.sources import data_kind, is_prepared, prepared_dir, train_tokenizer
 from nanoforge.core.checksums import write_dir_checksums
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.core.fsutil import check_out_apart, write_text_atomic, writing
+from nanoforge.core.fsutil import check_out_apart, write_atomic, writing
 from nanoforge.weights.load import init_config, init_tokenizer_dir
 from nanoforge.train.microbatch import fit_micro_batch
 from nanoforge.chat.tokenizer import load_tokenizer
@@ -285,7 +285,7 @@ def saved_data_dir(run_info: dict[str, Any], run_dir: Path) -> Path:
 def write_run_config(run_dir: Path, mcfg: ModelConfig, tcfg: TrainConfig, run_info: dict[str, Any]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     if is_main():  # under torchrun only rank 0 writes the run directory
-        write_text_atomic(run_dir / "config.toml", config_to_toml(mcfg, tcfg, {"run": run_info}))
+        write_atomic(run_dir / "config.toml", config_to_toml(mcfg, tcfg, {"run": run_info}))
 
 
 def copy_tokenizer(src: Path, run_dir: Path) -> None:
