@@ -102,10 +102,10 @@ def staged(out: Path, what: str = "being written") -> Iterator[Path]:
 
 
 @contextmanager
-def staged_dir(out: Path) -> Iterator[Path]:
+def staged_dir(out: Path, what: str = "being written") -> Iterator[Path]:
     """A directory built in staged(out), renamed onto `out` when the block ends (fsutil.replace_dir): `out` is
     the old one or the new one, never half of one."""
-    with staged(out) as tmp:
+    with staged(out, what) as tmp:
         tmp.mkdir()
         yield tmp
         replace_dir(tmp, out)
