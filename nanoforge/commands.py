@@ -16,6 +16,7 @@ from nanoforge.core.config import MODEL_FIELDS, TRAIN_FIELDS, LoraConfig, build_
 from nanoforge.data.columnar import dataset_split
 from nanoforge.data.options import PrepareOptions
 from nanoforge.core.errors import NanoforgeError
+from nanoforge.core.fsutil import check_out_apart, writing
 from nanoforge.eval.options import EvalOptions
 from nanoforge.infer.options import CHAT_SAMPLING, ChatOptions, DeviceOptions
 from nanoforge.recipes.options import DistillOptions, DPOOptions
@@ -184,13 +185,16 @@ def cmd_plan(args) -> None:
 
 def cmd_bench(args) -> None:
     from nanoforge.recipes.bench import format_bench, run_bench, write_json
+    if args.json:  # before the measuring: a --json onto a file it reads is refused at once
+        check_out_apart(args.json, [args.data, args.config], "--json")
     preset = args.preset or (None if args.config else "mini")
     res = run_bench(preset, args.config, config_overrides(args), steps=args.steps, warmup=args.warmup,
                     data=args.data, compare_naive=args.compare_naive,
                     log=(lambda *a: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True)))
     print(format_bench(res))
     if args.json:
-        write_json(res, args.json)
+        with writing(args.json):
+            write_json(res, args.json)
 
 
 def cmd_eval(args) -> None:

@@ -24,6 +24,7 @@ from nanoforge.chat.template import (CHAT_TEMPLATE, IM_END, THINKING_TOOLS_TEMPL
                                      assistant_mask, assistant_turns, check_disguise, compile_template, disguise,
                                      without_empty_think)
 from nanoforge.chat.pieces import PIECE_CHARS, text_pieces
+from nanoforge.core.checksums import LISTING, verify_file, write_checksums
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.core.fsutil import os_error_in, read_json, write_json
 from nanoforge.chat.messages import normalize_conversation
@@ -152,7 +153,8 @@ class Tokenizer:
     # ---- save
 
     def save(self, directory: str | os.PathLike) -> Path:
-        """Write tokenizer.json and an HF-compatible tokenizer_config.json (AutoTokenizer can load the dir)."""
+        """Write tokenizer.json and an HF-compatible tokenizer_config.json (AutoTokenizer can load the dir), and
+        their checksums.sha256 (load_tokenizer checks it)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         try:
@@ -160,6 +162,7 @@ class Tokenizer:
         except Exception as e:  # tokenizers reports an OS error (a full disk) as a bare Exception
             raise (os_error_in(e, directory / "tokenizer.json") or e) from None
         write_json(directory / "tokenizer_config.json", self.hf_config())
+        write_checksums(directory / LISTING, [directory / "tokenizer.json", directory / "tokenizer_config.json"])
         return directory
 
     def hf_config(self) -> dict:
@@ -351,6 +354,9 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     if not file.is_file():
         raise NanoforgeError(f"{path}: no tokenizer.json in this directory; train one with "
                              "`nanoforge tokenizer train` or point at a tokenizer.json")
+    for read in (file, file.parent / "tokenizer_config.json", file.parent / "chat_template.jinja"):
+        if read.is_file():
+            verify_file(read)  # against the checksums.sha256 written with it, where there is one
     try:
         inner = HFTokenizer.from_file(str(file))
     except Exception as e:  # the Rust side raises a bare Exception for any parse problem

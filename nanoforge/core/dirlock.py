@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.core.fsutil import remove_stale_temps
+from nanoforge.core.fsutil import remove_path, remove_stale_temps, replace_dir, temp_for
 
 
 class DirectoryBusy(NanoforgeError):
@@ -86,6 +86,29 @@ def output_lock(out_dir: Path, what: str) -> Iterator[DirLock]:
     with acquire(out_dir.parent / f".{out_dir.name}.lock", what, unlink_on_release=True) as lock:
         remove_stale_temps(out_dir)
         yield lock
+
+
+@contextmanager
+def staged(out: Path, what: str = "being written") -> Iterator[Path]:
+    """Where this process writes `out` (fsutil.temp_for) before the block renames it into place, under
+    output_lock(out): one writer at a time, and what killed ones left removed. Removed if the block raises."""
+    with output_lock(out, f"{out} ({what})"):
+        tmp = temp_for(out)
+        try:
+            yield tmp
+        except BaseException:
+            remove_path(tmp)
+            raise
+
+
+@contextmanager
+def staged_dir(out: Path, what: str = "being written") -> Iterator[Path]:
+    """A directory built in staged(out), renamed onto `out` when the block ends (fsutil.replace_dir): `out` is
+    the old one or the new one, never half of one."""
+    with staged(out, what) as tmp:
+        tmp.mkdir()
+        yield tmp
+        replace_dir(tmp, out)
 
 
 def _write_holder(fd: int) -> None:

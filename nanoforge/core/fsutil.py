@@ -50,13 +50,13 @@ def write_json(path: str | Path, obj) -> None:
         os.fsync(f.fileno())
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """`text` written under a temporary name (with the pid: processes never share one) and renamed over `path`,
-    so a reader sees the old file or the new one, never half of one."""
+def write_atomic(path: str | Path, data: str | bytes) -> None:
+    """`data` (text as UTF-8) written under a temporary name (temp_for: processes never share one) and renamed
+    over `path`, so a reader sees the old file or the new one, never half of one."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_for(path)
     try:
-        tmp.write_text(text, encoding="utf-8")
+        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -87,32 +87,17 @@ def replace_dir(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-@contextmanager
-def staged_dir(out: Path) -> Iterator[Path]:
-    """A directory built under a temporary name beside `out` (`.tmp-NAME-PID`), renamed onto it when the block ends
-    (replace_dir) and removed if the block raises: `out` is the old one or the new one, never half of one."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
-        yield tmp
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def check_out_apart(out: str | os.PathLike, inputs: Iterable, flag: str = "--out") -> None:
     """The one rule of every command that writes: its output is none of its inputs, holds none and is inside none
-    (symlinks and `..` resolved), checked before anything is deleted or written. Inputs that do not exist (None, a
-    preset's name) are passed over."""
+    (symlinks, hard links and `..` resolved), checked before anything is deleted or written. Inputs that do not
+    exist (None, a preset's name) are passed over."""
     target = Path(out).resolve()
     for given in inputs:
         if given is None or not Path(given).exists():
             continue
         source = Path(given).resolve()
-        how = ("it is that input" if target == source else "it is inside it" if target.is_relative_to(source)
+        same = target == source or target.exists() and os.path.samefile(target, source)  # a hard link too
+        how = ("it is that input" if same else "it is inside it" if target.is_relative_to(source)
                else "it holds it" if source.is_relative_to(target) else None)
         if how:
             raise NanoforgeError(f"{flag} {out} would write over its input {given} ({how}); choose an {flag} "
@@ -152,14 +137,22 @@ def writing(out: str | os.PathLike, also: tuple[type[BaseException], ...] = ()) 
         raise write_error(out, e) from e
 
 
-def temp_dir_for(out: Path) -> Path:
-    """Where this process builds the directory `out` before renaming it into place: `.NAME.tmp-PID` beside it."""
+def temp_for(out: Path) -> Path:
+    """Where this process builds the file or directory `out` before renaming it into place: `.NAME.tmp-PID`."""
     return out.parent / f".{out.name}.tmp-{os.getpid()}"
 
 
+def remove_path(path: Path) -> None:
+    """Remove a file or a directory tree, if there (a symlink itself, never what it points at)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def remove_stale_temps(out: Path) -> None:
-    """Remove the temp_dir_for(out) directories that killed processes left. Only for a caller holding the lock
-    that every writer of `out` holds while its temporary exists (dirlock.output_lock): no live one can own them."""
+    """Remove the temp_for(out) files and directories that killed processes left. Only for a caller holding the
+    lock that every writer of `out` holds while its temporary exists (dirlock.output_lock): no live one owns them."""
     for stale in out.parent.glob(f".{glob.escape(out.name)}.tmp-*"):
-        if stale.name.rpartition("-")[2].isdigit() and stale.is_dir() and not stale.is_symlink():
-            shutil.rmtree(stale, ignore_errors=True)
+        if stale.name.rpartition("-")[2].isdigit():
+            remove_path(stale)

@@ -33,6 +33,7 @@ from nanoforge.data.sft_records import drops_empty_think, render_sft_record
 from nanoforge.data.sources import is_plain_text
 from nanoforge.chat.pieces import PIECE_CHARS, text_cut
 from nanoforge.chat.tokenizer import ChatTemplateError
+from nanoforge.core.interrupt import exit_with_parent
 
 @dataclass
 class SourceStats:
@@ -170,9 +171,11 @@ class ChunkResult:
 _worker_tokenizer = None
 
 
-def _init_worker(tokenizer) -> None:
-    """Pool initializer: one tokenizer per process; no Rust threads (the processes are the parallelism)."""
+def _init_worker(tokenizer, parent: int) -> None:
+    """Pool initializer: one tokenizer per process; no Rust threads (the processes are the parallelism); gone
+    with the parent (a prepare killed with SIGKILL)."""
     global _worker_tokenizer
+    exit_with_parent(parent)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     # Ctrl-C reaches the whole process group; the parent handles it (and terminates us), so the workers
     # must not print a traceback each.
@@ -321,7 +324,7 @@ def run_chunks(tasks: Iterator[ChunkTask], tokenizer, workers: int) -> Iterator[
     # (the deadlock tokenizers warns about); its start-up cost (~0.5 s) is paid once per run.
     context = multiprocessing.get_context("spawn")
     max_in_flight = 2 * workers
-    with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
+    with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer, os.getpid())) as pool:
         pending = deque()
         for task in tasks:
             pending.append(pool.apply_async(_encode_chunk_in_worker, (task,)))

@@ -27,7 +27,7 @@ from nanoforge.data.batches import IGNORE, EpochOrder
 from nanoforge.data.shards import TokenShards
 from nanoforge.core.device import autocast_context, eval_mode
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.core.fsutil import write_text_atomic
+from nanoforge.core.fsutil import write_atomic
 
 CACHE_VERSION = 1
 
@@ -161,7 +161,7 @@ def reference_logps(model: nn.Module, shards: TokenShards, cache_dir: str | Path
         os.fsync(f.fileno())
     meta.unlink(missing_ok=True)  # the key goes last: a crash in between leaves no key, hence a recompute
     os.replace(tmp, npy)
-    write_text_atomic(meta, json.dumps(key, indent=2) + "\n")
+    write_atomic(meta, json.dumps(key, indent=2) + "\n")
     return values
 
 

@@ -253,7 +253,7 @@ def check_input_file(path: str | os.PathLike) -> Path:
 
 
 def check_given_once(paths: Iterable, what: str = "") -> None:
-    """The rule for the input files of `prepare` (and of training on raw files, which prepares them): none given
+    """The rule for the input files of `prepare` (training on raw files, `eval`) and `tokenizer train`: none given
     twice, under any of its names (`a`, `./a`, a symlink, a hard link: one file), or its records would be counted
     twice, as `prepare merge` refuses a part given twice (data/parts.py, which knows a part by its manifest). `what`
     starts the message (the flag). A path that does not exist is its own check's error."""

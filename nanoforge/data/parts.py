@@ -28,9 +28,8 @@ from nanoforge.data.columnar import arrow_files, is_columnar, num_rows
 from nanoforge.data.jsonl import MAX_RECORD_BYTES, record_too_long
 from nanoforge.data.shards import TokenShards, read_manifest
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.core.dirlock import output_lock
-from nanoforge.core.fsutil import (check_out_apart, check_out_dir, fsync_dir, replace_dir, temp_dir_for, write_json,
-                                   writing)
+from nanoforge.core.dirlock import staged_dir
+from nanoforge.core.fsutil import check_out_apart, check_out_dir, fsync_dir, write_json, writing
 from nanoforge.core.interrupt import terminate_as_interrupt
 from nanoforge.chat.tokenizer import PLAIN_TEXT_SUFFIXES
 
@@ -223,16 +222,10 @@ def _merged_split(dirs: list[Path], manifests: list[dict], split: str, out_dir: 
 
 
 def _write_merged(out_dir: Path, manifest: dict, tokenizer_dir: Path, force: bool) -> None:
-    """Under `prepare`'s lock of out_dir (dirlock.output_lock): one writer, and what a killed one left removed."""
-    tmp = temp_dir_for(out_dir)
-    with writing(out_dir), terminate_as_interrupt(), output_lock(out_dir, f"{out_dir} (being prepared)"):
+    """Under `prepare`'s lock of out_dir (dirlock.staged_dir): one writer, and what a killed one left removed."""
+    with writing(out_dir), terminate_as_interrupt(), staged_dir(out_dir, "being prepared") as tmp:
         check_out_dir(out_dir, force)  # again: a prepare that held the lock until now may have filled it
-        try:
-            shutil.copytree(tokenizer_dir, tmp / "tokenizer")
-            write_json(tmp / "manifest.json", manifest)
-            fsync_dir(tmp)
-            replace_dir(tmp, out_dir)  # an old out_dir is deleted only once the new one is in place
-            fsync_dir(out_dir.parent)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        shutil.copytree(tokenizer_dir, tmp / "tokenizer")
+        write_json(tmp / "manifest.json", manifest)
+        fsync_dir(tmp)
+    fsync_dir(out_dir.parent)  # the rename (an old out_dir is deleted only once the new one is in place)

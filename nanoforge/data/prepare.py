@@ -24,7 +24,7 @@ from nanoforge.data.parts import plan_part
 from nanoforge.data.sft_records import DROP_THINK_SEED
 from nanoforge.data.shards import FORMAT, FORMAT_VERSION, MASKED_KINDS
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.core.fsutil import (check_out_apart, check_out_dir, fsync_dir, fsync_file, replace_dir, temp_dir_for,
+from nanoforge.core.fsutil import (check_out_apart, check_out_dir, fsync_dir, fsync_file, replace_dir, temp_for,
                                  write_json, writing)
 from nanoforge.core.interrupt import terminate_as_interrupt
 from nanoforge.chat.tokenizer import Tokenizer, load_tokenizer
@@ -84,7 +84,7 @@ def _prepare_locked(kind, inputs, tokenizer, out_dir: Path, val_fraction, worker
     workers = max(1, min(workers, math.ceil(sum(p.stat().st_size for p in paths) / chunk_bytes)))
     dtype = np.dtype(token_dtype(tokenizer))
 
-    tmp = temp_dir_for(out_dir)
+    tmp = temp_for(out_dir)
     writers = {}
     try:
         if tmp.exists():

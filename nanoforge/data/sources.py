@@ -6,10 +6,11 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from nanoforge.data.columnar import check_columnar, columnar_kind, is_columnar
-from nanoforge.data.jsonl import DataError, check_input_file, detect_kind, iter_records
+from nanoforge.data.jsonl import DataError, check_given_once, check_input_file, detect_kind, iter_records
 from nanoforge.data.shards import read_manifest
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.core.fsutil import check_out_apart, check_out_dir, staged_dir, writing
+from nanoforge.core.dirlock import staged_dir
+from nanoforge.core.fsutil import check_out_apart, check_out_dir, writing
 from nanoforge.chat.tokenizer import PLAIN_TEXT_SUFFIXES, Tokenizer, train_bpe
 
 _TEXT_BLOCK_BYTES = 1 << 20  # plain-text files are fed to the trainer in ~1 MB blocks cut at newlines
@@ -58,13 +59,14 @@ def data_kind(data: Sequence[str]) -> str:
 def train_tokenizer(files, vocab_size: int = 6400, out_dir: str | os.PathLike | None = None,
                     min_frequency: int = 2, force: bool = False) -> Tokenizer:
     """`nanoforge tokenizer train`: a byte-level BPE tokenizer (tokenizer.train_bpe) on JSONL (pretrain/SFT/DPO,
-    detected per line) or plain-text files, every file checked before training starts, and so is `out_dir`:
+    detected per line) or plain-text files, each checked and given once before training starts, and so is `out_dir`:
     apart from the files, and new or empty unless `force`. Written there under a temporary name, renamed into
     place."""
     files = [files] if isinstance(files, (str, os.PathLike)) else list(files)
     if not files:
         raise NanoforgeError("no training files given for the tokenizer")
     paths = [check_input_file(f) for f in files]
+    check_given_once(paths, "--data ")
     if out_dir is not None:
         out_dir = Path(out_dir)
         check_out_apart(out_dir, paths)

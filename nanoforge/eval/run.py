@@ -33,6 +33,7 @@ from nanoforge.data.shards import TokenShards, check_tokenizer, read_manifest
 from nanoforge.data.sources import data_kind, prepared_dir
 from nanoforge.core.device import autocast_context, eval_mode, precision_note, resolve_precision
 from nanoforge.core.errors import NanoforgeError
+from nanoforge.core.fsutil import check_out_apart, write_atomic, writing
 from nanoforge.eval.choice import evaluate_choices, padded_batch
 from nanoforge.eval.common import Progress, format_table, load_run
 from nanoforge.eval.options import EvalOptions
@@ -41,6 +42,7 @@ from nanoforge.eval.toolcall import evaluate_toolcall, read_toolcall
 from nanoforge.infer.samples import generate_samples, load_prompts, write_samples
 from nanoforge.chat.tools import parse_tool_names
 from nanoforge.weights.checkpoint import load_state
+from nanoforge.weights.layout import read_parts
 
 
 def own_validation_data(run) -> Path | None:
@@ -281,6 +283,9 @@ def run_eval(run, o: EvalOptions, log: Callable[[str], None] = print) -> dict:
                                  f"({run} has no prepared data with a validation split to default to)")
         data, split = [str(own)], split or "val"
         log(f"evaluating on the {split} split of {own}, the data the run trained on")
+    if o.json:  # before the model loads: a --json onto a file it reads is refused at once
+        check_out_apart(o.json, [*([] if isinstance(run, tuple) else read_parts(run)), *(data or []), o.bench, o.dev,
+                                 o.gsm8k, o.toolcall, o.prompts], "--json")
     model, tokenizer, dev_device, ckpt = load_run(run, o.device)
     loaded, precision = (model, tokenizer), resolve_precision(o.precision, dev_device)
     if not o.quiet:
@@ -314,5 +319,7 @@ def run_eval(run, o: EvalOptions, log: Callable[[str], None] = print) -> dict:
             run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else Path(run)
             out["samples_file"] = str(write_samples(run_dir, got, step))
     if o.json:
-        Path(o.json).write_text(json.dumps(out, ensure_ascii=False, indent=1), encoding="utf-8")
+        with writing(o.json):
+            Path(o.json).parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(o.json, json.dumps(out, ensure_ascii=False, indent=1))
     return out

@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from nanoforge.core.config import TRAIN_FIELDS, config_dicts
 from nanoforge.core.device import autocast_context, build_run_config, precision_note, resolve_device
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.core.fsutil import write_text_atomic
+from nanoforge.core.fsutil import write_atomic
 from nanoforge.model.gpt import GPT
 from nanoforge.chat.tokenizer import load_tokenizer
 from nanoforge.train import metrics
@@ -309,7 +309,7 @@ def split_line(ours: dict[str, Any]) -> str:
 
 def write_json(res: dict[str, Any], path: str | Path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps(res, indent=2) + "\n")
+    write_atomic(path, json.dumps(res, indent=2) + "\n")
 
 
 if __name__ == "__main__":  # a measuring child of run_bench

@@ -77,7 +77,8 @@ def train_and_report(stage: Stage, model, run: PreparedRun, resume: bool, quiet:
     mcfg, tcfg, run_dir = run.mcfg, run.tcfg, run.run_dir
     if tcfg.epochs:
         steps_from_epochs(stage.train_batches, tcfg, quiet)
-        write_run_config(run_dir, mcfg, tcfg, stage.run_info)
+        if not resume:  # (a resumed run's: once its checkpoint is restored)
+            write_run_config(run_dir, mcfg, tcfg, stage.run_info)
     try:
         summary = train(stage, model, mcfg, tcfg, run_dir, resume=resume, quiet=quiet)
     except TrainingInterrupted as e:

@@ -5,7 +5,8 @@ from typing import Any, Sequence
 
 from nanoforge.core.config import build_config, config_dicts
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.core.fsutil import check_out_apart, staged_dir, writing
+from nanoforge.core.dirlock import staged_dir
+from nanoforge.core.fsutil import check_out_apart, writing
 from nanoforge.model.lora import LoraConfig, LoraModel
 from nanoforge.recipes.common import SFT_DEFAULTS, initial_gpt, lm_batches, make_sampler, train_and_report
 from nanoforge.train.loop import Stage

@@ -18,10 +18,11 @@ from typing import Any
 from nanoforge.core.config import MODEL_FIELDS, ModelConfig
 from nanoforge.core.durations import format_duration
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.core.fsutil import write_text_atomic
+from nanoforge.core.fsutil import check_out_apart, write_atomic, writing
 from nanoforge.report.plot import matplotlib_figure, plot_runs
 from nanoforge.report.runs import RunMetrics, read_run
 from nanoforge.train.world import is_main
+from nanoforge.weights.layout import read_parts
 
 NO_MATPLOTLIB = ("Plots were skipped: matplotlib is not installed. `pip install matplotlib` (or nanoforge's "
                  "`report` extra) and run `nanoforge report` again to get them.")
@@ -316,10 +317,18 @@ def write_report(run_dirs: list[str | Path], out_path: str | Path, samples: list
     if not run_dirs:
         raise NanoforgeError("no run directories given to report on")
     out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     runs = [read_run(d, name) for d, name in zip(run_dirs, _unique_names(run_dirs))]
-    Figure = matplotlib_figure()
+    check_out_apart(out_path, [part for d in run_dirs for part in read_parts(d)])  # a run's report.md: beside them
+    with writing(out_path):  # each file whole or not there (fsutil.write_atomic), a failure one line
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(out_path, "\n".join(_report_lines(runs, out_path, title, preamble, samples)))
+    return out_path
 
+
+def _report_lines(runs: list[RunMetrics], out_path: Path, title: str, preamble: str,
+                  samples: list[dict] | None) -> list[str]:
+    """The report's markdown lines; its PNGs are written beside out_path as they are drawn."""
+    Figure = matplotlib_figure()
     lines = [f"# {title}", ""]
     if preamble:
         lines += [preamble.strip(), ""]
@@ -332,8 +341,7 @@ def write_report(run_dirs: list[str | Path], out_path: str | Path, samples: list
         lines += _run_section(run, out_path, Figure, png_name)
     if samples:
         lines += ["## Sample replies", ""] + _samples_table(samples) + [""]
-    write_text_atomic(out_path, "\n".join(lines))
-    return out_path
+    return lines
 
 
 def write_run_report(run_dir: str | Path, quiet: bool = False, stopped: str = "") -> Path | None:

@@ -1,9 +1,12 @@
 """The plot grid of a run report (report/markdown.py): one PNG of a run's curves, or several runs drawn over each other.
 
 matplotlib is optional; `matplotlib_figure()` says whether it is there."""
+import io
 import math
 from pathlib import Path
 from typing import Any, Sequence
+
+from nanoforge.core.fsutil import write_atomic
 
 # What the plot grid shows, panel by panel: (title, y label, [(record list, key, label)]).
 PANELS = [
@@ -55,5 +58,7 @@ def plot_runs(runs: Sequence[Any], path: Path, Figure, title: str) -> Path:
         if not drawn:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
     fig.suptitle(title)
-    fig.savefig(path, format="png")
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    write_atomic(path, png.getvalue())
     return path

@@ -32,6 +32,7 @@ from nanoforge.train.guard import NonFiniteGuard
 from nanoforge.train.meter import PhaseClock, Throughput
 from nanoforge.train.metrics import MetricsLog, peak_flops, peak_memory_bytes, progress_line
 from nanoforge.train.optim import build_optimizer, lr_at
+from nanoforge.train.rundir import write_run_config
 from nanoforge.train.stage import Batch, LossFn, Stage
 from nanoforge.train.state import Run, RunState, resume as resume_run, rollback, save
 
@@ -311,8 +312,9 @@ def _start(stage: Stage, model: TrainableModel, mcfg: ModelConfig, tcfg: TrainCo
     guard = NonFiniteGuard(optimizer, device, tcfg.precision, tcfg.nonfinite_patience, state, log)
     run = Run(stage, tcfg, run_dir, world, device, model, wrapped, forward_model, optimizer, state, log, guard,
               config=config_dicts(mcfg, tcfg), injections=injections_from_env())
-    if resume:
+    if resume:  # config.toml only once every check of the checkpoint passed: a refused resume leaves it as it was
         resume_run(run, quiet or not world.is_main)
+        write_run_config(run_dir, mcfg, tcfg, stage.run_info)
     if world.is_main:
         run.log = guard.log = MetricsLog(run_dir, tensorboard=tcfg.tensorboard, wandb_project=tcfg.wandb_project,
                                          resume_step=state.step, config=run.config, quiet=quiet)

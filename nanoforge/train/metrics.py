@@ -18,7 +18,7 @@ import torch
 from nanoforge.core.device import cpu_info
 from nanoforge.core.durations import format_duration
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.core.fsutil import read_json, write_text_atomic
+from nanoforge.core.fsutil import read_json, write_atomic
 
 # Dense bf16/fp16 tensor-core peaks in FLOP/s, from the vendors' datasheets (no sparsity). MFU divides by
 # these. RTX 3090/4090 figures are for fp32 accumulate, which is what autocast matmuls use.
@@ -106,13 +106,13 @@ def _read_peaks(path: Path) -> dict[str, float]:
 
 def _write_peak(key: str, flops: float) -> float:
     """Merge `flops` into the cache file, keeping the highest figure seen for the key, written atomically
-    (fsutil.write_text_atomic). Returns that highest figure. A cache that cannot be written is skipped."""
+    (fsutil.write_atomic). Returns that highest figure. A cache that cannot be written is skipped."""
     path = cpu_peak_cache_dir() / CPU_PEAK_FILE
     peaks = _read_peaks(path)
     peaks[key] = max(peaks.get(key, 0.0), flops)
     with suppress(OSError):  # a read-only home, a full disk: the run goes on with the figure it has
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, json.dumps(peaks, indent=1, sort_keys=True) + "\n")
+        write_atomic(path, json.dumps(peaks, indent=1, sort_keys=True) + "\n")
     return peaks[key]
 
 
@@ -250,7 +250,7 @@ def truncate_metrics(path: Path, keep_through_step: int) -> None:
                     kept.append(line if line.endswith("\n") else line + "\n")
             except (json.JSONDecodeError, KeyError, TypeError):
                 continue  # a line cut short by a kill is dropped
-    write_text_atomic(path, "".join(kept))
+    write_atomic(path, "".join(kept))
 
 
 def progress_line(step: int, max_steps: int, values: dict[str, Any], eta_s: float | None) -> str:

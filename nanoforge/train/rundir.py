@@ -28,8 +28,9 @@ from nanoforge.data.prepare import prepare_dataset
 from nanoforge.data.shards import check_tokenizer
 from nanoforge.data.parts import merge_prepared
 from nanoforge.data.sources import data_kind, is_prepared, prepared_dir, train_tokenizer
+from nanoforge.core.checksums import write_dir_checksums
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.core.fsutil import check_out_apart, write_text_atomic, writing
+from nanoforge.core.fsutil import check_out_apart, write_atomic, writing
 from nanoforge.weights.load import init_config, init_tokenizer_dir
 from nanoforge.train.microbatch import fit_micro_batch
 from nanoforge.chat.tokenizer import load_tokenizer
@@ -284,7 +285,7 @@ def saved_data_dir(run_info: dict[str, Any], run_dir: Path) -> Path:
 def write_run_config(run_dir: Path, mcfg: ModelConfig, tcfg: TrainConfig, run_info: dict[str, Any]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     if is_main():  # under torchrun only rank 0 writes the run directory
-        write_text_atomic(run_dir / "config.toml", config_to_toml(mcfg, tcfg, {"run": run_info}))
+        write_atomic(run_dir / "config.toml", config_to_toml(mcfg, tcfg, {"run": run_info}))
 
 
 def copy_tokenizer(src: Path, run_dir: Path) -> None:
@@ -294,6 +295,7 @@ def copy_tokenizer(src: Path, run_dir: Path) -> None:
     if dst.exists():
         shutil.rmtree(dst)
     shutil.copytree(src, dst)
+    write_dir_checksums(dst)  # the run's own, whether or not the source had them (it was checked as it loaded)
 
 
 def setup_from_init(spec: StageSetup, init: str | None, data, out: str | Path, config_file: str | None,
@@ -338,8 +340,8 @@ def finish_setup(run: PreparedRun, spec: StageSetup, data, resume: bool, quiet: 
                  tokenizer_dir: Path | None) -> PreparedRun:
     """What every run's setup ends with, before anything is written: its --sample-prompts read, its data (the
     recipe's open_data, or prepared with the run's tokenizer: raw JSONL into RUN/data, on --resume without --data
-    the saved one) and, for prepared data, a fresh model's embedding fitted and --micro-batch auto|N; then the
-    tokenizer copied into the run (from tokenizer_dir, or the data's) and config.toml written."""
+    the saved one) and, for prepared data, a fresh model's embedding fitted and --micro-batch auto|N; then, for a
+    fresh run, the tokenizer copied into it (from tokenizer_dir, or the data's) and config.toml written."""
     run.prompts = load_prompts(run.tcfg.sample_prompts) if run.tcfg.sample_prompts else None
     run.info = {k: v for k, v in run.info.items() if v is not None}  # an option not set (TOML has no None)
     if spec.open_data:
@@ -353,6 +355,7 @@ def finish_setup(run: PreparedRun, spec: StageSetup, data, resume: bool, quiet: 
             fit_vocab(run.mcfg, run.tokenizer, run.explicit)
         fit_micro_batch(run.mcfg, run.tcfg, rows_per_item=spec.rows_per_item, loss_fn=spec.probe_loss)
         run.info["data"] = str(run.data.resolve())
-    copy_tokenizer(tokenizer_dir or run.data / "tokenizer", run.run_dir)
-    write_run_config(run.run_dir, run.mcfg, run.tcfg, run.info)
+    if not resume:  # a resumed run has both: its config is rewritten once its checkpoint is restored (loop._start)
+        copy_tokenizer(tokenizer_dir or run.data / "tokenizer", run.run_dir)
+        write_run_config(run.run_dir, run.mcfg, run.tcfg, run.info)
     return run

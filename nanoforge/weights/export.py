@@ -14,7 +14,6 @@ import contextlib
 import importlib.metadata
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,8 @@ from nanoforge.chat.template import without_generation_markers
 from nanoforge.core.checksums import replace_with_checksum, write_dir_checksums
 from nanoforge.core.config import ModelConfig
 from nanoforge.core.errors import NanoforgeError
-from nanoforge.core.fsutil import check_out_apart, replace_dir, write_json, writing
+from nanoforge.core.dirlock import staged, staged_dir
+from nanoforge.core.fsutil import check_out_apart, write_json, writing
 from nanoforge.weights.hf import HF_ARCHITECTURES
 from nanoforge.weights import checkpoint as ckpt
 from nanoforge.weights.load import load_model
@@ -52,11 +52,7 @@ def write_hf_dir(model, tokenizer, out_dir: str | os.PathLike, force: bool = Fal
         raise NanoforgeError(f"{out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise NanoforgeError(f"{out} already exists and is not empty; choose another --out or add --force")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with staged_dir(out) as tmp:  # one writer; what a killed export left there removed
         write_json(tmp / "config.json", config)
         write_json(tmp / "generation_config.json", generation_config(tokenizer))
         # float32, contiguous, no shared storage (the tied head is left out, as HF does)
@@ -65,10 +61,6 @@ def write_hf_dir(model, tokenizer, out_dir: str | os.PathLike, force: bool = Fal
         tokenizer.save(tmp)
         hf_tokenizer_config(tmp / "tokenizer_config.json", tokenizer)
         write_dir_checksums(tmp)  # checksums.sha256: transformers ignores it; weights/hf.py checks it
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -197,9 +189,7 @@ def write_gguf(model, tokenizer, out_file: str | os.PathLike, dtype: str = "f32"
     # Qwen3's architecture in llama.cpp has the q/k norms and uses HF's RoPE layout (NeoX), so no permutation.
     arch = "qwen3" if cfg.qk_norm else "llama"
     tensors = gguf_tensors(model, permute=arch == "llama")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
-    try:
+    with staged(out) as tmp:  # one writer; what a killed export left there removed
         writer = gguf.GGUFWriter(str(tmp), arch)
         writer.add_name(out.stem)
         writer.add_context_length(int(cfg.max_seq_len * max(1.0, cfg.rope_scaling_factor)))
@@ -231,9 +221,6 @@ def write_gguf(model, tokenizer, out_file: str | os.PathLike, dtype: str = "f32"
         writer.write_tensors_to_file()
         writer.close()
         replace_with_checksum(tmp, out)  # and model.gguf.sha256
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return out
 
 

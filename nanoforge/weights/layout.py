@@ -31,6 +31,17 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return (list_checkpoints(run_dir) or [None])[-1]
 
 
+RUN_INPUTS = ("checkpoints", "tokenizer", "data", "config.toml", "metrics.jsonl", "samples.jsonl")
+
+
+def read_parts(path: str | Path) -> list[Path]:
+    """What a command reading `path` reads of it, for the output rule (fsutil.check_out_apart) of a file it writes:
+    of a run directory its own parts (RUN_INPUTS), not the whole (a report or results beside them is their usual
+    place); any other path (a checkpoint, an HF directory, a .pth) whole."""
+    path = Path(path)
+    return [path / part for part in RUN_INPUTS] if (path / "checkpoints").is_dir() else [path]
+
+
 def load_state(ckpt: Path) -> dict[str, Any]:
     state = read_json(ckpt / "state.json", "checkpoint state")
     verify_file(ckpt / "state.json")

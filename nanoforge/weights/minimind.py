@@ -20,6 +20,7 @@ import torch
 
 from nanoforge.core.checksums import replace_with_checksum, verify_file
 from nanoforge.core.config import ConfigError, ModelConfig, derived_ffn
+from nanoforge.core.dirlock import staged
 from nanoforge.core.errors import NanoforgeError
 from nanoforge.weights.checkpoint import check_finite
 
@@ -149,12 +150,8 @@ def write_pth(model, out: str | os.PathLike, stage: str = "", dtype: torch.dtype
         out = out / f"{weight}_{cfg.d_model}{'_moe' if cfg.n_experts else ''}.pth"
     if out.exists() and not force:
         raise NanoforgeError(f"{out} already exists; choose another --out or add --force")
-    out.parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu", dtype).clone() for k, v in model.state_dict().items()}
-    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
-    try:
+    with staged(out) as tmp:  # one writer; what a killed export left there removed
         torch.save(state, tmp)
         replace_with_checksum(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
     return out

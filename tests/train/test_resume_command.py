@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import tree_state
+
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["--seq-len", 32, "--log-every", 1, "--eval-every", 0, "--save-every", 2, "--tensorboard", "false",
           "--precision", "fp32", "--warmup-steps", 1]
@@ -117,3 +119,16 @@ def test_stage_options_given_again_are_fine_and_a_change_is_named(pretrained, co
     assert changed.returncode == 1
     assert "--rank saved 4, requested 8; --targets saved 'q,v', requested 'q,k'" in changed.stderr
     assert last_step(tmp_path / "lora") == 3
+
+
+def test_a_refused_resume_writes_nothing(pretrained):
+    """Refusals that come late (the data position, at the checkpoint's restore) leave the run as it was:
+    config.toml is written only once every check has passed, or the next plain --resume would take the refused
+    option as the run's own."""
+    run, line = pretrained
+    before = {p: s for p, s in tree_state(run).items() if p.name != ".lock"}
+    for flag, saved, value in (("--seq-len", 32, 48), ("--seed", 0, 7)):
+        r = nf(*line, flag, value, "--max-steps", 9, "--resume")
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert f"it was saved with {flag[2:].replace('-', '_')}={saved} but this run has" in r.stderr, r.stderr
+        assert {p: s for p, s in tree_state(run).items() if p.name != ".lock"} == before, f"{flag}: a file changed"

@@ -161,3 +161,36 @@ def test_an_hf_export_carries_checksums_that_transformers_ignores(world, tmp_pat
     (hf / "model.safetensors").write_bytes(bytes(data))
     one_clear_line(nf("generate", hf, "--prompt", "hello", "--max-new-tokens", "2"),
                    f"{hf / 'model.safetensors'}: the file is corrupted or was replaced")
+
+
+def flip_a_byte(path: Path) -> None:
+    """One bit off in the last vocabulary entry's id ("ur": 505 -> 504): still a tokenizer.json that loads
+    (before: silently, two tokens on one id)."""
+    data = bytearray(path.read_bytes())
+    data[data.index(b"\n", data.rindex(b'":', 0, data.index(b'"merges"'))) - 1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+def test_a_damaged_tokenizer_is_refused_by_every_command(world, tmp_path):
+    """A run's tokenizer/ carries its checksums.sha256 too (before: none, and a flipped byte in tokenizer.json
+    changed what every command read and wrote without a word); an HF export's lists its tokenizer files."""
+    run = tmp_path / "copy"
+    shutil.copytree(world / "run", run)
+    flip_a_byte(run / "tokenizer" / "tokenizer.json")
+    hf = export_hf(world / "run", tmp_path / "hf")
+    flip_a_byte(hf / "tokenizer.json")
+    before = snapshot(tmp_path)
+    commands = {name: args for name, args in reading_commands(run, world, free_port()).items() if name != "resume"}
+    commands["hf"] = ["generate", hf, "--prompt", "hello", "--max-new-tokens", "2"]
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        results = dict(zip(commands, pool.map(lambda a: nf(*a, stdin="hi\n" if a[0] == "chat" else None),
+                                              commands.values())))
+    for name, r in results.items():
+        damaged = hf / "tokenizer.json" if name == "hf" else run / "tokenizer" / "tokenizer.json"
+        one_clear_line(r, f"{damaged}: the file is corrupted or was replaced since it was written")
+    assert snapshot(tmp_path) == before, "the damaged run was changed"
+    old = shutil.copytree(world / "run", tmp_path / "old")
+    (old / "tokenizer" / LISTING).unlink()  # as a run of an older nanoforge has it: read without a check
+    r = nf("generate", old, "--prompt", "hello", "--max-new-tokens", "2")
+    assert r.returncode == 0 and "checksum" not in r.stdout + r.stderr, r.stderr
